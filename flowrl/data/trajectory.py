@@ -1,0 +1,88 @@
+"""The typed records that flow on edges.
+
+A `Trajectory` is one generated sequence (one episode of one sample). Trajectories of one prompt
+form a group (`group_id`); channels move whole groups so group-relative advantages always see the
+complete group. Records are msgspec Structs: cheap to encode on the wire and in the ledger, and
+packed into tensors only at the trainer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+class Turn(msgspec.Struct, array_like=True):
+    """A span `[start, end)` of response tokens produced by the model in one turn."""
+
+    start: int
+    end: int
+
+
+class Trajectory(msgspec.Struct, kw_only=True):
+    id: str
+    group_id: str
+    sample_id: str
+    prompt_ids: list[int]
+    response_ids: list[int]
+    # 1 for tokens the model produced (trained on), 0 for environment / tool tokens.
+    loss_mask: list[int]
+    # Logprob of each response token under the distribution the engine sampled from.
+    behaviour_logprobs: list[float]
+    # Policy version that produced each response token (partial rollout mixes versions).
+    versions: list[int]
+    turns: list[Turn] = []
+    # Rewards: exactly one granularity is usually set; estimators accept all three.
+    reward: float | None = None
+    turn_rewards: list[float] | None = None
+    token_rewards: list[float] | None = None
+    finish_reason: str = "stop"
+    # Filled by downstream nodes.
+    reference_logprobs: list[float] | None = None
+    values: list[float] | None = None
+    # The data step this trajectory was generated for.
+    step: int = 0
+    metadata: dict[str, Any] = {}
+
+    @property
+    def oldest_version(self) -> int:
+        """Staleness is measured from the oldest token (DESIGN §4)."""
+        model_versions = [v for v, m in zip(self.versions, self.loss_mask) if m]
+        return min(model_versions) if model_versions else (min(self.versions) if self.versions else 0)
+
+    def validate(self) -> None:
+        n = len(self.response_ids)
+        for name in ("loss_mask", "behaviour_logprobs", "versions"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(
+                    f"trajectory {self.id}: {name} has {len(getattr(self, name))} entries, response has {n}"
+                )
+        if self.token_rewards is not None and len(self.token_rewards) != n:
+            raise ValueError(f"trajectory {self.id}: token_rewards length != response length")
+        if self.turn_rewards is not None and len(self.turn_rewards) != len(self.turns):
+            raise ValueError(f"trajectory {self.id}: turn_rewards length != number of turns")
+
+
+class Group(msgspec.Struct, kw_only=True):
+    """The trajectories of one sample: the unit a channel moves (group integrity)."""
+
+    id: str
+    step: int
+    trajectories: list[Trajectory]
+
+    @property
+    def oldest_version(self) -> int:
+        return min((t.oldest_version for t in self.trajectories), default=0)
+
+
+_encoder = msgspec.msgpack.Encoder()
+_group_decoder = msgspec.msgpack.Decoder(Group)
+
+
+def encode_group(group: Group) -> bytes:
+    return _encoder.encode(group)
+
+
+def decode_group(data: bytes) -> Group:
+    return _group_decoder.decode(data)

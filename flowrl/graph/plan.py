@@ -1,0 +1,60 @@
+"""The execution plan: what the compiler hands the runtime.
+
+Plain data only. Operator classes are named by their registry name (or `module:attr`) and
+resolved again inside each stage's process, so a plan crosses process boundaries as-is.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+from flowrl.operator import Resources
+
+
+class NodePlan(msgspec.Struct, kw_only=True):
+    name: str
+    kind: str  # generate | reward | reference | train | sync | transform
+    op: str  # registry name or module:attr
+    config: dict[str, Any]  # validated against the operator's Config; rebuilt with msgspec.convert
+    resources: Resources
+    inputs: dict[str, str]  # port name -> port type
+    outputs: dict[str, str]
+
+
+class EdgePlan(msgspec.Struct, kw_only=True):
+    src: str
+    src_port: str
+    dst: str
+    dst_port: str
+    port_type: str
+    kind: Literal["data", "weights"] = "data"
+    mode: Literal["sync", "async"] = "sync"
+    max_staleness: int = 0  # only meaningful for async data edges
+    capacity: int = 64  # records (groups) the channel may hold
+    on_stale: Literal["drop", "keep"] = "drop"
+
+    @property
+    def label(self) -> str:
+        return f"{self.src}.{self.src_port} -> {self.dst}.{self.dst_port}"
+
+
+class Plan(msgspec.Struct, kw_only=True):
+    name: str
+    nodes: dict[str, NodePlan]
+    edges: list[EdgePlan]
+    order: list[str]  # topological order over data edges
+    # Pipeline-level sections, validated by the spec schema, as plain dicts.
+    model: dict[str, Any] = {}
+    data: dict[str, Any] = {}
+    run: dict[str, Any] = {}
+    cluster: dict[str, Any] = {}
+    phases: list[dict[str, Any]] = []
+    seed: int = 0
+
+    def inputs_of(self, node: str) -> list[EdgePlan]:
+        return [e for e in self.edges if e.dst == node]
+
+    def outputs_of(self, node: str) -> list[EdgePlan]:
+        return [e for e in self.edges if e.src == node]

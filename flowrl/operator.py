@@ -1,0 +1,87 @@
+"""The operator protocol: what every node of a pipeline is an instance of.
+
+An operator declares, as class attributes, what the compiler needs without instantiating it:
+its node `kind`, typed input and output ports, a msgspec `Config` schema for its YAML keys, and
+default resources. The runtime instantiates it inside a stage with the validated config.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, ClassVar
+
+import msgspec
+
+# Port types: an edge may only join an output and an input of the same type.
+PROMPTS = "prompts"  # samples from a data source
+TRAJECTORIES = "trajectories"  # groups of generated trajectories
+POLICY = "policy"  # a new policy version published by a trainer
+WEIGHTS = "weights"  # weights delivered to engines (the one allowed back edge)
+PORT_TYPES = (PROMPTS, TRAJECTORIES, POLICY, WEIGHTS)
+
+KINDS = ("generate", "reward", "reference", "train", "sync", "transform")
+
+
+class Resources(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """What one replica of a stage needs. Fractional CPUs let a 2-core laptop host a pipeline."""
+
+    cpus: float = 0.25
+    gpus: float = 0.0
+    replicas: int = 1
+
+
+class EmptyConfig(msgspec.Struct, forbid_unknown_fields=True):
+    pass
+
+
+class OperatorContext(msgspec.Struct, kw_only=True):
+    """What a stage hands its operator: where it is and what the pipeline shares."""
+
+    node: str
+    run_dir: Path | None = None
+    seed: int = 0
+    # The pipeline-level `model` and `data` sections, already validated.
+    model: dict[str, Any] = {}
+    data: dict[str, Any] = {}
+    rank: int = 0
+    world_size: int = 1
+
+
+class Operator:
+    """Base class of every operator. Subclasses set the class attributes below.
+
+    `process` is the transform shape (reward, reference, filters): it takes a dict of input port
+    name to value and returns a dict of output port name to value. Long-running node kinds
+    (generate, train, sync) implement the methods the runtime documents for their kind.
+    """
+
+    kind: ClassVar[str] = "transform"
+    Config: ClassVar[type[msgspec.Struct]] = EmptyConfig
+    inputs: ClassVar[dict[str, str]] = {}
+    outputs: ClassVar[dict[str, str]] = {}
+    resources: ClassVar[Resources] = Resources()
+
+    def __init__(self, config: msgspec.Struct, context: OperatorContext) -> None:
+        self.config = config
+        self.context = context
+
+    async def setup(self) -> None:
+        """Heavy initialisation (models, engines); called once inside the stage's process."""
+
+    async def process(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        raise NotImplementedError(f"{type(self).__name__} does not implement process()")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        del state
+
+    async def close(self) -> None:
+        """Release processes, servers and threads."""
+
+
+def summary(op: type[Operator]) -> str:
+    """The first line of an operator's docstring."""
+    doc = (op.__doc__ or "").strip()
+    return doc.splitlines()[0] if doc else ""
