@@ -47,6 +47,13 @@ class OperatorContext(msgspec.Struct, kw_only=True):
     world_size: int = 1
 
 
+class GraphFacts(msgspec.Struct, frozen=True):
+    """What the compiler knows about a node's place in the graph, for `Operator.check_graph`."""
+
+    async_upstream: bool = False  # an async edge feeds this node, directly or further up
+    partial_rollout_upstream: bool = False  # an upstream generate node continues across updates
+
+
 class Operator:
     """Base class of every operator. Subclasses set the class attributes below.
 
@@ -60,6 +67,12 @@ class Operator:
     inputs: ClassVar[dict[str, str]] = {}
     outputs: ClassVar[dict[str, str]] = {}
     resources: ClassVar[Resources] = Resources()
+
+    @classmethod
+    def check_graph(cls, config: msgspec.Struct, facts: GraphFacts) -> list[tuple[tuple[str, ...], str]]:
+        """Rules that need the graph (e.g. a loss must correct stale data). Returns (key path, message)."""
+        del config, facts
+        return []
 
     def __init__(self, config: msgspec.Struct, context: OperatorContext) -> None:
         self.config = config
