@@ -1,0 +1,1 @@
+"""Training: kernels, advantage estimators, losses, batch packing and the FSDP2 trainer."""
