@@ -1,0 +1,252 @@
+"""Compiler: checked spec -> networkx graph -> execution plan.
+
+Every rule reports a located diagnostic; all problems of a spec are collected and reported
+together. Rules: unknown op, invalid node config, malformed or dangling edges, port type
+mismatch, unconnected input port, data-edge cycle (only `kind: weights` from a sync node to a
+generate node may point back), isolated node, staleness and capacity limits, duplicate edges,
+resources beyond the cluster, and each operator's own graph checks (`Operator.check_graph`).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import networkx as nx
+
+from flowrl import registry
+from flowrl.graph.plan import EdgePlan, NodePlan, Plan
+from flowrl.operator import PROMPTS, WEIGHTS, GraphFacts, Operator, Resources
+from flowrl.spec.errors import Diagnostic, SpecError, did_you_mean
+from flowrl.spec.load import LoadedSpec, load, validation_diagnostic
+from flowrl.spec.schema import EdgeSpec
+
+_EDGE = re.compile(r"^\s*([\w-]+)(?:\.([\w-]+))?\s*->\s*([\w-]+)(?:\.([\w-]+))?\s*$")
+
+
+@dataclass
+class Compiled:
+    plan: Plan
+    graph: nx.MultiDiGraph
+    loaded: LoadedSpec
+
+
+def compile_file(file: str, overrides: list[str] | None = None) -> Compiled:
+    """Load, validate and compile a spec file. Raises SpecError with every problem found."""
+    loaded = load(file, overrides)
+    return compile_spec(loaded)
+
+
+def compile_spec(loaded: LoadedSpec) -> Compiled:
+    spec, loc = loaded.spec, loaded.locator
+    problems: list[Diagnostic] = []
+    ops: dict[str, type[Operator]] = {}
+    configs: dict[str, msgspec.Struct] = {}
+    resources: dict[str, Resources] = {}
+
+    for name, entry in spec.nodes.items():
+        node_path = ("nodes", name)
+        if not isinstance(entry, dict):
+            problems.append(loc.diagnostic(node_path, "a node is a mapping with at least an 'op' key"))
+            continue
+        op_name = entry.get("op")
+        if not isinstance(op_name, str):
+            problems.append(loc.diagnostic(node_path, "missing 'op' (an operator name or module:attr path)"))
+            continue
+        try:
+            op = registry.resolve(op_name)
+        except registry.OperatorError as e:
+            hint = did_you_mean(op_name, registry.names()) if ":" not in op_name else ""
+            message = f"unknown operator '{op_name}'{hint}" if str(e).startswith("unknown") else str(e)
+            problems.append(loc.diagnostic((*node_path, "op"), message))
+            continue
+        ops[name] = op
+        try:
+            resources[name] = msgspec.convert(entry.get("resources") or msgspec.to_builtins(op.resources), Resources)
+        except msgspec.ValidationError as e:
+            problems.append(validation_diagnostic(e, entry.get("resources"), (*node_path, "resources"), loc, Resources))
+        body = {k: v for k, v in entry.items() if k not in ("op", "resources")}
+        try:
+            configs[name] = msgspec.convert(body, op.Config)
+        except msgspec.ValidationError as e:
+            problems.append(validation_diagnostic(e, body, node_path, loc, op.Config))
+
+    graph = nx.MultiDiGraph()
+    for name, op in ops.items():
+        graph.add_node(name, kind=op.kind, op=spec.nodes[name]["op"])
+    edges = _parse_edges(spec.edges, ops, spec.nodes, loc, problems)
+    for i, edge in edges:
+        graph.add_edge(edge.src, edge.dst, index=i, plan=edge)
+
+    _check_connectivity(graph, ops, edges, loc, problems)
+    _check_resources(spec, resources, loc, problems)
+    _check_operators(graph, ops, configs, loc, problems)
+    if problems:
+        raise SpecError(_ordered(problems))
+
+    data_graph = nx.DiGraph([(e.src, e.dst) for _, e in edges if e.kind == "data"])
+    data_graph.add_nodes_from(ops)
+    plan = Plan(
+        name=spec.name,
+        nodes={
+            name: NodePlan(
+                name=name, kind=op.kind, op=spec.nodes[name]["op"],
+                config=msgspec.to_builtins(configs[name]), resources=resources[name],
+                inputs=dict(op.inputs), outputs=dict(op.outputs),
+            )
+            for name, op in ops.items()
+        },
+        edges=[e for _, e in edges],
+        order=list(nx.lexicographical_topological_sort(data_graph)),
+        model=msgspec.to_builtins(spec.model), data=msgspec.to_builtins(spec.data),
+        run=msgspec.to_builtins(spec.run), cluster=msgspec.to_builtins(spec.cluster),
+        phases=msgspec.to_builtins(spec.phases), seed=spec.run.seed,
+    )
+    return Compiled(plan, graph, loaded)
+
+
+def _parse_edges(entries, ops, nodes, loc, problems) -> list[tuple[int, EdgePlan]]:
+    out: list[tuple[int, EdgePlan]] = []
+    seen: set[tuple[str, str, str, str]] = set()
+    for i, entry in enumerate(entries):
+        path: tuple[str | int, ...] = ("edges", i)
+        options: Any = None
+        if isinstance(entry, dict):
+            if len(entry) != 1:
+                problems.append(loc.diagnostic(path, "an edge mapping has exactly one key, 'src -> dst'"))
+                continue
+            text, options = next(iter(entry.items()))
+            path = (*path, text)
+        else:
+            text = entry
+        match = _EDGE.match(str(text))
+        if not match:
+            problems.append(loc.diagnostic(path, f"cannot read edge '{text}'; write 'src -> dst' or 'src.port -> dst.port'", at_key=True))
+            continue
+        src, src_port, dst, dst_port = match.groups()
+        try:
+            spec = msgspec.convert(options or {}, EdgeSpec)
+        except msgspec.ValidationError as e:
+            problems.append(validation_diagnostic(e, options, path, loc, EdgeSpec))
+            continue
+        unknown = [n for n in (src, dst) if n not in nodes]
+        if unknown:
+            for n in unknown:
+                problems.append(loc.diagnostic(path, f"edge names unknown node '{n}'" + did_you_mean(n, nodes), at_key=True))
+            continue
+        if src not in ops or dst not in ops:
+            continue  # the node itself is already reported
+        before = len(problems)
+        edge = _resolve_ports(src, src_port, dst, dst_port, spec, ops, path, loc, problems)
+        if len(problems) > before or edge is None:
+            continue
+        key = (edge.src, edge.src_port, edge.dst, edge.dst_port)
+        if key in seen:
+            problems.append(loc.diagnostic(path, f"duplicate edge {edge.label}", at_key=True))
+            continue
+        seen.add(key)
+        _check_edge_options(edge, spec, ops, path, loc, problems)
+        out.append((i, edge))
+    return out
+
+
+def _resolve_ports(src, src_port, dst, dst_port, spec: EdgeSpec, ops, path, loc, problems) -> EdgePlan | None:
+    outs, ins = ops[src].outputs, ops[dst].inputs
+    for node, port, ports, side in ((src, src_port, outs, "output"), (dst, dst_port, ins, "input")):
+        if port is not None and port not in ports:
+            listed = ", ".join(ports) or "none"
+            problems.append(loc.diagnostic(path, f"node '{node}' has no {side} port '{port}' ({side} ports: {listed})", at_key=True))
+            return None
+    wanted = WEIGHTS if spec.kind == "weights" else None
+    src_choices = [src_port] if src_port else [p for p, t in outs.items() if (t == WEIGHTS) == (wanted == WEIGHTS)]
+    for sp in src_choices:
+        t = outs[sp]
+        dst_choices = [dst_port] if dst_port else [p for p, ti in ins.items() if ti == t]
+        if len(dst_choices) == 1 and ins[dst_choices[0]] == t:
+            return EdgePlan(
+                src=src, src_port=sp, dst=dst, dst_port=dst_choices[0], port_type=t, kind=spec.kind,
+                mode=spec.mode, max_staleness=spec.max_staleness or 0, capacity=spec.capacity, on_stale=spec.on_stale,
+            )
+    out_types = ", ".join(f"{p}: {t}" for p, t in outs.items()) or "none"
+    in_types = ", ".join(f"{p}: {t}" for p, t in ins.items()) or "none"
+    problems.append(loc.diagnostic(
+        path, f"port type mismatch: '{src}' outputs ({out_types}) but '{dst}' takes ({in_types})", at_key=True))
+    return None
+
+
+def _check_edge_options(edge: EdgePlan, spec: EdgeSpec, ops, path, loc, problems) -> None:
+    if spec.mode == "sync" and spec.max_staleness is not None:
+        problems.append(loc.diagnostic((*path, "max_staleness"), "max_staleness applies only to async edges; set mode: async or remove it"))
+    if spec.max_staleness is not None and spec.max_staleness < 0:
+        problems.append(loc.diagnostic((*path, "max_staleness"), "max_staleness must be >= 0"))
+    if spec.mode == "async" and spec.max_staleness is None:
+        edge.max_staleness = 1  # one-step-off unless said otherwise
+    if spec.capacity < 1:
+        problems.append(loc.diagnostic((*path, "capacity"), f"capacity must be >= 1, got {spec.capacity}"))
+    if edge.port_type == WEIGHTS and spec.kind != "weights":
+        problems.append(loc.diagnostic(path, "an edge carrying weights must be marked kind: weights", at_key=True))
+    if spec.kind == "weights":
+        if ops[edge.src].kind != "sync" or ops[edge.dst].kind != "generate":
+            problems.append(loc.diagnostic(path, "kind: weights is only allowed from a sync node to a generate node", at_key=True))
+        if spec.mode != "sync":
+            problems.append(loc.diagnostic((*path, "mode"), "a weights edge has no mode; staleness is set on data edges"))
+
+
+def _check_connectivity(graph: nx.MultiDiGraph, ops, edges, loc, problems) -> None:
+    data = nx.DiGraph()
+    for i, e in edges:
+        if e.kind == "data":
+            data.add_edge(e.src, e.dst, index=i)
+    try:
+        cycle = nx.find_cycle(data)
+        u, v = cycle[-1][0], cycle[-1][1]
+        names = " -> ".join([c[0] for c in cycle] + [cycle[0][0]])
+        i = data.edges[u, v]["index"]
+        problems.append(loc.diagnostic(("edges", i), f"cycle among data edges ({names}); only a kind: weights edge from sync to generate may point back", at_key=True))
+    except nx.NetworkXNoCycle:
+        pass
+    for name, op in ops.items():
+        if graph.degree(name) == 0:
+            problems.append(loc.diagnostic(("nodes", name), f"node '{name}' is connected to nothing", at_key=True))
+            continue
+        fed = {d["plan"].dst_port for _, _, d in graph.in_edges(name, data=True)}
+        for port, port_type in op.inputs.items():
+            if port_type != PROMPTS and port not in fed:  # prompts come from the `data` section
+                problems.append(loc.diagnostic(("nodes", name), f"input port '{port}' ({port_type}) of '{name}' is not connected", at_key=True))
+
+
+def _check_resources(spec, resources: dict[str, Resources], loc, problems) -> None:
+    cluster = spec.cluster
+    total_cpus = total_gpus = 0.0
+    for name, r in resources.items():
+        cpus, gpus = r.cpus * r.replicas, r.gpus * r.replicas
+        total_cpus, total_gpus = total_cpus + cpus, total_gpus + gpus
+        if cpus > cluster.cpus or gpus > cluster.gpus:
+            problems.append(loc.diagnostic(
+                ("nodes", name, "resources"),
+                f"asks for {cpus:g} CPUs and {gpus:g} GPUs but the cluster section offers {cluster.cpus:g} CPUs and {cluster.gpus:g} GPUs"))
+    if not problems and (total_cpus > cluster.cpus + 1e-9 or total_gpus > cluster.gpus + 1e-9):
+        problems.append(loc.diagnostic(
+            ("cluster",),
+            f"the nodes together ask for {total_cpus:g} CPUs and {total_gpus:g} GPUs; the cluster offers {cluster.cpus:g} and {cluster.gpus:g}"))
+
+
+def _check_operators(graph: nx.MultiDiGraph, ops, configs, loc, problems) -> None:
+    for name, op in ops.items():
+        if name not in configs:
+            continue
+        upstream = nx.ancestors(graph.edge_subgraph(
+            [(u, v, k) for u, v, k, d in graph.edges(keys=True, data=True) if d["plan"].kind == "data"]), name) \
+            if graph.number_of_edges() and name in graph else set()
+        async_in = any(d["plan"].mode == "async" for u, v, d in graph.edges(data=True)
+                       if d["plan"].kind == "data" and (v == name or v in upstream))
+        partial = any(getattr(configs.get(u), "partial_rollout", False) for u in upstream)
+        facts = GraphFacts(async_upstream=async_in, partial_rollout_upstream=partial)
+        for key_path, message in op.check_graph(configs[name], facts):
+            problems.append(loc.diagnostic(("nodes", name, *key_path), message))
+
+
+def _ordered(problems: list[Diagnostic]) -> list[Diagnostic]:
+    return sorted(problems, key=lambda d: (d.line == 0, d.line, d.col))

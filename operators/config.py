@@ -1,0 +1,132 @@
+"""Config schemas of the built-in node kinds: the YAML keys users write under a node.
+
+Kept free of torch imports so that `flowrl validate` and `flowrl operators` start fast.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+PositiveInt = Annotated[int, Meta(ge=1)]
+Probability = Annotated[float, Meta(ge=0.0, le=1.0)]
+
+
+class Strict(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class SamplingConfig(Strict):
+    temperature: Annotated[float, Meta(ge=0.0)] = 1.0  # 0 = greedy
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
+    top_k: int = -1  # -1 = no limit
+    max_new_tokens: PositiveInt = 64
+    stop_token_ids: list[int] = []
+
+
+class EngineConfig(Strict):
+    kind: Literal["embedded", "sglang"] = "embedded"
+    url: str | None = None  # attach to running servers (comma-separated) instead of launching
+    engines: PositiveInt = 1
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    threads: PositiveInt = 1  # torch threads per engine process
+    max_batch: PositiveInt = 32  # slots of the KV cache: requests decoded together
+    server_args: dict[str, Any] = {}  # forwarded to sglang.launch_server
+
+
+class GenerateConfig(Strict):
+    engine: Literal["embedded", "sglang"] | EngineConfig = "embedded"
+    group_size: PositiveInt = 1  # trajectories per sample
+    sampling: SamplingConfig = msgspec.field(default_factory=SamplingConfig)
+    workflow: str = "single_turn"  # a workflow name or module:attr
+    workflow_args: dict[str, Any] = {}
+    # Continue in-flight generations under new weights instead of waiting for them.
+    partial_rollout: bool = False
+    # How the engine pauses for a weight update: retract (re-prefill under the new weights),
+    # in_place (keep the KV cache computed by the old weights), abort (resubmit prompt + output).
+    pause_mode: Literal["retract", "in_place", "abort"] = "retract"
+    max_concurrency: PositiveInt = 64  # episodes in flight
+
+
+class RewardConfig(Strict):
+    fn: str  # module:attr, or builtin:<task> for a built-in task's reward
+    timeout_s: Annotated[float, Meta(gt=0)] = 30.0
+    on_error: Literal["zero", "drop", "fail"] = "zero"  # what a raising or hanging reward does
+    max_errors: PositiveInt = 100  # the run fails after this many errors in total
+    batched: bool = False  # fn takes the whole list of trajectories
+    concurrency: PositiveInt = 16
+
+
+class OptimConfig(Strict):
+    lr: Annotated[float, Meta(gt=0)] = 1.0e-5
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: Annotated[float, Meta(ge=0)] = 0.0
+    warmup_steps: Annotated[int, Meta(ge=0)] = 0
+    schedule: Literal["constant", "linear", "cosine"] = "constant"
+    grad_clip: Annotated[float, Meta(gt=0)] | None = 1.0
+
+
+class CorrectionConfig(Strict):
+    """Train/inference mismatch correction with importance weights pi_proximal / pi_behaviour."""
+
+    kind: Literal["tis", "mis"] = "tis"  # truncate (clip) or mask (drop) large weights
+    level: Literal["token", "sequence"] = "token"
+    threshold: Annotated[float, Meta(gt=0)] = 2.0
+
+
+class KLConfig(Strict):
+    coef: Annotated[float, Meta(ge=0)] = 0.0
+    estimator: Literal["k1", "k2", "k3"] = "k3"
+    apply_as: Literal["loss", "reward"] = "loss"
+
+
+class LossConfig(Strict):
+    kind: Literal["ppo_clip", "gspo", "sft"] = "ppo_clip"
+    clip_low: Annotated[float, Meta(ge=0)] = 0.2
+    clip_high: Annotated[float, Meta(ge=0)] = 0.2  # > clip_low is DAPO's clip-higher
+    dual_clip: Annotated[float, Meta(gt=1)] | None = None
+    # Decoupled PPO: clip against the proximal policy (recomputed by the trainer) and weight by
+    # pi_proximal / pi_behaviour with the engine's logprobs.
+    decoupled: bool = False
+    correction: CorrectionConfig | None = None
+    aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = "token_mean"
+    kl: KLConfig = msgspec.field(default_factory=KLConfig)
+    entropy_coef: float = 0.0
+
+
+class AdvantageConfig(Strict):
+    estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gae"] = "grpo"
+    std_normalize: bool = True  # GRPO only
+    gamma: Probability = 1.0
+    lam: Probability = 1.0  # GAE lambda
+
+
+class TrainConfig(Strict):
+    advantage: AdvantageConfig = msgspec.field(default_factory=AdvantageConfig)
+    loss: LossConfig = msgspec.field(default_factory=LossConfig)
+    optim: OptimConfig = msgspec.field(default_factory=OptimConfig)
+    micro_batch_tokens: PositiveInt = 8192
+    epochs: PositiveInt = 1  # passes over each batch (PPO epochs)
+    max_nonfinite_steps: PositiveInt = 3  # consecutive NaN/Inf steps before the run stops
+    # Stale or partial-rollout data without a behaviour correction is rejected unless opted out.
+    allow_uncorrected_off_policy: bool = False
+    export_every: Annotated[int, Meta(ge=0)] = 0  # steps between HF exports; 0 = at the end
+
+
+class ReferenceConfig(Strict):
+    model: str | None = None  # defaults to the pipeline's model
+    micro_batch_tokens: PositiveInt = 8192
+
+
+class CriticConfig(Strict):
+    model: str | None = None  # defaults to the pipeline's model with a value head
+    optim: OptimConfig = msgspec.field(default_factory=OptimConfig)
+    value_clip: Annotated[float, Meta(gt=0)] = 0.2
+    micro_batch_tokens: PositiveInt = 8192
+
+
+class SyncConfig(Strict):
+    transport: Literal["inprocess", "object_store", "broadcast"] = "object_store"
+    bucket_mb: Annotated[float, Meta(gt=0)] = 64.0
