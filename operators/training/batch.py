@@ -1,0 +1,216 @@
+"""Packing trajectories into padded tensors, sharding over ranks and micro-batching.
+
+`pack(trajectories) -> Batch`. A row is `prompt_ids + response_ids`, right-padded. Per-token
+tensors are *target aligned*: they have `L - 1` columns and column j describes token
+`input_ids[:, j + 1]`, the token the logits at position j predict. So
+`token_logprobs(logits[:, :-1], input_ids[:, 1:])` lines up with every per-token field, and
+prompt and padding columns carry `loss_mask == 0`.
+
+Rewards are placed on tokens (`rewards`, with `reward_mask` marking where a reward is defined):
+a sequence reward on the last model token, a turn reward on the last token of its turn span, token
+rewards on their tokens. Where a trajectory sets several granularities their rewards add up.
+
+The loss normaliser is global (`Normaliser`, counted over the whole batch before it is split), so
+a loss summed over micro-batches and ranks does not depend on how the batch was split.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import msgspec
+import torch
+
+from flowrl.data.trajectory import Trajectory
+
+# Fields of Batch shaped (B, L - 1); `input_ids`, `attention_mask`, `position_ids` are (B, L).
+TOKEN_FIELDS = (
+    "loss_mask",
+    "behaviour_logprobs",
+    "reference_logprobs",
+    "proximal_logprobs",
+    "rewards",
+    "reward_mask",
+    "values",
+    "advantages",
+    "returns",
+    "versions",
+)
+
+
+@dataclasses.dataclass
+class Batch:
+    input_ids: torch.Tensor  # (B, L) long
+    attention_mask: torch.Tensor  # (B, L) long
+    position_ids: torch.Tensor  # (B, L) long
+    loss_mask: torch.Tensor  # (B, L-1) float: 1 on model-produced response tokens
+    behaviour_logprobs: torch.Tensor  # (B, L-1) float: engine logprobs
+    rewards: torch.Tensor  # (B, L-1) float
+    reward_mask: torch.Tensor  # (B, L-1) float: 1 where a reward is defined
+    versions: torch.Tensor  # (B, L-1) long: policy version of each response token
+    group_index: torch.Tensor  # (B,) long: rows of one group share an index
+    lengths: torch.Tensor  # (B,) long: prompt + response tokens
+    reference_logprobs: torch.Tensor | None = None
+    proximal_logprobs: torch.Tensor | None = None  # filled by Trainer.compute_logprobs
+    values: torch.Tensor | None = None  # critic values, filled by Critic.compute_values
+    advantages: torch.Tensor | None = None  # filled by advantages.compute_advantages
+    returns: torch.Tensor | None = None
+
+    @property
+    def size(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def select(self, rows: Sequence[int]) -> Batch:
+        """The given rows, trimmed to their longest sequence (less padding in each micro-batch)."""
+        index = torch.as_tensor(list(rows), dtype=torch.long)
+        width = int(self.lengths[index].max()) if len(index) else 1
+        out = {}
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if value is None:
+                out[field.name] = None
+            elif field.name in ("group_index", "lengths"):
+                out[field.name] = value[index]
+            elif field.name in TOKEN_FIELDS:
+                out[field.name] = value[index, : max(width - 1, 0)]
+            else:
+                out[field.name] = value[index, :width]
+        return Batch(**out)
+
+    def to(self, device: torch.device | str) -> Batch:
+        return Batch(
+            **{
+                f.name: (None if getattr(self, f.name) is None else getattr(self, f.name).to(device))
+                for f in dataclasses.fields(self)
+            }
+        )
+
+
+class Normaliser(msgspec.Struct, frozen=True):
+    """Global counts the loss divides by: loss tokens and sequences with at least one."""
+
+    tokens: float
+    sequences: float
+
+    @staticmethod
+    def of(batch: Batch) -> Normaliser:
+        per_row = batch.loss_mask.sum(dim=1)
+        return Normaliser(tokens=float(per_row.sum()), sequences=float((per_row > 0).sum()))
+
+
+def _token_rewards(traj: Trajectory) -> tuple[list[float], list[float]]:
+    n = len(traj.response_ids)
+    rewards, defined = [0.0] * n, [0.0] * n
+    if traj.reward is not None:
+        model_tokens = [i for i, m in enumerate(traj.loss_mask) if m]
+        last = model_tokens[-1] if model_tokens else n - 1
+        rewards[last] += traj.reward
+        defined[last] = 1.0
+    if traj.turn_rewards is not None:
+        for turn, reward in zip(traj.turns, traj.turn_rewards, strict=True):
+            rewards[turn.end - 1] += reward
+            defined[turn.end - 1] = 1.0
+    if traj.token_rewards is not None:
+        for i, reward in enumerate(traj.token_rewards):
+            rewards[i] += reward
+            defined[i] = 1.0
+    return rewards, defined
+
+
+def pack(trajectories: Sequence[Trajectory], require_reward: bool = True) -> Batch:
+    """Pad trajectories into a Batch. Every trajectory needs at least one response token."""
+    if not trajectories:
+        raise ValueError("pack() needs at least one trajectory")
+    groups: dict[str, int] = {}
+    lengths = []
+    for traj in trajectories:
+        traj.validate()
+        if not traj.response_ids or not traj.prompt_ids:
+            raise ValueError(f"trajectory {traj.id}: needs a non-empty prompt and response to train on")
+        if require_reward and traj.reward is None and traj.turn_rewards is None and traj.token_rewards is None:
+            raise ValueError(f"trajectory {traj.id} has no reward: put a reward node before the trainer")
+        groups.setdefault(traj.group_id, len(groups))
+        lengths.append(len(traj.prompt_ids) + len(traj.response_ids))
+    rows, width = len(trajectories), max(lengths)
+    input_ids = torch.zeros(rows, width, dtype=torch.long)
+    attention_mask = torch.zeros(rows, width, dtype=torch.long)
+    position_ids = torch.zeros(rows, width, dtype=torch.long)
+    token = {name: torch.zeros(rows, width - 1) for name in ("loss_mask", "behaviour_logprobs", "rewards", "reward_mask")}
+    versions = torch.zeros(rows, width - 1, dtype=torch.long)
+    has_reference = all(t.reference_logprobs is not None for t in trajectories)
+    has_values = all(t.values is not None for t in trajectories)
+    reference = torch.zeros(rows, width - 1) if has_reference else None
+    values = torch.zeros(rows, width - 1) if has_values else None
+    for i, traj in enumerate(trajectories):
+        p, n = len(traj.prompt_ids), len(traj.response_ids)
+        input_ids[i, : p + n] = torch.tensor(traj.prompt_ids + traj.response_ids)
+        attention_mask[i, : p + n] = 1
+        position_ids[i, : p + n] = torch.arange(p + n)
+        span = slice(p - 1, p - 1 + n)  # target-aligned columns of the response tokens
+        rewards, defined = _token_rewards(traj)
+        token["loss_mask"][i, span] = torch.tensor(traj.loss_mask, dtype=torch.float32)
+        token["behaviour_logprobs"][i, span] = torch.tensor(traj.behaviour_logprobs, dtype=torch.float32)
+        token["rewards"][i, span] = torch.tensor(rewards)
+        token["reward_mask"][i, span] = torch.tensor(defined)
+        versions[i, span] = torch.tensor(traj.versions, dtype=torch.long)
+        if reference is not None:
+            reference[i, span] = torch.tensor(traj.reference_logprobs, dtype=torch.float32)
+        if values is not None:
+            values[i, span] = torch.tensor(traj.values, dtype=torch.float32)
+    return Batch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        versions=versions,
+        group_index=torch.tensor([groups[t.group_id] for t in trajectories]),
+        lengths=torch.tensor(lengths),
+        reference_logprobs=reference,
+        values=values,
+        **token,
+    )
+
+
+def response_values(batch: Batch, field: str, trajectories: Sequence[Trajectory]) -> list[list[float]]:
+    """Read a per-token field back as one list per trajectory (e.g. reference logprobs, values)."""
+    tensor = getattr(batch, field)
+    out = []
+    for i, traj in enumerate(trajectories):
+        p, n = len(traj.prompt_ids), len(traj.response_ids)
+        out.append(tensor[i, p - 1 : p - 1 + n].tolist())
+    return out
+
+
+def shard(batch: Batch, rank: int, world_size: int) -> Batch:
+    """This rank's rows, balanced by token count (longest first onto the least loaded rank).
+
+    A rank may receive no rows when the batch is smaller than the world: it then gets an empty
+    Batch, and the trainer still joins the collectives with a zero-weight micro-batch.
+    """
+    load = [0] * world_size
+    owned: list[list[int]] = [[] for _ in range(world_size)]
+    for row in sorted(range(batch.size), key=lambda r: (-int(batch.lengths[r]), r)):
+        target = min(range(world_size), key=lambda k: (load[k], k))
+        owned[target].append(row)
+        load[target] += int(batch.lengths[row])
+    return batch.select(sorted(owned[rank]))
+
+
+def micro_batches(batch: Batch, token_budget: int) -> list[Batch]:
+    """Consecutive rows grouped so that rows x padded length stays within `token_budget`.
+
+    A single row longer than the budget forms its own micro-batch.
+    """
+    groups: list[list[int]] = []
+    current: list[int] = []
+    width = 0
+    for row in range(batch.size):
+        length = int(batch.lengths[row])
+        if current and (len(current) + 1) * max(width, length) > token_budget:
+            groups.append(current)
+            current, width = [], 0
+        current.append(row)
+        width = max(width, length)
+    if current:
+        groups.append(current)
+    return [batch.select(rows) for rows in groups]

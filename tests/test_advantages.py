@@ -1,0 +1,115 @@
+"""Advantage estimators against hand-computed values on fixed small tensors (to 1e-6)."""
+
+import math
+
+import pytest
+import torch
+from flowrl_operators.training.advantages import (
+    ADVANTAGES,
+    AdvantageConfig,
+    AdvantageInputs,
+    compute_advantages,
+)
+from flowrl_operators.training.batch import pack
+
+from flowrl.data.trajectory import Trajectory, Turn
+
+torch.set_num_threads(1)
+
+
+def outcome_inputs(rewards, groups, tokens=2):
+    """One row per reward; `tokens` model tokens each; the reward sits on the last token."""
+    rows = len(rewards)
+    r = torch.zeros(rows, tokens)
+    r[:, -1] = torch.tensor(rewards)
+    defined = torch.zeros(rows, tokens)
+    defined[:, -1] = 1
+    return AdvantageInputs(r, defined, torch.ones(rows, tokens), torch.tensor(groups))
+
+
+def close(actual, expected):
+    torch.testing.assert_close(actual, torch.tensor(expected, dtype=actual.dtype), atol=1e-6, rtol=0)
+
+
+def test_grpo_outcome_with_std():
+    """A_i = (R_i - mean_g R) / (std_g R + eps), std unbiased; one reward per sequence is
+    broadcast to every token. Group {1, 0, 0.5}: mean 0.5, std 0.5 -> {1, -1, 0}.
+    A group of one uses mean 0, std 1: R = 2 -> 2/(1+eps)."""
+    eps = 1e-6
+    x = outcome_inputs([1.0, 0.0, 0.5, 2.0], [0, 0, 0, 1])
+    adv, returns = ADVANTAGES["grpo"](x, AdvantageConfig(name="grpo", eps=eps))
+    a = [0.5 / (0.5 + eps), -0.5 / (0.5 + eps), 0.0, 2.0 / (1 + eps)]
+    close(adv, [[v, v] for v in a])
+    close(returns, [[1, 1], [0, 0], [0.5, 0.5], [2, 2]])
+
+
+def test_grpo_without_std_and_dr_grpo():
+    """norm_std false and dr_grpo: A_i = R_i - mean_g R. Group {3, 1}: mean 2 -> {1, -1}."""
+    x = outcome_inputs([3.0, 1.0], [0, 0])
+    for adv, _ in (
+        ADVANTAGES["grpo"](x, AdvantageConfig(name="grpo", norm_std=False)),
+        ADVANTAGES["dr_grpo"](x, AdvantageConfig(name="dr_grpo")),
+    ):
+        close(adv, [[1, 1], [-1, -1]])
+
+
+def test_rloo():
+    """A_i = R_i - mean_{j != i} R_j. {1, 0, 0.5}: baselines 0.25, 0.75, 0.5 -> 0.75, -0.75, 0."""
+    x = outcome_inputs([1.0, 0.0, 0.5], [0, 0, 0])
+    adv, _ = ADVANTAGES["rloo"](x, AdvantageConfig(name="rloo"))
+    close(adv, [[0.75, 0.75], [-0.75, -0.75], [0.0, 0.0]])
+
+
+def test_grpo_turn_rewards_through_pack():
+    """Turn rewards (DeepSeekMath process supervision): r~ = (r - mean_g) / std_g over all turn
+    rewards of the group, A_t = sum of r~ at or after t. Rewards {1, 2} and {0, 1}: mean 1,
+    std sqrt(2/3); r~ = {0, s}, {-s, 0} with s = 1/sqrt(2/3). Trajectory a: turn 1 tokens get 0 + s,
+    turn 2 tokens s; the environment token between turns (loss_mask 0) gets 0."""
+    def traj(i, rewards):
+        return Trajectory(
+            id=f"t{i}", group_id="g", sample_id="s", prompt_ids=[1, 2], response_ids=[5, 6, 7, 8, 9],
+            loss_mask=[1, 1, 0, 1, 1], behaviour_logprobs=[0.0] * 5, versions=[0] * 5,
+            turns=[Turn(0, 2), Turn(3, 5)], turn_rewards=rewards,
+        )
+
+    batch = compute_advantages(pack([traj(0, [1.0, 2.0]), traj(1, [0.0, 1.0])]), AdvantageConfig(eps=0.0))
+    s = 1 / math.sqrt(2 / 3)
+    # Target-aligned columns: prompt of 2 tokens -> response starts at column 1 of 6.
+    close(batch.advantages, [[0, s, s, 0, s, s], [0, -s, -s, 0, 0, 0]])
+
+
+def test_reinforce_pp_discounted_and_batch_whitened():
+    """G_t = r_t + gamma G_{t+1} (gamma 0.5); A = (G - mean G) / (std G + eps) over all model tokens
+    of the batch (unbiased std). Row 0 rewards (0, 0, 1) -> G (0.25, 0.5, 1); row 1 (1, 0, 0) ->
+    G (1, 0, 0)."""
+    r = torch.tensor([[0.0, 0.0, 1.0], [1.0, 0.0, 0.0]])
+    x = AdvantageInputs(r, torch.ones(2, 3), torch.ones(2, 3), torch.tensor([0, 1]))
+    adv, returns = ADVANTAGES["reinforce_pp"](x, AdvantageConfig(name="reinforce_pp", gamma=0.5, eps=0.0))
+    g = [0.25, 0.5, 1.0, 1.0, 0.0, 0.0]
+    mean = sum(g) / 6
+    std = math.sqrt(sum((v - mean) ** 2 for v in g) / 5)
+    close(returns, [g[:3], g[3:]])
+    close(adv, [[(v - mean) / std for v in g[:3]], [(v - mean) / std for v in g[3:]]])
+
+
+def test_gae_skips_environment_tokens():
+    """delta_t = r_t + gamma V_next - V_t; A_t = delta_t + gamma lam A_next; returns = A + V.
+    gamma 0.9, lam 0.8, V = (0.5, 0.2, 0.1) on the model tokens, reward 1 at the end, an environment
+    token (mask 0) between the first two model tokens:
+    delta = (0.9*0.2 - 0.5, 0.9*0.1 - 0.2, 1 - 0.1) = (-0.32, -0.11, 0.9);
+    A = (-0.32 + 0.72*0.538, -0.11 + 0.72*0.9, 0.9) = (0.06736, 0.538, 0.9)."""
+    r = torch.tensor([[0.0, 0.0, 0.0, 1.0]])
+    mask = torch.tensor([[1.0, 0.0, 1.0, 1.0]])
+    values = torch.tensor([[0.5, 9.0, 0.2, 0.1]])  # the value on the environment token is ignored
+    x = AdvantageInputs(r, mask, mask, torch.tensor([0]), values)
+    adv, returns = ADVANTAGES["gae"](x, AdvantageConfig(name="gae", gamma=0.9, lam=0.8, whiten=False))
+    close(adv, [[0.06736, 0.0, 0.538, 0.9]])
+    close(returns, [[0.56736, 0.0, 0.738, 1.0]])
+
+
+def test_gae_needs_values_and_unknown_names_are_rejected():
+    x = outcome_inputs([1.0], [0])
+    with pytest.raises(ValueError, match="critic"):
+        ADVANTAGES["gae"](x, AdvantageConfig(name="gae"))
+    with pytest.raises(ValueError, match="unknown advantage estimator 'ppo'"):
+        AdvantageConfig(name="ppo")
