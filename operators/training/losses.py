@@ -1,0 +1,267 @@
+"""RL losses: a registry of policy losses chosen in YAML, plus the critic's clipped value loss.
+
+YAML (`loss:` of a train node) is a name or a mapping validated by `LossConfig`:
+
+    loss: {name: ppo_clip, clip_low: 0.2, clip_high: 0.28, dual_clip: 3.0,
+           aggregation: seq-mean-token-mean, correction: {mode: tis, level: token, cap: 2.0},
+           kl: {coef: 0.001, estimator: k3, mode: loss}, entropy_coef: 0.0}
+
+Per token, with A the advantage, old the logprob the ratio is taken against, m the loss mask:
+
+    ppo_clip       r = exp(logp - old); l = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))
+                   dual clip (c > 1): l = min(l, -A c) where A < 0
+    gspo           r_i = exp(mean_t m (logp - old)) per sequence, used per token as
+                   exp(sg(log r_i) + logp - sg(logp)); then clipped like ppo_clip
+    decoupled_ppo  ppo_clip against the *proximal* logprobs the trainer recomputes before the update,
+                   times the behaviour weight below (AReaL); without a `correction` it uses
+                   `mis` at token level with `cap` (tokens whose weight exceeds the cap are dropped)
+
+Behaviour correction (`correction.mode` tis | mis): with proximal logprobs (recomputed by the
+trainer) and behaviour logprobs (the engine's), w = exp(prox - behav) per token, or
+exp(sum_t m (prox - behav)) per sequence (`level: sequence`). tis: w' = min(w, cap); mis:
+w' = w if floor <= w <= cap else 0. The per-token loss is multiplied by w' (no gradient through
+w'). Any correction makes the ratio be taken against the proximal logprobs.
+
+Aggregation (N = loss tokens of the global batch, S = its sequences with a loss token):
+    token-mean            sum_{i,t} m l / N
+    seq-mean-token-mean   sum_i (sum_t m l / n_i) / S
+    seq-mean-token-sum    sum_i (sum_t m l) / (S * norm_length)   (Dr.GRPO; norm_length 1 if unset)
+
+KL to the reference, d = logp - ref: k1 = d, k2 = d^2 / 2, k3 = exp(-d) - 1 + d. `mode: loss` adds
+coef * aggregate(k) to the loss; `mode: reward` subtracts coef * k (from the behaviour logprobs)
+from the token rewards before the advantages (`apply_kl_penalty`; only the token-return
+estimators reinforce_pp and gae see it). Entropy bonus: loss -= entropy_coef * aggregate(H).
+
+A loss function built by `policy_loss(config)` or `value_loss(config)` is called once per
+micro-batch as `fn(output, batch, normaliser) -> (loss, metrics)`; the loss and every metric are
+already divided by the global normaliser, so sums over micro-batches and ranks give the batch value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal
+
+import msgspec
+import torch
+from flowrl_operators.training.batch import Batch, Normaliser
+
+Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
+
+
+class Correction(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    mode: Literal["none", "tis", "mis"] = "none"
+    level: Literal["token", "sequence"] = "token"
+    cap: float = 2.0
+    floor: float = 0.0  # mis only
+
+    def __post_init__(self) -> None:
+        if self.cap <= 0 or self.floor < 0 or self.floor >= self.cap:
+            raise ValueError("correction needs 0 <= floor < cap")
+
+
+class KLConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    coef: float = 0.0
+    estimator: Literal["k1", "k2", "k3"] = "k3"
+    mode: Literal["loss", "reward"] = "loss"
+
+
+class LossConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    name: str = "ppo_clip"
+    clip_low: float = 0.2
+    clip_high: float = 0.2  # DAPO clip-higher: 0.28; GSPO uses about 3e-4 / 4e-4
+    dual_clip: float | None = None
+    aggregation: Aggregation = "token-mean"
+    norm_length: float | None = None
+    correction: Correction = msgspec.field(default_factory=Correction)
+    kl: KLConfig = msgspec.field(default_factory=KLConfig)
+    entropy_coef: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.name not in LOSSES:
+            raise ValueError(f"unknown loss {self.name!r}; choose one of {sorted(LOSSES)}")
+        if self.clip_low < 0 or self.clip_high < 0 or self.clip_low >= 1:
+            raise ValueError("loss clip_low must lie in [0, 1) and clip_high be >= 0")
+        if self.dual_clip is not None and self.dual_clip <= 1:
+            raise ValueError("loss dual_clip must be > 1 (e.g. 3.0), or left out")
+        if self.norm_length is not None and self.norm_length <= 0:
+            raise ValueError("loss norm_length must be > 0")
+        if self.name == "decoupled_ppo" and self.correction.mode == "none":
+            self.correction = Correction(mode="mis", level="token", cap=self.correction.cap)
+
+
+def corrects_behaviour(config: LossConfig) -> bool:
+    """Whether the loss corrects for data from an older or different behaviour policy."""
+    return config.correction.mode != "none"
+
+
+def needs_proximal(config: LossConfig) -> bool:
+    """Whether the trainer must recompute proximal logprobs (`Trainer.compute_logprobs`) first."""
+    return corrects_behaviour(config)
+
+
+def needs_reference(config: LossConfig) -> bool:
+    return config.kl.coef > 0
+
+
+# Policy loss registry: fn(logprobs, old, advantages, mask, config) -> (per-token loss, clipped).
+PolicyLoss = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, LossConfig], tuple[torch.Tensor, torch.Tensor]
+]
+LOSSES: dict[str, PolicyLoss] = {}
+
+
+def register(name: str) -> Callable[[PolicyLoss], PolicyLoss]:
+    def wrap(fn: PolicyLoss) -> PolicyLoss:
+        LOSSES[name] = fn
+        return fn
+
+    return wrap
+
+
+def _clipped_objective(
+    ratio: torch.Tensor, advantages: torch.Tensor, config: LossConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1 - config.clip_low, 1 + config.clip_high)
+    loss = torch.maximum(unclipped, clipped)
+    was_clipped = clipped > unclipped
+    if config.dual_clip is not None:
+        lower_bound = -advantages * config.dual_clip
+        dual = (advantages < 0) & (loss > lower_bound)
+        loss = torch.where(dual, lower_bound, loss)
+        was_clipped = was_clipped | dual
+    return loss, was_clipped.float()
+
+
+@register("ppo_clip")
+def ppo_clip(logprobs, old, advantages, mask, config):
+    return _clipped_objective(torch.exp(logprobs - old), advantages, config)
+
+
+register("decoupled_ppo")(ppo_clip)
+
+
+@register("gspo")
+def gspo(logprobs, old, advantages, mask, config):
+    lengths = mask.sum(dim=1, keepdim=True).clamp(min=1)
+    log_seq_ratio = ((logprobs - old) * mask).sum(dim=1, keepdim=True) / lengths
+    # Value of the sequence ratio on every token, gradient of each token's own logprob.
+    log_ratio = log_seq_ratio.detach() + logprobs - logprobs.detach()
+    return _clipped_objective(torch.exp(log_ratio), advantages, config)
+
+
+def aggregate(
+    per_token: torch.Tensor, mask: torch.Tensor, normaliser: Normaliser, aggregation: Aggregation, norm_length=None
+) -> torch.Tensor:
+    if aggregation == "token-mean":
+        return (per_token * mask).sum() / max(normaliser.tokens, 1.0)
+    sums = (per_token * mask).sum(dim=1)
+    if aggregation == "seq-mean-token-mean":
+        return (sums / mask.sum(dim=1).clamp(min=1)).sum() / max(normaliser.sequences, 1.0)
+    return sums.sum() / (max(normaliser.sequences, 1.0) * (norm_length or 1.0))
+
+
+def kl_estimate(logprobs: torch.Tensor, reference: torch.Tensor, estimator: str) -> torch.Tensor:
+    d = logprobs - reference
+    if estimator == "k1":
+        return d
+    if estimator == "k2":
+        return 0.5 * d * d
+    return torch.exp(-d) - 1 + d
+
+
+def behaviour_weight(proximal: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor, c: Correction):
+    """The truncated (tis) or masked (mis) importance weight prox / behav, without gradient."""
+    log_w = (proximal - behaviour).detach() * mask
+    if c.level == "sequence":
+        log_w = log_w.sum(dim=1, keepdim=True).expand_as(mask)
+    w = torch.exp(log_w)
+    if c.mode == "tis":
+        return w.clamp(max=c.cap)
+    return torch.where((w >= c.floor) & (w <= c.cap), w, 0.0)
+
+
+def apply_kl_penalty(batch: Batch, config: LossConfig) -> Batch:
+    """`kl.mode: reward`: rewards -= coef * k(behaviour, reference) on model tokens (in place)."""
+    if config.kl.mode != "reward" or config.kl.coef == 0:
+        return batch
+    if batch.reference_logprobs is None:
+        raise ValueError("kl in reward needs reference logprobs: add a reference node before the trainer")
+    kl = kl_estimate(batch.behaviour_logprobs, batch.reference_logprobs, config.kl.estimator)
+    batch.rewards = batch.rewards - config.kl.coef * kl * batch.loss_mask
+    return batch
+
+
+LossFn = Callable[[dict[str, torch.Tensor], Batch, Normaliser], tuple[torch.Tensor, dict[str, float]]]
+
+
+def policy_loss(config: LossConfig) -> LossFn:
+    """The per-micro-batch loss. `output` holds `logprobs` and `entropy`, both (B, T)."""
+    loss_per_token = LOSSES[config.name]
+
+    def fn(output: dict[str, torch.Tensor], batch: Batch, normaliser: Normaliser):
+        logprobs, mask = output["logprobs"], batch.loss_mask
+        if batch.advantages is None:
+            raise ValueError("the batch has no advantages: call compute_advantages first")
+        old = batch.behaviour_logprobs
+        weight = None
+        if needs_proximal(config):
+            if batch.proximal_logprobs is None:
+                raise ValueError(f"loss {config.name!r} needs proximal logprobs: call Trainer.compute_logprobs")
+            old = batch.proximal_logprobs
+            weight = behaviour_weight(batch.proximal_logprobs, batch.behaviour_logprobs, mask, config.correction)
+        per_token, clipped = loss_per_token(logprobs, old, batch.advantages, mask, config)
+        if weight is not None:
+            per_token = per_token * weight
+
+        def agg(x):
+            return aggregate(x, mask, normaliser, config.aggregation, config.norm_length)
+
+        loss = agg(per_token)
+        token_mean = aggregate  # metrics are token means whatever the loss aggregation
+        metrics = {
+            "policy_loss": loss.item(),
+            "clip_fraction": token_mean(clipped, mask, normaliser, "token-mean").item(),
+            "entropy": token_mean(output["entropy"].detach(), mask, normaliser, "token-mean").item(),
+        }
+        if weight is not None:
+            metrics["behaviour_weight"] = token_mean(weight, mask, normaliser, "token-mean").item()
+        if config.kl.mode == "loss" and config.kl.coef > 0:
+            if batch.reference_logprobs is None:
+                raise ValueError("kl in loss needs reference logprobs: add a reference node before the trainer")
+            kl = agg(kl_estimate(logprobs, batch.reference_logprobs, config.kl.estimator))
+            loss = loss + config.kl.coef * kl
+            metrics["kl"] = kl.item()
+        if config.entropy_coef:
+            loss = loss - config.entropy_coef * agg(output["entropy"])
+        metrics["loss"] = loss.item()
+        return loss, metrics
+
+    return fn
+
+
+class ValueLossConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    clip: float | None = 0.2  # value clip range around the values the data was scored with
+    aggregation: Aggregation = "token-mean"
+
+
+def value_loss(config: ValueLossConfig) -> LossFn:
+    """Clipped value loss: l = 0.5 max((v - R)^2, (v_old + clip(v - v_old, -c, c) - R)^2).
+
+    `output["values"]` are the critic's new values; `batch.values` the values the advantages were
+    computed with and `batch.returns` the targets R.
+    """
+
+    def fn(output: dict[str, torch.Tensor], batch: Batch, normaliser: Normaliser):
+        if batch.returns is None or batch.values is None:
+            raise ValueError("value loss needs batch.values and batch.returns (compute_advantages with gae)")
+        v, old, target = output["values"], batch.values, batch.returns
+        loss_t = (v - target) ** 2
+        if config.clip is not None:
+            clipped_v = old + (v - old).clamp(-config.clip, config.clip)
+            loss_t = torch.maximum(loss_t, (clipped_v - target) ** 2)
+        loss = 0.5 * aggregate(loss_t, batch.loss_mask, normaliser, config.aggregation)
+        return loss, {"value_loss": loss.item()}
+
+    return fn

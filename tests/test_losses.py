@@ -1,0 +1,205 @@
+"""Every policy/value loss against a hand-computed (scalar Python) reference to 1e-6.
+
+Fixed data: B = 2 rows, T = 3 tokens; the last token of row 1 is masked out.
+"""
+
+import math
+
+import msgspec
+import pytest
+import torch
+from flowrl_operators.training.batch import Batch, Normaliser
+from flowrl_operators.training.losses import (
+    LossConfig,
+    ValueLossConfig,
+    apply_kl_penalty,
+    corrects_behaviour,
+    needs_proximal,
+    policy_loss,
+    value_loss,
+)
+
+torch.set_num_threads(1)
+
+LOGP = [[-1.0, -0.5, -2.0], [-0.3, -1.2, -0.7]]
+OLD = [[-1.1, -0.2, -2.25], [-2.0, -1.0, -0.7]]
+BEHAV = [[-1.5, -0.3, -2.0], [-2.2, -0.1, -0.7]]
+REF = [[-0.9, -0.6, -1.5], [-0.4, -1.0, -0.2]]
+ENT = [[0.5, 0.7, 0.9], [1.1, 1.3, 1.5]]
+ADV = [[1.0, -1.0, 0.5], [-2.0, 2.0, -2.0]]
+MASK = [[1, 1, 1], [1, 1, 0]]
+TOKENS = [(i, t) for i in range(2) for t in range(3) if MASK[i][t]]
+
+
+def make_batch(old=OLD, proximal=None):
+    t = torch.tensor
+    zeros = torch.zeros(2, 3)
+    return Batch(
+        input_ids=torch.zeros(2, 4, dtype=torch.long), attention_mask=torch.ones(2, 4, dtype=torch.long),
+        position_ids=torch.zeros(2, 4, dtype=torch.long), loss_mask=t(MASK, dtype=torch.float32),
+        behaviour_logprobs=t(old), rewards=zeros, reward_mask=zeros, versions=zeros.long(),
+        group_index=t([0, 0]), lengths=t([4, 4]), reference_logprobs=t(REF),
+        proximal_logprobs=None if proximal is None else t(proximal), advantages=t(ADV),
+    )
+
+
+def run(config, batch=None, grad=False):
+    logp = torch.tensor(LOGP, requires_grad=grad)
+    output = {"logprobs": logp, "entropy": torch.tensor(ENT)}
+    loss, metrics = policy_loss(config)(output, batch or make_batch(), Normaliser.of(batch or make_batch()))
+    return loss, metrics, logp
+
+
+def ppo_token(lp, old, a, low, high, dual=None):
+    r = math.exp(lp - old)
+    loss = max(-a * r, -a * min(max(r, 1 - low), 1 + high))
+    if dual is not None and a < 0:
+        loss = min(loss, -a * dual)
+    return loss
+
+
+def token_mean(values):
+    return sum(values[i][t] for i, t in TOKENS) / len(TOKENS)
+
+
+def table(fn):
+    return [[fn(i, t) for t in range(3)] for i in range(2)]
+
+
+def test_ppo_clip_token_mean():
+    """l = max(-A r, -A clip(r, 0.8, 1.2)), r = exp(logp - old); loss = sum m l / N (N = 5)."""
+    loss, metrics, _ = run(LossConfig())
+    expected = token_mean(table(lambda i, t: ppo_token(LOGP[i][t], OLD[i][t], ADV[i][t], 0.2, 0.2)))
+    assert abs(loss.item() - expected) < 1e-6
+    assert metrics["clip_fraction"] > 0
+
+
+def test_clip_higher_and_dual_clip():
+    """DAPO: clip(r, 1 - 0.2, 1 + 0.28); dual clip c = 3: l = min(l, -A c) where A < 0.
+    Row 0 token 2 has r = exp(0.25) = 1.284 > 1.28 (clip-higher changes it); row 1 token 0 has
+    r = exp(1.7) with A = -2, so -A r = 10.9 is cut to -A c = 6."""
+    config = LossConfig(clip_low=0.2, clip_high=0.28, dual_clip=3.0)
+    loss, _, _ = run(config)
+    per = table(lambda i, t: ppo_token(LOGP[i][t], OLD[i][t], ADV[i][t], 0.2, 0.28, 3.0))
+    assert per[1][0] == pytest.approx(6.0)
+    assert abs(loss.item() - token_mean(per)) < 1e-6
+
+
+def test_aggregations():
+    """seq-mean-token-mean: sum_i (sum_t m l / n_i) / S; seq-mean-token-sum: sum_i sum_t m l / (S L)."""
+    per = table(lambda i, t: ppo_token(LOGP[i][t], OLD[i][t], ADV[i][t], 0.2, 0.2))
+    row_sums = [sum(per[i][t] for t in range(3) if MASK[i][t]) for i in range(2)]
+    loss, _, _ = run(LossConfig(aggregation="seq-mean-token-mean"))
+    assert abs(loss.item() - (row_sums[0] / 3 + row_sums[1] / 2) / 2) < 1e-6
+    loss, _, _ = run(LossConfig(aggregation="seq-mean-token-sum", norm_length=4))
+    assert abs(loss.item() - (row_sums[0] + row_sums[1]) / (2 * 4)) < 1e-6
+
+
+def test_gspo_sequence_ratio_value_and_gradient():
+    """s_i = exp(sum_t m (logp - old) / n_i); l = max(-A s_i, -A clip(s_i, 1-0.2, 1+0.2)), token-mean.
+    Gradient of an unclipped token: d l / d logp_t = -A s_i / N (each token carries s_i's value
+    but only its own logprob's gradient)."""
+    loss, _, logp = run(LossConfig(name="gspo"), grad=True)
+    s = []
+    for i in range(2):
+        ts = [t for t in range(3) if MASK[i][t]]
+        s.append(math.exp(sum(LOGP[i][t] - OLD[i][t] for t in ts) / len(ts)))
+    per = table(lambda i, t: max(-ADV[i][t] * s[i], -ADV[i][t] * min(max(s[i], 0.8), 1.2)))
+    assert abs(loss.item() - token_mean(per)) < 1e-6
+    loss.backward()
+    # s_0 lies inside [0.8, 1.2], so no token of row 0 is clipped.
+    assert 0.8 < s[0] < 1.2
+    for t in range(3):
+        assert abs(logp.grad[0, t].item() - (-ADV[0][t] * s[0] / 5)) < 1e-6
+
+
+def test_decoupled_ppo_masks_tokens_above_the_cap():
+    """Decoupled PPO: r = exp(logp - prox); w = exp(prox - behav); default correction is mis at
+    token level: w' = w if w <= cap (2.0) else 0; loss = sum m w' l / N."""
+    config = LossConfig(name="decoupled_ppo")
+    assert corrects_behaviour(config) and needs_proximal(config)
+    loss, metrics, _ = run(config, make_batch(old=BEHAV, proximal=OLD))
+
+    def per(i, t):
+        w = math.exp(OLD[i][t] - BEHAV[i][t])
+        w = w if w <= 2.0 else 0.0
+        return w * ppo_token(LOGP[i][t], OLD[i][t], ADV[i][t], 0.2, 0.2)
+
+    # exp(-1.1 + 1.5) = 1.49 kept; exp(-2.0 + 2.2) = 1.22 kept; exp(-1.0 + 0.1) = 0.41 kept
+    assert abs(loss.item() - token_mean(table(per))) < 1e-6
+    assert "behaviour_weight" in metrics
+
+
+@pytest.mark.parametrize("mode,level", [("tis", "token"), ("tis", "sequence"), ("mis", "sequence")])
+def test_tis_and_mis(mode, level):
+    """w = exp(prox - behav) per token, or exp(sum_t m (prox - behav)) per sequence;
+    tis: min(w, cap); mis: w if floor <= w <= cap else 0. cap 1.3, floor 0.5."""
+    config = msgspec.convert(
+        {"name": "ppo_clip", "correction": {"mode": mode, "level": level, "cap": 1.3, "floor": 0.5}}, LossConfig
+    )
+    loss, _, _ = run(config, make_batch(old=BEHAV, proximal=OLD))
+
+    def weight(i, t):
+        if level == "token":
+            w = math.exp(OLD[i][t] - BEHAV[i][t])
+        else:
+            w = math.exp(sum(OLD[i][s] - BEHAV[i][s] for s in range(3) if MASK[i][s]))
+        if mode == "tis":
+            return min(w, 1.3)
+        return w if 0.5 <= w <= 1.3 else 0.0
+
+    per = table(lambda i, t: weight(i, t) * ppo_token(LOGP[i][t], OLD[i][t], ADV[i][t], 0.2, 0.2))
+    assert abs(loss.item() - token_mean(per)) < 1e-6
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_kl_loss_term_and_entropy_bonus(estimator):
+    """loss = pg + coef * token_mean(k) - entropy_coef * token_mean(H), d = logp - ref:
+    k1 = d, k2 = d^2 / 2, k3 = exp(-d) - 1 + d."""
+    kl_fn = {"k1": lambda d: d, "k2": lambda d: d * d / 2, "k3": lambda d: math.exp(-d) - 1 + d}[estimator]
+    config = msgspec.convert({"kl": {"coef": 0.1, "estimator": estimator}, "entropy_coef": 0.01}, LossConfig)
+    loss, metrics, _ = run(config)
+    pg = token_mean(table(lambda i, t: ppo_token(LOGP[i][t], OLD[i][t], ADV[i][t], 0.2, 0.2)))
+    kl = token_mean(table(lambda i, t: kl_fn(LOGP[i][t] - REF[i][t])))
+    expected = pg + 0.1 * kl - 0.01 * token_mean(ENT)
+    assert abs(loss.item() - expected) < 1e-6
+    assert abs(metrics["kl"] - kl) < 1e-6
+
+
+def test_kl_reward_penalty():
+    """kl.mode reward: r_t -= coef * k3(behav - ref) on model tokens only."""
+    config = msgspec.convert({"kl": {"coef": 0.5, "mode": "reward"}}, LossConfig)
+    batch = apply_kl_penalty(make_batch(old=BEHAV), config)
+    for i in range(2):
+        for t in range(3):
+            d = BEHAV[i][t] - REF[i][t]
+            expected = -0.5 * (math.exp(-d) - 1 + d) * MASK[i][t]
+            assert abs(batch.rewards[i, t].item() - expected) < 1e-6
+
+
+def test_clipped_value_loss():
+    """l = 0.5 * max((v - R)^2, (v_old + clip(v - v_old, -0.2, 0.2) - R)^2), token-mean."""
+    v, v_old, ret = [[0.5, 1.0, 0.0], [0.1, -0.4, 0.3]], [[0.2, 0.9, 0.0], [0.5, 0.0, 0.0]], [[1.0, 0.0, 2.0], [0.0, 0.0, 1.0]]
+    batch = make_batch()
+    batch.values, batch.returns = torch.tensor(v_old), torch.tensor(ret)
+    loss, _ = value_loss(ValueLossConfig(clip=0.2))({"values": torch.tensor(v)}, batch, Normaliser.of(batch))
+
+    def per(i, t):
+        clipped = v_old[i][t] + min(max(v[i][t] - v_old[i][t], -0.2), 0.2)
+        return 0.5 * max((v[i][t] - ret[i][t]) ** 2, (clipped - ret[i][t]) ** 2)
+
+    assert abs(loss.item() - token_mean(table(per))) < 1e-6
+
+
+def test_config_errors_and_behaviour_flag():
+    assert not corrects_behaviour(LossConfig())
+    assert corrects_behaviour(msgspec.convert({"correction": {"mode": "tis"}}, LossConfig))
+    with pytest.raises(msgspec.ValidationError, match="unknown field `clip_hgh`"):
+        msgspec.convert({"clip_hgh": 0.3}, LossConfig)
+    with pytest.raises(msgspec.ValidationError, match="unknown loss 'ppo'"):
+        msgspec.convert({"name": "ppo"}, LossConfig)
+    with pytest.raises(msgspec.ValidationError, match="dual_clip must be > 1"):
+        msgspec.convert({"dual_clip": 0.5}, LossConfig)
+    batch = make_batch()
+    with pytest.raises(ValueError, match="compute_logprobs"):
+        run(msgspec.convert({"correction": {"mode": "tis"}}, LossConfig), batch)
