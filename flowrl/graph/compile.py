@@ -80,9 +80,11 @@ def compile_spec(loaded: LoadedSpec) -> Compiled:
     for i, edge in edges:
         graph.add_edge(edge.src, edge.dst, index=i, plan=edge)
 
-    _check_connectivity(graph, ops, edges, loc, problems)
+    if not problems:  # connectivity is only meaningful once every node and edge could be read
+        _check_connectivity(graph, ops, edges, loc, problems)
     _check_resources(spec, resources, loc, problems)
-    _check_operators(graph, ops, configs, loc, problems)
+    if not problems:
+        _check_operators(edges, ops, configs, loc, problems)
     if problems:
         raise SpecError(_ordered(problems))
 
@@ -160,7 +162,8 @@ def _resolve_ports(src, src_port, dst, dst_port, spec: EdgeSpec, ops, path, loc,
             problems.append(loc.diagnostic(path, f"node '{node}' has no {side} port '{port}' ({side} ports: {listed})", at_key=True))
             return None
     wanted = WEIGHTS if spec.kind == "weights" else None
-    src_choices = [src_port] if src_port else [p for p, t in outs.items() if (t == WEIGHTS) == (wanted == WEIGHTS)]
+    # Without an explicit port, try the ports of the edge's kind first (weights for kind: weights).
+    src_choices = [src_port] if src_port else sorted(outs, key=lambda p: (outs[p] == WEIGHTS) != (wanted == WEIGHTS))
     for sp in src_choices:
         t = outs[sp]
         dst_choices = [dst_port] if dst_port else [p for p, ti in ins.items() if ti == t]
@@ -233,15 +236,14 @@ def _check_resources(spec, resources: dict[str, Resources], loc, problems) -> No
             f"the nodes together ask for {total_cpus:g} CPUs and {total_gpus:g} GPUs; the cluster offers {cluster.cpus:g} and {cluster.gpus:g}"))
 
 
-def _check_operators(graph: nx.MultiDiGraph, ops, configs, loc, problems) -> None:
+def _check_operators(edges, ops, configs, loc, problems) -> None:
+    data = nx.DiGraph([(e.src, e.dst, {"mode": e.mode}) for _, e in edges if e.kind == "data"])
+    data.add_nodes_from(ops)
     for name, op in ops.items():
         if name not in configs:
             continue
-        upstream = nx.ancestors(graph.edge_subgraph(
-            [(u, v, k) for u, v, k, d in graph.edges(keys=True, data=True) if d["plan"].kind == "data"]), name) \
-            if graph.number_of_edges() and name in graph else set()
-        async_in = any(d["plan"].mode == "async" for u, v, d in graph.edges(data=True)
-                       if d["plan"].kind == "data" and (v == name or v in upstream))
+        upstream = nx.ancestors(data, name)
+        async_in = any(d["mode"] == "async" for _, v, d in data.edges(data=True) if v == name or v in upstream)
         partial = any(getattr(configs.get(u), "partial_rollout", False) for u in upstream)
         facts = GraphFacts(async_upstream=async_in, partial_rollout_upstream=partial)
         for key_path, message in op.check_graph(configs[name], facts):

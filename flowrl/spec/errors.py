@@ -14,8 +14,10 @@ def format_path(path: Path) -> str:
     for part in path:
         if isinstance(part, int):
             out += f"[{part}]"
-        else:
+        elif part.isidentifier():
             out += ("." if out else "") + part
+        else:
+            out += f'["{part}"]'
     return out
 
 

@@ -88,7 +88,7 @@ class PipelineSpec(Strict):
     name: str
     model: ModelSpec
     data: DataSpec
-    nodes: dict[str, dict[str, Any]]
+    nodes: dict[str, Any]  # name -> {op, resources, ...operator config}; checked by the compiler
     # Entries are `"a -> b"` or `{"a -> b": {mode: ...}}`; the compiler parses them with positions.
     edges: list[str | dict[str, Any]]
     cluster: ClusterSpec = msgspec.field(default_factory=ClusterSpec)
