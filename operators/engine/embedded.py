@@ -1,0 +1,386 @@
+"""The embedded inference engine: continuous batching on flowrl's own torch forward pass.
+
+How it runs. Requests wait in a queue; a scheduler task on the asyncio loop repeats *steps*. Each
+step (1) gives waiting requests free KV-cache slots, (2) prefills every request that has no KV yet
+(one forward per request, which also samples its next token), and (3) decodes one token for every
+other running request in a single batched forward over slots 0..hi. A request that finishes frees
+its slot at once and the next step refills it (continuous batching). New requests take the lowest
+free slot, so the decoded block of slots stays short. Steps run on one dedicated worker thread so
+the event loop (and the HTTP server) stays responsive; everything that changes the engine's state
+(pause, abort, weight update) waits for the step lock and so happens *between* steps.
+
+Logprobs. Each output token's logprob is taken from the distribution it was sampled from:
+log_softmax(logits / temperature), restricted to the top_k / top_p set and renormalised. With
+temperature 1 and no top-k/top-p that is exactly the model's distribution (what a trainer's
+teacher-forced forward computes). Greedy requests (temperature 0) report the untempered
+log_softmax(logits) of the chosen token, since the point mass they sample from has logprob 0.
+
+Weights and the KV cache. `update_weights` stages every incoming tensor off to the side while the
+engine keeps serving, and only when the whole version has arrived and checked out copies it into the
+live parameters between two steps; an error leaves the old weights untouched. KV entries already
+computed by the old weights are *kept* (the "in_place" behaviour, cheap) unless the engine was
+paused with mode "retract": then each running request's prompt and output so far are prefilled again
+at resume, so its next tokens equal what the new weights produce from that prefix.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+import random
+from collections import deque
+from collections.abc import AsyncIterable
+from dataclasses import dataclass, field
+
+import torch
+from flowrl_operators.engine.base import (
+    PAUSE_MODES,
+    Buckets,
+    GenerateRequest,
+    GenerateResult,
+    PauseMode,
+)
+from flowrl_operators.engine.model import CausalLM, KVCache, load_model
+from flowrl_operators.engine.sampling import sample
+from flowrl_operators.models import resolve_model, silence_hf
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A request inside the engine: its tokens so far and where its KV lives."""
+
+    request: GenerateRequest
+    future: asyncio.Future
+    generator: torch.Generator
+    stop_ids: frozenset[int]
+    tokens: list[int]  # prompt + output; the cache holds KV for all but the last one
+    output: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    slot: int | None = None
+    needs_prefill: bool = True
+    finish_reason: str | None = None
+    error: str | None = None
+
+    def result(self) -> GenerateResult:
+        return GenerateResult(
+            request_id=self.request.request_id,
+            output_ids=list(self.output),
+            logprobs=list(self.logprobs),
+            versions=list(self.versions),
+            finish_reason=self.finish_reason or "abort",
+            error=self.error,
+        )
+
+
+class EmbeddedEngine:
+    """flowrl's torch engine for Llama / Qwen2 / Qwen3 checkpoints (implements `InferenceEngine`).
+
+    `max_slots` bounds the requests decoded together (the rest queue); `max_context` bounds prompt +
+    output per request (default: the model's max_position_embeddings, at most 4096). `threads` sets
+    torch's intra-op threads for the process (one per process is fastest when processes share cores).
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike,
+        *,
+        max_slots: int = 32,
+        max_context: int | None = None,
+        dtype: torch.dtype | str = torch.float32,
+        device: str | torch.device = "cpu",
+        threads: int | None = None,
+        seed: int = 0,
+        version: int = 0,
+    ) -> None:
+        silence_hf()
+        if threads is not None:
+            torch.set_num_threads(threads)
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+        self.device = torch.device(device)
+        self.folder = resolve_model(model)
+        self.model: CausalLM = load_model(self.folder, dtype, self.device)
+        config = self.model.config
+        self.vocab_size = config.vocab_size
+        eos = config.eos_token_id
+        self.eos_ids = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
+        self.max_context = max_context or min(config.max_position_embeddings, 4096)
+        self.max_slots = max_slots
+        self.cache = KVCache(config, max_slots, self.max_context, dtype, self.device)
+        self._version = version
+        self._rng = random.Random(seed)
+        self._waiting: deque[Sequence] = deque()
+        self._slots: list[Sequence | None] = [None] * max_slots
+        self._by_id: dict[str, Sequence] = {}
+        self._paused = False
+        self._lock: asyncio.Lock | None = None  # created on first use, inside the serving loop
+        self._wake: asyncio.Event | None = None
+        self._scheduler: asyncio.Task | None = None
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="flowrl-engine")
+        self._closed = False
+
+    # --- InferenceEngine ---------------------------------------------------------------------------
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def named_parameters(self):
+        """(HF name, live tensor) pairs, e.g. to compare with a trainer bit for bit."""
+        return self.model.named_parameters()
+
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        self._start()
+        problem = self._check(request)
+        if problem:
+            return GenerateResult(request_id=request.request_id, finish_reason="abort", error=problem)
+        params = request.sampling
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        seq = Sequence(
+            request=request,
+            future=asyncio.get_running_loop().create_future(),
+            generator=torch.Generator(self.device).manual_seed(seed),
+            stop_ids=frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids),
+            tokens=list(request.input_ids),
+        )
+        self._by_id[request.request_id] = seq
+        self._waiting.append(seq)
+        self._wake.set()
+        try:
+            return await asyncio.shield(seq.future)
+        except asyncio.CancelledError:
+            # The caller went away (e.g. an HTTP client disconnected): free the slot.
+            await self.abort(request.request_id)
+            raise
+
+    async def pause(self, mode: PauseMode = "retract") -> None:
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode {mode!r} is not one of {', '.join(PAUSE_MODES)}")
+        self._start()
+        async with self._lock:
+            self._paused = True
+            if mode == "retract":
+                for seq in self._running():
+                    seq.needs_prefill = True
+            elif mode == "abort":
+                for seq in list(self._waiting) + self._running():
+                    self._finish(seq, "abort")
+
+    async def resume(self) -> None:
+        self._start()
+        async with self._lock:
+            self._paused = False
+            self._wake.set()
+
+    async def update_weights(self, buckets: Buckets, version: int) -> None:
+        """Apply a complete new version between two steps, or nothing (see the module docs)."""
+        self._start()
+        staged: dict[str, torch.Tensor] = {}
+        if isinstance(buckets, AsyncIterable):
+            async for bucket in buckets:
+                staged.update(await asyncio.to_thread(self._stage, bucket))
+        else:
+            for bucket in buckets:
+                staged.update(await asyncio.to_thread(self._stage, bucket))
+        async with self._lock:
+            await asyncio.get_running_loop().run_in_executor(self._executor, self._apply, staged)
+            self._version = version
+
+    async def abort(self, request_id: str) -> GenerateResult | None:
+        self._start()
+        async with self._lock:
+            seq = self._by_id.get(request_id)
+            if seq is None:
+                return None
+            self._finish(seq, "abort")
+            return seq.result()
+
+    async def abort_all(self) -> list[GenerateResult]:
+        self._start()
+        async with self._lock:
+            seqs = list(self._waiting) + self._running()
+            for seq in seqs:
+                self._finish(seq, "abort")
+            return [seq.result() for seq in seqs]
+
+    async def load_weights_from_disk(self, model: str | os.PathLike, version: int) -> None:
+        """Replace the weights with another checkpoint of the same architecture (same atomicity)."""
+        folder = resolve_model(model)
+        fresh = await asyncio.to_thread(load_model, folder, self.cache.keys[0].dtype, torch.device("cpu"))
+        await self.update_weights([list(fresh.named_parameters())], version)
+
+    def stats(self) -> dict:
+        return {"running": len(self._running()), "waiting": len(self._waiting), "paused": self._paused,
+                "version": self._version, "max_slots": self.max_slots, "max_context": self.max_context}
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._lock is not None:
+            await self.abort_all()
+        if self._scheduler is not None:
+            self._scheduler.cancel()
+            try:
+                await self._scheduler
+            except asyncio.CancelledError:
+                pass
+        self._executor.shutdown(wait=True)
+
+    # --- request checks ------------------------------------------------------------------------------
+
+    def _check(self, request: GenerateRequest) -> str | None:
+        """Why this request cannot run, or None. Bad requests fail alone; the engine serves on."""
+        ids, params = request.input_ids, request.sampling
+        if self._closed:
+            return "the engine is closed"
+        if request.request_id in self._by_id:
+            return f"request id {request.request_id!r} is already in flight; use a unique id"
+        if not ids:
+            return "empty prompt: input_ids must hold at least one token id"
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            return f"token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})"
+        if len(ids) >= self.max_context:
+            return (f"prompt of {len(ids)} tokens leaves no room in the context of {self.max_context} "
+                    "tokens; shorten the prompt or raise max_context")
+        if params.max_new_tokens < 1:
+            return f"max_new_tokens must be >= 1, got {params.max_new_tokens}"
+        if params.temperature < 0:
+            return f"temperature must be >= 0, got {params.temperature}"
+        if not 0 < params.top_p <= 1:
+            return f"top_p must be in (0, 1], got {params.top_p}"
+        bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            return f"stop token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
+        return None
+
+    # --- weights -------------------------------------------------------------------------------------
+
+    def _stage(self, bucket) -> dict[str, torch.Tensor]:
+        """Check one bucket against the model and copy it aside (on the engine's device and dtype)."""
+        params = dict(self.model.named_parameters())
+        staged = {}
+        for name, tensor in bucket:
+            if name == "lm_head.weight" and self.model.tied:
+                name = "model.embed_tokens.weight"  # a tied head is the embedding (trainers send both)
+            if name not in params:
+                raise KeyError(f"weight update names {name!r}, which this model does not have "
+                               f"(expected HF names such as {next(iter(params))!r})")
+            tensor = torch.as_tensor(tensor)
+            if tuple(tensor.shape) != tuple(params[name].shape):
+                raise ValueError(f"weight update for {name} has shape {tuple(tensor.shape)}, "
+                                 f"the model has {tuple(params[name].shape)}")
+            staged[name] = tensor.detach().to(self.device, params[name].dtype, copy=True)
+        return staged
+
+    @torch.no_grad()
+    def _apply(self, staged: dict[str, torch.Tensor]) -> None:
+        params = dict(self.model.named_parameters())
+        for name, tensor in staged.items():
+            params[name].copy_(tensor)
+
+    # --- scheduling ------------------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        """Create the lock and the scheduler task in the running loop (on first use)."""
+        if self._scheduler is None:
+            self._lock, self._wake = asyncio.Lock(), asyncio.Event()
+            self._scheduler = asyncio.get_running_loop().create_task(self._schedule())
+
+    def _running(self) -> list[Sequence]:
+        return [seq for seq in self._slots if seq is not None]
+
+    async def _schedule(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._wake.wait()
+            async with self._lock:
+                if self._paused or not (self._waiting or any(self._slots)):
+                    self._wake.clear()
+                    continue
+                self._admit()
+                running = self._running()
+                try:
+                    await loop.run_in_executor(self._executor, self._step, running)
+                except Exception as exc:  # a bug in a batched forward: fail this batch, keep serving
+                    for seq in running:
+                        if seq.finish_reason is None:
+                            seq.error = f"engine step failed: {exc!r}"
+                            self._finish(seq, "abort")
+                for seq in running:
+                    if seq.finish_reason is not None:
+                        self._finish(seq, seq.finish_reason)
+            await asyncio.sleep(0)  # let pause/abort/update callers take the lock between steps
+
+    def _admit(self) -> None:
+        for slot in range(self.max_slots):
+            if not self._waiting:
+                break
+            if self._slots[slot] is None:
+                seq = self._waiting.popleft()
+                seq.slot, seq.needs_prefill = slot, True
+                self._slots[slot] = seq
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        """Release the request's slot and hand its result to the caller (event-loop thread only)."""
+        seq.finish_reason = reason
+        if seq.slot is not None:
+            self._slots[seq.slot] = None
+            seq.slot = None
+        if seq in self._waiting:
+            self._waiting.remove(seq)
+        self._by_id.pop(seq.request.request_id, None)
+        if not seq.future.done():
+            seq.future.set_result(seq.result())
+
+    # --- one step (runs on the engine thread) --------------------------------------------------------
+
+    @torch.no_grad()
+    def _step(self, running: list[Sequence]) -> None:
+        prefill = [seq for seq in running if seq.needs_prefill]
+        decode = [seq for seq in running if not seq.needs_prefill]
+        for seq in prefill:
+            try:
+                tokens = torch.tensor([seq.tokens], device=self.device)
+                start = torch.zeros(1, dtype=torch.long, device=self.device)
+                logits = self.model(tokens, start, self.cache, slice(seq.slot, seq.slot + 1), len(seq.tokens))
+                seq.needs_prefill = False
+                self._emit([seq], logits)
+            except Exception as exc:  # this request alone fails
+                seq.error, seq.finish_reason = f"prefill failed: {exc!r}", "abort"
+        if decode:
+            # One token per row over slots 0..hi; free slots in between feed a dummy token at position
+            # 0 of their own (unowned) slot, and their logits are ignored.
+            hi = max(seq.slot for seq in decode) + 1
+            tokens, start = [0] * hi, [0] * hi
+            for seq in decode:
+                tokens[seq.slot], start[seq.slot] = seq.tokens[-1], len(seq.tokens) - 1
+            logits = self.model(
+                torch.tensor(tokens, device=self.device)[:, None],
+                torch.tensor(start, device=self.device),
+                self.cache, slice(0, hi), max(start) + 1,
+            )
+            rows = torch.tensor([seq.slot for seq in decode], device=self.device)
+            self._emit(decode, logits[rows])
+
+    def _emit(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        """Sample one token per sequence from its logits row; append it and check stop conditions."""
+        params = [seq.request.sampling for seq in seqs]
+        tokens, logprobs = sample(logits, params, [seq.generator for seq in seqs])
+        for seq, token, logprob, p in zip(seqs, tokens, logprobs, params, strict=True):
+            seq.tokens.append(token)
+            seq.output.append(token)
+            seq.logprobs.append(logprob)
+            seq.versions.append(self._version)
+            if token in seq.stop_ids:
+                seq.finish_reason = "stop"
+            elif len(seq.output) >= p.max_new_tokens or len(seq.tokens) >= self.max_context:
+                seq.finish_reason = "length"
+

@@ -1,0 +1,227 @@
+"""flowrl's own forward pass for the Llama / Qwen2 / Qwen3 decoder family, with a slot KV cache.
+
+The module tree mirrors Hugging Face's, so `named_parameters()` yields the checkpoint's names
+(`model.layers.0.self_attn.q_proj.weight`, ...) and weights load and update by those names. The
+three families differ only in details read from the config: Qwen2 has biases on q/k/v, Qwen3 has an
+RMSNorm on each query/key head, Llama has neither (unless `attention_bias`).
+
+KV cache: one tensor per layer for keys and one for values, shaped
+[slots, kv_heads, max_context, head_dim]. A request owns one slot; the key and value of its token at
+position p live at [slot, :, p]. `forward` runs a rectangular block of rows: row b feeds S tokens
+starting at position `start[b]` and attends to its own positions 0..start[b]+i. Decoding is S = 1
+over the rows 0..B-1; prefilling one request is B = 1 over its slot.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 whatever the weights' dtype, as the HF reference does.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = head_dim_of(config)
+        qkv_bias = config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
+        o_bias = config.model_type != "qwen2" and bool(getattr(config, "attention_bias", False))
+        hidden = config.hidden_size
+        self.q_proj = nn.Linear(hidden, self.heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden, self.kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden, self.kv_heads * self.head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, hidden, bias=o_bias)
+        if config.model_type == "qwen3":
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x, cos, sin, keys, values, row_index, positions, mask, length):
+        """x [B, S, hidden]; keys/values: this layer's cache rows [B, kv_heads, max_context, head_dim]."""
+        batch, steps, _ = x.shape
+        q = self.q_proj(x).view(batch, steps, self.heads, self.head_dim)
+        k = self.k_proj(x).view(batch, steps, self.kv_heads, self.head_dim)
+        v = self.v_proj(x).view(batch, steps, self.kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        # Write this block's keys/values into the cache, then attend over the cached prefix.
+        keys[row_index, :, positions] = k
+        values[row_index, :, positions] = v
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys[:, :, :length], values[:, :, :length], attn_mask=mask, enable_gqa=True
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(batch, steps, self.heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        bias = bool(getattr(config, "mlp_bias", False))
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.self_attn = Attention(config)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class DecoderBody(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """The decoder with its language-model head; parameter names are the HF checkpoint's."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        check_config(config)
+        self.config = config
+        self.tied = bool(getattr(config, "tie_word_embeddings", False))
+        self.model = DecoderBody(config)
+        # A tied head has no parameter of its own (HF's named_parameters() omits it too).
+        self.lm_head = None if self.tied else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.tied else self.lm_head.weight
+
+    @torch.no_grad()
+    def forward(self, tokens: torch.Tensor, start: torch.Tensor, cache: KVCache, rows: slice,
+                length: int, all_logits: bool = False) -> torch.Tensor:
+        """Feed tokens [B, S] to cache rows `rows` (B of them), row b starting at position start[b].
+
+        `length` = max(start) + S, the cached prefix the block attends over. Returns fp32 logits of
+        the last position of each row [B, vocab], or of every position [B, S, vocab].
+        """
+        batch, steps = tokens.shape
+        positions = start[:, None] + torch.arange(steps, device=tokens.device)  # [B, S]
+        row_index = torch.arange(batch, device=tokens.device)[:, None]  # broadcasts against positions
+        # Key t is visible to query (b, i) iff t <= positions[b, i] (causal within the row's slot).
+        mask = (torch.arange(length, device=tokens.device) <= positions[:, :, None])[:, None]
+        dtype = self.model.embed_tokens.weight.dtype
+        cos, sin = cache.cos[positions].to(dtype), cache.sin[positions].to(dtype)
+        h = self.model.embed_tokens(tokens)
+        for layer, keys, values in zip(self.model.layers, cache.keys, cache.values, strict=True):
+            attn_in = layer.input_layernorm(h)
+            h = h + layer.self_attn(attn_in, cos, sin, keys[rows], values[rows], row_index, positions,
+                                    mask, length)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        h = self.model.norm(h if all_logits else h[:, -1])
+        return (h @ self.head_weight().T).float()
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding on [B, S, heads, head_dim] (the half-split convention of HF Llama)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, :, None] + rotated * sin[:, :, None]
+
+
+def head_dim_of(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def check_config(config) -> None:
+    if config.model_type not in ARCHITECTURES:
+        raise ValueError(
+            f"model_type {config.model_type!r} is not supported by the embedded engine; "
+            f"supported: {', '.join(ARCHITECTURES)}"
+        )
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {config.hidden_act!r} is not supported; the engine implements silu")
+    if getattr(config, "use_sliding_window", False):
+        raise ValueError("sliding-window attention is not supported by the embedded engine")
+
+
+class KVCache:
+    """Per-layer key/value tensors [slots, kv_heads, max_context, head_dim], plus the RoPE tables."""
+
+    def __init__(self, config, slots: int, max_context: int, dtype: torch.dtype, device: torch.device) -> None:
+        shape = (slots, config.num_key_value_heads, max_context, head_dim_of(config))
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+        self.cos, self.sin = rope_tables(config, max_context, device)
+        self.slots, self.max_context = slots, max_context
+
+
+def rope_tables(config, max_context: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 cos/sin [max_context, head_dim] for every position, computed as HF computes them."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        dim = head_dim_of(config)
+        theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        scale = 1.0
+    else:  # llama3, yarn, ...: reuse transformers' published frequency formulas
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    freqs = torch.arange(max_context, dtype=torch.float)[:, None] * inv_freq[None, :]
+    angles = torch.cat((freqs, freqs), dim=-1)
+    return (angles.cos() * scale).to(device), (angles.sin() * scale).to(device)
+
+
+def load_model(folder: Path, dtype: torch.dtype, device: torch.device | str):
+    """Build the model for a checkpoint folder and load its safetensors by HF name."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    with torch.device("meta"):
+        model = CausalLM(config)
+    model = model.to_empty(device=device).to(dtype)
+    params = dict(model.named_parameters())
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{folder} has no *.safetensors weights")
+    loaded = set()
+    for file in files:
+        for name, tensor in load_file(str(file)).items():
+            if name == "lm_head.weight" and model.tied:
+                continue
+            if name not in params:
+                continue  # e.g. rotary buffers saved by old exports
+            if params[name].shape != tensor.shape:
+                raise ValueError(f"{file.name}: {name} has shape {tuple(tensor.shape)}, "
+                                 f"the config implies {tuple(params[name].shape)}")
+            with torch.no_grad():
+                params[name].copy_(tensor)
+            loaded.add(name)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise ValueError(f"{folder}: checkpoint lacks {len(missing)} parameters, e.g. {missing[:3]}")
+    model.eval()
+    return model
