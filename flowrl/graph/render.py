@@ -142,15 +142,16 @@ def layout(plan: Plan) -> dict[str, tuple[int, int]]:
 
 
 def render_svg(plan: Plan) -> str:
-    w, h, gap_x, gap_y, top = 190, 64, 90, 50, 110
+    w, h, gap_x, gap_y, top = 180, 64, 120, 50, 70
     pos = layout(plan)
     xy = {n: (30 + layer * (w + gap_x), top + row * (h + gap_y)) for n, (layer, row) in pos.items()}
     width = max(x for x, _ in xy.values()) + w + 40
     height = max(y for _, y in xy.values()) + h + 110
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="Helvetica, Arial, sans-serif" font-size="12">',
+    # viewBox + width 100%: the drawing scales to the window instead of scrolling off it.
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} {height}" width="100%" style="max-width:{width}px" font-family="Helvetica, Arial, sans-serif" font-size="12">',
            '<defs><marker id="arrow" viewBox="0 0 10 10" refX="10" refY="5" markerWidth="7" markerHeight="7" orient="auto"><path d="M0,0 L10,5 L0,10 z" fill="#444"/></marker>'
            '<marker id="arrow-w" viewBox="0 0 10 10" refX="10" refY="5" markerWidth="7" markerHeight="7" orient="auto"><path d="M0,0 L10,5 L0,10 z" fill="#8e44ad"/></marker></defs>',
-           f'<text x="30" y="30" font-size="13" fill="#333">{html.escape(data_label(plan))}</text>']
+           f'<text x="30" y="30" font-size="13" fill="#333">{html.escape(data_label(plan))} → prompts to every generate node</text>']
     for e in plan.edges:
         (x1, y1), (x2, y2) = xy[e.src], xy[e.dst]
         label = html.escape(edge_label(e))
@@ -164,7 +165,9 @@ def render_svg(plan: Plan) -> str:
             sx, sy, tx, ty = x1 + w, y1 + h / 2, x2, y2 + h / 2
             out.append(f'<path class="edge {e.mode}" d="M{sx},{sy} L{tx},{ty}" stroke="{color}" stroke-width="{3 if e.mode == "async" else 1.5}"{dash} marker-end="url(#arrow)"/>')
             short = f"async ≤{e.max_staleness}" if e.mode == "async" else "sync"
-            out.append(f'<text x="{(sx + tx) / 2}" y="{(sy + ty) / 2 - 6}" text-anchor="middle" fill="{color}">{html.escape(e.port_type)} · {short}</text>')
+            mx, my = (sx + tx) / 2, (sy + ty) / 2
+            out.append(f'<text x="{mx}" y="{my - 6}" text-anchor="middle" fill="{color}">{short}</text>'
+                       f'<text x="{mx}" y="{my + 14}" text-anchor="middle" fill="#777" font-size="10">{html.escape(e.port_type)}</text>')
     for name, (x, y) in xy.items():
         n = plan.nodes[name]
         out.append(f'<g class="node" id="node-{html.escape(name)}"><rect x="{x}" y="{y}" width="{w}" height="{h}" rx="8" fill="#eef4fb" stroke="#2c3e50"/>'
