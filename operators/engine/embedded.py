@@ -209,6 +209,11 @@ class EmbeddedEngine:
                 self._finish(seq, "abort")
             return [seq.result() for seq in seqs]
 
+    def snapshot(self, request_id: str) -> GenerateResult | None:
+        """The request's output so far (finish_reason not final), or None if it is not in flight."""
+        seq = self._by_id.get(request_id)
+        return None if seq is None else seq.result()
+
     async def load_weights_from_disk(self, model: str | os.PathLike, version: int) -> None:
         """Replace the weights with another checkpoint of the same architecture (same atomicity)."""
         folder = resolve_model(model)
