@@ -45,7 +45,7 @@ def test_module_attr_resolution_errors_are_plain() -> None:
     with pytest.raises(registry.OperatorError, match="not of the form module:attr"):
         registry.import_path("nocolon")
     with pytest.raises(registry.OperatorError, match="has no attribute 'Nope'"):
-        registry.resolve("flowrl_operators.nodes:Nope")
+        registry.resolve("flowrl_operators.generate:Nope")
     with pytest.raises(registry.OperatorError, match="unknown operator 'nope'"):
         registry.resolve("nope")
 
