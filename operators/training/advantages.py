@@ -34,6 +34,7 @@ from typing import Literal
 
 import msgspec
 import torch
+
 from flowrl_operators.training.batch import Batch
 
 

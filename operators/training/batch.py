@@ -196,7 +196,7 @@ def shard(batch: Batch, rank: int, world_size: int) -> Batch:
     return batch.select(sorted(owned[rank]))
 
 
-def micro_batches(batch: Batch, token_budget: int) -> list[Batch]:
+def micro_batch_rows(batch: Batch, token_budget: int) -> list[list[int]]:
     """Consecutive rows grouped so that rows x padded length stays within `token_budget`.
 
     A single row longer than the budget forms its own micro-batch.
@@ -213,4 +213,8 @@ def micro_batches(batch: Batch, token_budget: int) -> list[Batch]:
         width = max(width, length)
     if current:
         groups.append(current)
-    return [batch.select(rows) for rows in groups]
+    return groups
+
+
+def micro_batches(batch: Batch, token_budget: int) -> list[Batch]:
+    return [batch.select(rows) for rows in micro_batch_rows(batch, token_budget)]

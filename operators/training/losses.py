@@ -44,6 +44,7 @@ from typing import Literal
 
 import msgspec
 import torch
+
 from flowrl_operators.training.batch import Batch, Normaliser
 
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]

@@ -1,0 +1,357 @@
+"""The trainer: one per rank, holding a Hugging Face model sharded with FSDP2.
+
+    trainer = Trainer(model_path, TrainerConfig(lr=1e-5))    # inside each rank's process
+    batch = shard(pack(trajectories), trainer.rank, trainer.world_size)
+    batch.proximal_logprobs = trainer.compute_logprobs(batch)  # when the loss needs them
+    metrics = trainer.forward_backward(batch, policy_loss(loss_config))
+    metrics |= trainer.step()
+    for bucket in trainer.named_weights(64 << 20): ...          # rank 0 yields, others only join
+    trainer.save(run_dir / "step_4"); trainer.load(...); trainer.export_hf(out_dir)
+
+Ranks: with torch.distributed initialised (gloo on CPU, NCCL on GPU) and more than one rank the
+model is sharded with `fully_shard` per decoder layer and then the root, on an explicit 1-D mesh;
+with one rank (or no process group) it is a plain module. Every method is collective: all ranks
+call it in the same order. Each rank passes its own rows (`batch.shard`); the ranks may hold
+different numbers of rows and micro-batches (a rank with fewer joins the collectives with
+zero-weight micro-batches), and the loss normaliser is summed over the ranks, so the update does not
+depend on how the batch was split.
+
+`Reference` (frozen initial policy, `compute_logprobs` only) and `Critic` (value head on the same
+backbone family, `compute_values`, trained with `value_loss`) are the same class with another head.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from flowrl_operators.training import checkpoint
+from flowrl_operators.training.batch import TOKEN_FIELDS, Batch, Normaliser, micro_batch_rows
+from flowrl_operators.training.kernels import token_logprobs
+from flowrl_operators.training.losses import LossFn
+
+
+class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    warmup_steps: int = 0  # linear warm-up from lr / warmup_steps to lr
+    schedule: Literal["constant", "linear", "cosine"] = "constant"
+    total_steps: int | None = None  # the decay horizon of linear / cosine
+    min_lr_ratio: float = 0.0
+    grad_clip: float | None = 1.0
+    token_budget: int = 8192  # rows x padded length per micro-batch
+    max_bad_steps: int = 3  # consecutive skipped (non-finite) steps before the run stops
+    mixed_precision: bool = True  # bf16 compute on GPU; CPU always runs fp32
+    gradient_checkpointing: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.schedule != "constant" and not self.total_steps:
+            raise ValueError(f"schedule {self.schedule!r} needs total_steps")
+        if self.lr <= 0 or self.token_budget <= 0 or self.max_bad_steps < 1:
+            raise ValueError("trainer lr and token_budget must be > 0 and max_bad_steps >= 1")
+
+
+class NonFiniteError(RuntimeError):
+    """Too many consecutive steps had a non-finite loss or gradient."""
+
+
+def lr_factor(step: int, config: TrainerConfig) -> float:
+    """Multiplier of the base lr at optimizer step `step` (0-based)."""
+    if step < config.warmup_steps:
+        return (step + 1) / config.warmup_steps
+    if config.schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - config.warmup_steps) / max(1, config.total_steps - config.warmup_steps))
+    shape = 1 - progress if config.schedule == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
+    return config.min_lr_ratio + (1 - config.min_lr_ratio) * shape
+
+
+def _load_model(path: Path, head: str):
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    from flowrl_operators.models import silence_hf
+
+    silence_hf()
+    if head == "value":
+        # verl's critic shape: the backbone with a 1-output token head (initialised from the seed).
+        return AutoModelForTokenClassification.from_pretrained(
+            str(path), num_labels=1, local_files_only=True, dtype=torch.float32
+        )
+    return AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=torch.float32)
+
+
+class Trainer:
+    """One rank of a (possibly sharded) policy: forward/backward, optimizer step, weights, checkpoints."""
+
+    head: Literal["policy", "value"] = "policy"
+    trainable: bool = True
+
+    def __init__(self, model_path: str | Path, config: TrainerConfig | None = None) -> None:
+        from flowrl_operators.models import resolve_model
+
+        self.config = config or TrainerConfig()
+        self.model_path = resolve_model(model_path)
+        distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if distributed else 0
+        self.world_size = dist.get_world_size() if distributed else 1
+        if torch.cuda.is_available():
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            self.device = torch.device("cpu")
+        self.bf16 = self.device.type == "cuda" and self.config.mixed_precision
+        torch.manual_seed(self.config.seed)  # the same fresh heads on every rank
+        self.model = _load_model(self.model_path, self.head).to(self.device)
+        if self.config.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable()
+        self.sharded = self.world_size > 1
+        if self.sharded:
+            self._shard()
+        self.step_count = 0  # optimizer steps applied
+        self.policy_version = 0
+        self.skipped_steps = 0
+        self.bad_in_row = 0
+        self._nonfinite_loss = False
+        if self.trainable:
+            self.model.train()
+            self.optimizer = torch.optim.AdamW(
+                self.model.parameters(),
+                lr=self.config.lr,
+                betas=self.config.betas,
+                eps=self.config.eps,
+                weight_decay=self.config.weight_decay,
+            )
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+                self.optimizer, lambda step: lr_factor(step, self.config)
+            )
+        else:
+            self.model.eval()
+            self.model.requires_grad_(False)
+            self.optimizer = self.scheduler = None
+
+    def _shard(self) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        self.mesh = init_device_mesh(self.device.type, (self.world_size,))
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if self.bf16 else None
+        kwargs = {"mesh": self.mesh} | ({"mp_policy": mp} if mp else {})
+        for layer in self.model.base_model.layers:
+            fully_shard(layer, **kwargs)
+        fully_shard(self.model, **kwargs)
+
+    # --- collectives over the ranks ------------------------------------------------------------
+
+    def _all_reduce(self, values: list[float], op=None) -> list[float]:
+        if self.world_size == 1:
+            return values
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
+        return t.tolist()
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()
+
+    # --- forward ---------------------------------------------------------------------------------
+
+    def _autocast(self):
+        if self.bf16 and not self.sharded:
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _forward(self, mb: Batch) -> dict[str, torch.Tensor]:
+        mb = mb.to(self.device)
+        with self._autocast():
+            out = self.model(
+                input_ids=mb.input_ids,
+                attention_mask=mb.attention_mask,
+                position_ids=mb.position_ids,
+                use_cache=False,
+            )
+        if self.head == "value":
+            return {"values": out.logits[:, :-1, 0].float()}
+        logprobs, entropy = token_logprobs(out.logits[:, :-1], mb.input_ids[:, 1:])
+        return {"logprobs": logprobs, "entropy": entropy}
+
+    def _plan(self, batch: Batch) -> tuple[list[list[int]], int]:
+        """This rank's micro-batch rows and the number of micro-batches every rank will run."""
+        rows = micro_batch_rows(batch, self.config.token_budget)
+        return rows, int(self._all_reduce([float(len(rows))], dist.ReduceOp.MAX if self.world_size > 1 else None)[0])
+
+    def forward_backward(self, batch: Batch, loss_fn: LossFn) -> dict[str, float]:
+        """Accumulate the gradient of this rank's rows; returns metrics summed over all ranks."""
+        if not self.trainable:
+            raise RuntimeError("this model is frozen (a Reference); it has no backward pass")
+        counts = Normaliser.of(batch)
+        tokens, sequences = self._all_reduce([counts.tokens, counts.sequences])
+        normaliser = Normaliser(tokens=tokens, sequences=sequences)
+        rows, count = self._plan(batch)
+        metrics: dict[str, float] = defaultdict(float)
+        nonfinite = 0.0
+        for k in range(count):
+            real = k < len(rows)
+            mb = batch.select(rows[k]) if real else _placeholder(batch)
+            if self.sharded:
+                # Reduce-scatter gradients once, after the last micro-batch.
+                self.model.set_requires_gradient_sync(k == count - 1)
+            output = self._forward(mb)
+            loss, values = loss_fn(output, mb.to(self.device), normaliser)
+            if not torch.isfinite(loss.detach()).all():
+                nonfinite = 1.0
+            # FSDP averages gradients over ranks; the loss is already globally normalised, so the
+            # ranks' gradients must add up: scale by the world size.
+            (loss * (self.world_size if real else 0.0)).backward()
+            for key, value in values.items():
+                metrics[key] += value if real else 0.0
+        keys = sorted(metrics)
+        totals = self._all_reduce([metrics[k] for k in keys] + [nonfinite])
+        self._nonfinite_loss = self._nonfinite_loss or totals[-1] > 0
+        return dict(zip(keys, totals[:-1], strict=True))
+
+    def step(self) -> dict[str, float]:
+        """Clip, check and apply the accumulated gradient; a non-finite one is dropped and counted."""
+        max_norm = self.config.grad_clip if self.config.grad_clip is not None else math.inf
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        norm = float(norm)
+        lr = self.optimizer.param_groups[0]["lr"]
+        if self._nonfinite_loss or not math.isfinite(norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            self._nonfinite_loss = False
+            self.skipped_steps += 1
+            self.bad_in_row += 1
+            if self.bad_in_row >= self.config.max_bad_steps:
+                raise NonFiniteError(
+                    f"{self.bad_in_row} consecutive training steps had a non-finite loss or gradient "
+                    f"(max_bad_steps={self.config.max_bad_steps}); the weights were left untouched. "
+                    "Lower the learning rate, check the rewards and advantages for nan/inf, or raise max_bad_steps."
+                )
+            return {"skipped": 1.0, "skipped_steps": float(self.skipped_steps), "grad_norm": norm, "lr": lr}
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.bad_in_row = 0
+        self.step_count += 1
+        self.policy_version += 1
+        return {"skipped": 0.0, "skipped_steps": float(self.skipped_steps), "grad_norm": norm, "lr": lr}
+
+    @torch.no_grad()
+    def _per_token(self, batch: Batch, key: str) -> torch.Tensor:
+        out = torch.zeros(batch.size, max(batch.input_ids.shape[1] - 1, 0))
+        rows, count = self._plan(batch)
+        for k in range(count):
+            real = k < len(rows)
+            mb = batch.select(rows[k]) if real else _placeholder(batch)
+            values = self._forward(mb)[key].float().cpu()
+            if real:
+                out[rows[k][0] : rows[k][-1] + 1, : values.shape[1]] = torch.where(mb.loss_mask > 0, values, 0.0)
+        return out
+
+    def compute_logprobs(self, batch: Batch) -> torch.Tensor:
+        """Logprobs of this rank's rows under the current weights (proximal or reference), (B, T)."""
+        return self._per_token(batch, "logprobs")
+
+    # --- weights ---------------------------------------------------------------------------------
+
+    def _named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        # named_parameters() lists a tied weight once (under its first name, e.g. the embedding).
+        yield from self.model.named_parameters()
+        persistent = set(self.model.state_dict().keys())
+        for name, buffer in self.model.named_buffers():
+            if name in persistent:
+                yield name, buffer
+
+    def named_weights(
+        self, bucket_bytes: int = 64 << 20, dtype: torch.dtype | None = None
+    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Full tensors with Hugging Face names, in buckets of about `bucket_bytes`.
+
+        Collective: every rank must iterate it to the end (each sharded parameter is gathered with
+        `full_tensor()`, one at a time, in the same order on every rank); only rank 0 yields. With
+        one rank the tensors alias the live parameters (unless `dtype` casts them): copy them
+        before the next step.
+        """
+        bucket: list[tuple[str, torch.Tensor]] = []
+        size = 0
+        for name, tensor in self._named_tensors():
+            full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+            if self.rank != 0:
+                continue
+            full = full.detach() if dtype is None else full.detach().to(dtype)
+            bucket.append((name, full))
+            size += full.numel() * full.element_size()
+            if size >= bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+        if bucket and self.rank == 0:
+            yield bucket
+
+    def state_dict_full(self) -> dict[str, torch.Tensor]:
+        """The whole model as full CPU tensors on rank 0 (`{}` elsewhere); collective."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        if not self.sharded:
+            return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_model_state_dict(self.model, options=options)
+
+    # --- checkpoints -----------------------------------------------------------------------------
+
+    def save(self, path: str | Path) -> Path:
+        """Sharded DCP checkpoint of model, optimizer, scheduler, RNG, step and version; atomic."""
+        return checkpoint.save(self, Path(path))
+
+    def load(self, path: str | Path) -> None:
+        checkpoint.load(self, Path(path))
+
+    def export_hf(self, path: str | Path) -> Path:
+        """A Hugging Face directory (safetensors, config, tokenizer) that `from_pretrained` loads."""
+        return checkpoint.export_hf(self, Path(path))
+
+
+def _placeholder(batch: Batch) -> Batch:
+    """A one-row micro-batch of zeros with the same fields as `batch`, for ranks with no rows left."""
+    fields = {}
+    for name, value in vars(batch).items():
+        if value is None:
+            fields[name] = None
+        elif name in ("group_index",):
+            fields[name] = torch.zeros(1, dtype=value.dtype)
+        elif name == "lengths":
+            fields[name] = torch.full((1,), 2, dtype=value.dtype)
+        elif name in TOKEN_FIELDS:
+            fields[name] = torch.zeros(1, 1, dtype=value.dtype)
+        else:
+            fields[name] = torch.zeros(1, 2, dtype=value.dtype)
+    fields["attention_mask"] = torch.ones(1, 2, dtype=torch.long)
+    fields["position_ids"] = torch.arange(2)[None]
+    return Batch(**fields)
+
+
+class Reference(Trainer):
+    """The frozen initial policy: `compute_logprobs(batch)` gives the reference logprobs."""
+
+    trainable = False
+
+
+class Critic(Trainer):
+    """A value model (token head with one output on the policy's backbone), trained with `value_loss`."""
+
+    head = "value"
+
+    def compute_values(self, batch: Batch) -> torch.Tensor:
+        """V(s_t) for each target-aligned token of this rank's rows, (B, T), zero off the loss mask."""
+        return self._per_token(batch, "values")
+
