@@ -155,9 +155,11 @@ def gspo(logprobs, old, advantages, mask, config):
 def aggregate(
     per_token: torch.Tensor, mask: torch.Tensor, normaliser: Normaliser, aggregation: Aggregation, norm_length=None
 ) -> torch.Tensor:
+    # where(), not a product: a nan/inf on a padding or prompt column must not reach the loss.
+    masked = torch.where(mask > 0, per_token, 0.0) * mask
     if aggregation == "token-mean":
-        return (per_token * mask).sum() / max(normaliser.tokens, 1.0)
-    sums = (per_token * mask).sum(dim=1)
+        return masked.sum() / max(normaliser.tokens, 1.0)
+    sums = masked.sum(dim=1)
     if aggregation == "seq-mean-token-mean":
         return (sums / mask.sum(dim=1).clamp(min=1)).sum() / max(normaliser.sequences, 1.0)
     return sums.sum() / (max(normaliser.sequences, 1.0) * (norm_length or 1.0))
