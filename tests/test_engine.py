@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from flowrl_operators.engine.base import GenerateRequest, InferenceEngine, SamplingParams
 from flowrl_operators.engine.embedded import EmbeddedEngine
 from flowrl_operators.models import load_hf_model, load_tokenizer

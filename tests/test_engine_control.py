@@ -6,10 +6,11 @@ import asyncio
 
 import pytest
 import torch
+from test_engine import GREEDY, make_checkpoint, request, teacher_forced_logprobs
+
 from flowrl_operators.engine.base import SamplingParams
 from flowrl_operators.engine.embedded import EmbeddedEngine
 from flowrl_operators.models import load_hf_model
-from test_engine import GREEDY, make_checkpoint, request, teacher_forced_logprobs
 
 torch.set_num_threads(1)
 LONG = SamplingParams(temperature=0.0, max_new_tokens=60, ignore_eos=True)

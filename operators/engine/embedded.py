@@ -34,6 +34,7 @@ from collections.abc import AsyncIterable
 from dataclasses import dataclass, field
 
 import torch
+
 from flowrl_operators.engine.base import (
     PAUSE_MODES,
     Buckets,
@@ -128,6 +129,10 @@ class EmbeddedEngine:
         return self._version
 
     @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
     def paused(self) -> bool:
         return self._paused
 
@@ -180,17 +185,48 @@ class EmbeddedEngine:
 
     async def update_weights(self, buckets: Buckets, version: int) -> None:
         """Apply a complete new version between two steps, or nothing (see the module docs)."""
-        self._start()
         staged: dict[str, torch.Tensor] = {}
         if isinstance(buckets, AsyncIterable):
             async for bucket in buckets:
-                staged.update(await asyncio.to_thread(self._stage, bucket))
+                staged.update(await asyncio.to_thread(self.stage, bucket))
         else:
             for bucket in buckets:
-                staged.update(await asyncio.to_thread(self._stage, bucket))
+                staged.update(await asyncio.to_thread(self.stage, bucket))
+        await self.commit(staged, version)
+
+    def stage(self, bucket) -> dict[str, torch.Tensor]:
+        """Check one bucket of (HF name, tensor) against the model and copy it aside, on the
+        engine's device and dtype. Raises on an unknown name or a wrong shape; touches nothing live."""
+        params = dict(self.model.named_parameters())
+        staged = {}
+        for name, tensor in bucket:
+            if name == "lm_head.weight" and self.model.tied:
+                name = "model.embed_tokens.weight"  # a tied head is the embedding (trainers send both)
+            if name not in params:
+                raise KeyError(f"weight update names {name!r}, which this model does not have "
+                               f"(expected HF names such as {next(iter(params))!r})")
+            tensor = torch.as_tensor(tensor)
+            if tuple(tensor.shape) != tuple(params[name].shape):
+                raise ValueError(f"weight update for {name} has shape {tuple(tensor.shape)}, "
+                                 f"the model has {tuple(params[name].shape)}")
+            staged[name] = tensor.detach().to(self.device, params[name].dtype, copy=True)
+        return staged
+
+    async def commit(self, staged: dict[str, torch.Tensor], version: int) -> None:
+        """Copy staged tensors into the live parameters between two steps and stamp `version`."""
+        self._start()
         async with self._lock:
             await asyncio.get_running_loop().run_in_executor(self._executor, self._apply, staged)
             self._version = version
+
+    async def set_version(self, version: int) -> None:
+        """Relabel the current weights (SGLang's /update_weight_version)."""
+        self._start()
+        async with self._lock:
+            self._version = version
+
+    def request_ids(self) -> list[str]:
+        return list(self._by_id)
 
     async def abort(self, request_id: str) -> GenerateResult | None:
         self._start()
@@ -267,23 +303,6 @@ class EmbeddedEngine:
         return None
 
     # --- weights -------------------------------------------------------------------------------------
-
-    def _stage(self, bucket) -> dict[str, torch.Tensor]:
-        """Check one bucket against the model and copy it aside (on the engine's device and dtype)."""
-        params = dict(self.model.named_parameters())
-        staged = {}
-        for name, tensor in bucket:
-            if name == "lm_head.weight" and self.model.tied:
-                name = "model.embed_tokens.weight"  # a tied head is the embedding (trainers send both)
-            if name not in params:
-                raise KeyError(f"weight update names {name!r}, which this model does not have "
-                               f"(expected HF names such as {next(iter(params))!r})")
-            tensor = torch.as_tensor(tensor)
-            if tuple(tensor.shape) != tuple(params[name].shape):
-                raise ValueError(f"weight update for {name} has shape {tuple(tensor.shape)}, "
-                                 f"the model has {tuple(params[name].shape)}")
-            staged[name] = tensor.detach().to(self.device, params[name].dtype, copy=True)
-        return staged
 
     @torch.no_grad()
     def _apply(self, staged: dict[str, torch.Tensor]) -> None:

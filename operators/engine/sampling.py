@@ -10,6 +10,7 @@ distribution. A greedy row (temperature 0) takes the argmax and reports log_soft
 from __future__ import annotations
 
 import torch
+
 from flowrl_operators.engine.base import SamplingParams
 
 

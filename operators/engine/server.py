@@ -1,0 +1,470 @@
+"""The embedded engine behind HTTP on 127.0.0.1, speaking SGLang's native protocol and OpenAI chat.
+
+    python -m flowrl_operators.engine.server --model builtin:tiny-qwen2 --port 0
+
+prints `flowrl engine listening on http://127.0.0.1:PORT` once it serves. Routes (SGLang 0.5.23's
+names and bodies; weight versions are strings on the wire, as in SGLang, holding integers):
+
+  POST /generate                 input_ids (or text), sampling_params, return_logprob, rid; a list
+                                 of prompts is a batch. Answer: output_ids, text, meta_info with
+                                 finish_reason {"type": stop|length|abort}, output_token_logprobs
+                                 [(logprob, token_id, null)], weight_version, weight_versions spans.
+                                 A rejected single request answers 400 {"error": {"message"}}; in a
+                                 batch it answers finish_reason abort with the message.
+  POST /pause_generation         {"mode": "abort" (default, as SGLang) | "retract" | "in_place"}
+  POST /continue_generation
+  POST /abort_request            {"rid": prefix} or {"abort_all": true}; rids match by prefix
+  POST /update_weights_from_tensor   serialized_named_tensors: base64 safetensors (see transfer.py)
+  POST /update_weights_from_disk     {"model_path"}
+  POST /init_weights_update_group, /update_weights_from_distributed, /destroy_weights_update_group
+  POST /begin_weight_update, /end_weight_update: updates in between are staged and applied together
+  POST /update_weight_version    {"new_version"}
+  GET|POST /flush_cache          400 while requests run (nothing else is cached)
+  GET  /get_weight_version, /get_model_info, /get_server_info, /health, /health_generate, /v1/models
+  POST /v1/chat/completions      OpenAI chat through the tokenizer's chat template (no streaming)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import sys
+import time
+import uuid
+
+import msgspec
+import torch
+from aiohttp import web
+
+from flowrl_operators.engine.base import PAUSE_MODES, GenerateRequest, GenerateResult, SamplingParams
+from flowrl_operators.engine.embedded import EmbeddedEngine
+from flowrl_operators.engine.transfer import LOAD_FORMAT, decode_bucket, parse_dtype, weight_update_group
+from flowrl_operators.models import load_tokenizer
+
+# SGLang sampling keys this engine honours, and keys it may safely ignore at their defaults.
+SAMPLING_KEYS = {"temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "ignore_eos",
+                 "sampling_seed", "seed"}
+HARMLESS_DEFAULTS = {"min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
+                     "repetition_penalty": 1.0, "n": 1, "skip_special_tokens": None,
+                     "spaces_between_special_tokens": None, "no_stop_trim": None, "min_new_tokens": 0,
+                     "stop": None}
+
+
+class BadRequest(ValueError):
+    """A client error: answered 400 with its message."""
+
+
+def sampling_from(raw: dict | None) -> SamplingParams:
+    raw = dict(raw or {})
+    for key, default in HARMLESS_DEFAULTS.items():
+        value = raw.pop(key, default)
+        if default is not None and value != default and value not in (None, [], ""):
+            raise BadRequest(f"sampling_params.{key}={value!r} is not supported by the embedded engine")
+        if key == "stop" and value not in (None, [], ""):
+            raise BadRequest("sampling_params.stop (stop strings) is not supported; use stop_token_ids")
+    unknown = sorted(set(raw) - SAMPLING_KEYS)
+    if unknown:
+        raise BadRequest(f"unsupported sampling_params {unknown}; supported: {sorted(SAMPLING_KEYS)}")
+    if "sampling_seed" in raw:
+        raw["seed"] = raw.pop("sampling_seed")
+    if raw.get("stop_token_ids") is None:
+        raw.pop("stop_token_ids", None)
+    try:
+        return msgspec.convert(raw, SamplingParams)
+    except msgspec.ValidationError as exc:
+        raise BadRequest(f"sampling_params: {exc}") from None
+
+
+def parse_version(value) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise BadRequest(f"weight_version {value!r} must be an integer (as a string or a number)") from None
+
+
+def version_spans(versions: list[int], current: int) -> list[dict]:
+    """Per-token versions -> SGLang's meta_info.weight_versions: [{version, start, end}] runs."""
+    spans: list[dict] = []
+    for i, version in enumerate(versions):
+        if spans and spans[-1]["version"] == str(version):
+            spans[-1]["end"] = i + 1
+        else:
+            spans.append({"version": str(version), "start": i, "end": i + 1})
+    return spans or [{"version": str(current), "start": 0, "end": 0}]
+
+
+class EngineServer:
+    """aiohttp routes around one engine. Build with `start_server`, or `app()` for a custom runner."""
+
+    def __init__(self, engine: EmbeddedEngine, tokenizer=None, model_name: str | None = None) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_name = model_name or str(engine.folder)
+        self.session: dict[str, torch.Tensor] | None = None  # staged weights between begin/end
+        self.session_version: int | None = None
+        self.groups: dict[str, object] = {}  # weight broadcast groups by name
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=1 << 34, middlewares=[errors_as_json])
+        get, post = app.router.add_get, app.router.add_post
+        post("/generate", self.generate)
+        post("/pause_generation", self.pause)
+        post("/continue_generation", self.resume)
+        post("/abort_request", self.abort)
+        post("/update_weights_from_tensor", self.update_from_tensor)
+        post("/update_weights_from_disk", self.update_from_disk)
+        post("/init_weights_update_group", self.init_group)
+        post("/update_weights_from_distributed", self.update_from_distributed)
+        post("/destroy_weights_update_group", self.destroy_group)
+        post("/begin_weight_update", self.begin_update)
+        post("/end_weight_update", self.end_update)
+        post("/update_weight_version", self.set_version)
+        for route in ("/flush_cache",):
+            get(route, self.flush_cache)
+            post(route, self.flush_cache)
+        get("/get_weight_version", self.weight_version)
+        get("/get_model_info", self.model_info)
+        get("/get_server_info", self.server_info)
+        get("/health", self.health)
+        get("/health_generate", self.health)
+        get("/v1/models", self.models)
+        post("/v1/chat/completions", self.chat)
+        return app
+
+    # --- generation -------------------------------------------------------------------------------
+
+    async def generate(self, request: web.Request) -> web.Response:
+        body = await json_body(request)
+        if body.get("stream"):
+            raise BadRequest("stream=true is not supported by the embedded engine's /generate")
+        prompts, batched = self._prompts(body)
+        rids = body.get("rid")
+        if rids is None:
+            rids = [uuid.uuid4().hex for _ in prompts]
+        elif isinstance(rids, str):
+            rids = [rids] if not batched else [f"{rids}-{i}" for i in range(len(prompts))]
+        if len(rids) != len(prompts):
+            raise BadRequest(f"{len(rids)} rids for {len(prompts)} prompts")
+        sampling = sampling_from(body.get("sampling_params"))
+        started = time.perf_counter()
+        results = await asyncio.gather(*[
+            self.engine.generate(GenerateRequest(request_id=str(rid), input_ids=ids, sampling=sampling))
+            for rid, ids in zip(rids, prompts, strict=True)])
+        if not batched and results[0].error:
+            raise BadRequest(results[0].error)
+        answers = [self._answer(r, len(ids), bool(body.get("return_logprob")), started)
+                   for r, ids in zip(results, prompts, strict=True)]
+        return web.json_response(answers if batched else answers[0])
+
+    def _prompts(self, body: dict) -> tuple[list[list[int]], bool]:
+        if body.get("input_ids") is not None:
+            ids = body["input_ids"]
+            batched = bool(ids) and isinstance(ids[0], list)
+            return (ids if batched else [ids]), batched
+        if body.get("text") is not None:
+            if self.tokenizer is None:
+                raise BadRequest("this server has no tokenizer; send input_ids")
+            text = body["text"]
+            batched = isinstance(text, list)
+            texts = text if batched else [text]
+            return [self.tokenizer.encode(t, add_special_tokens=False) for t in texts], batched
+        raise BadRequest("a /generate request needs input_ids (or text)")
+
+    def _answer(self, result: GenerateResult, prompt_tokens: int, logprobs: bool, started: float) -> dict:
+        if result.finish_reason == "stop":
+            reason = {"type": "stop", "matched": result.output_ids[-1]}
+        elif result.finish_reason == "length":
+            reason = {"type": "length", "length": len(result.output_ids)}
+        else:
+            reason = {"type": "abort", "message": result.error or "aborted"}
+        spans = version_spans(result.versions, self.engine.version)
+        meta = {
+            "id": result.request_id,
+            "finish_reason": reason,
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": len(result.output_ids),
+            "cached_tokens": 0,
+            "weight_version": spans[-1]["version"],
+            "weight_versions": spans,
+            "e2e_latency": time.perf_counter() - started,
+        }
+        if logprobs:
+            meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in
+                                             zip(result.logprobs, result.output_ids, strict=True)]
+        text = self.tokenizer.decode(result.output_ids) if self.tokenizer is not None else ""
+        return {"text": text, "output_ids": result.output_ids, "meta_info": meta}
+
+    async def chat(self, request: web.Request) -> web.Response:
+        body = await json_body(request)
+        if self.tokenizer is None:
+            raise BadRequest("this server has no tokenizer, so no chat template")
+        if body.get("stream"):
+            raise BadRequest("stream=true is not supported by the embedded engine")
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise BadRequest("messages must be a non-empty list of {role, content}")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if not isinstance(ids, list):
+            ids = ids["input_ids"]
+        sampling = SamplingParams(
+            temperature=float(body.get("temperature", 1.0)),
+            top_p=float(body.get("top_p", 1.0)),
+            max_new_tokens=int(body.get("max_completion_tokens") or body.get("max_tokens") or 128),
+            seed=body.get("seed"),
+        )
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        choices, completion = [], 0
+        for index in range(int(body.get("n", 1))):
+            sampling_i = msgspec.structs.replace(sampling, seed=None if sampling.seed is None else sampling.seed + index)
+            result = await self.engine.generate(GenerateRequest(request_id=f"{rid}-{index}", input_ids=ids,
+                                                                sampling=sampling_i))
+            if result.error:
+                raise BadRequest(result.error)
+            choices.append({
+                "index": index,
+                "message": {"role": "assistant",
+                            "content": self.tokenizer.decode(result.output_ids, skip_special_tokens=True)},
+                "finish_reason": "stop" if result.finish_reason == "stop" else "length",
+                "logprobs": None,
+            })
+            completion += len(result.output_ids)
+        return web.json_response({
+            "id": rid, "object": "chat.completion", "created": int(time.time()),
+            "model": body.get("model", self.model_name), "choices": choices,
+            "usage": {"prompt_tokens": len(ids), "completion_tokens": completion,
+                      "total_tokens": len(ids) + completion},
+        })
+
+    # --- control ------------------------------------------------------------------------------------
+
+    async def pause(self, request: web.Request) -> web.Response:
+        mode = (await json_body(request)).get("mode", "abort")
+        if mode not in PAUSE_MODES:
+            raise BadRequest(f"mode {mode!r} is not one of {', '.join(PAUSE_MODES)}")
+        await self.engine.pause(mode)
+        return ok("Generation paused successfully.")
+
+    async def resume(self, request: web.Request) -> web.Response:
+        await self.engine.resume()
+        return ok("Generation continued successfully.")
+
+    async def abort(self, request: web.Request) -> web.Response:
+        body = await json_body(request)
+        if body.get("abort_all"):
+            await self.engine.abort_all()
+        else:
+            prefix = str(body.get("rid", ""))
+            if not prefix:
+                raise BadRequest("give rid (a prefix of request ids) or abort_all: true")
+            for rid in self.engine.request_ids():
+                if rid.startswith(prefix):
+                    await self.engine.abort(rid)
+        return web.Response(status=200)
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        if self.engine.stats()["running"] or self.engine.stats()["waiting"]:
+            return web.Response(status=400, text="Cache not flushed: requests are running.\n")
+        return web.Response(status=200, text="Cache flushed.\n")
+
+    # --- weights ------------------------------------------------------------------------------------
+
+    async def _install(self, staged: dict[str, torch.Tensor], body: dict) -> web.Response:
+        """Commit staged tensors now, or add them to the open begin/end session."""
+        if body.get("abort_all_requests"):
+            await self.engine.abort_all()
+        if self.session is not None:
+            self.session.update(staged)
+            if body.get("weight_version") is not None:
+                self.session_version = parse_version(body["weight_version"])
+            return success(f"staged {len(staged)} tensors in the open weight update")
+        version = body.get("weight_version")
+        await self.engine.commit(staged, self.engine.version if version is None else parse_version(version))
+        return success(f"updated {len(staged)} tensors; weight version {self.engine.version}")
+
+    async def update_from_tensor(self, request: web.Request) -> web.Response:
+        body = await json_body(request)
+        load_format = body.get("load_format") or LOAD_FORMAT
+        if load_format != LOAD_FORMAT:
+            raise BadRequest(f"load_format {load_format!r} is not supported; the embedded engine takes "
+                             f"{LOAD_FORMAT!r} (base64 safetensors, see flowrl_operators.engine.transfer)")
+        entries = body.get("serialized_named_tensors") or []
+        staged = {}
+        for entry in entries:
+            bucket = await asyncio.to_thread(decode_bucket, entry)
+            staged.update(await asyncio.to_thread(self.engine.stage, bucket))
+        return await self._install(staged, body)
+
+    async def update_from_disk(self, request: web.Request) -> web.Response:
+        body = await json_body(request)
+        if not body.get("model_path"):
+            raise BadRequest("update_weights_from_disk needs model_path")
+        version = body.get("weight_version")
+        await self.engine.load_weights_from_disk(
+            body["model_path"], self.engine.version if version is None else parse_version(version))
+        return success(f"loaded {body['model_path']}", num_paused_requests=0)
+
+    async def init_group(self, request: web.Request) -> web.Response:
+        body = await json_body(request)
+        name = body.get("group_name", "weight_update_group")
+        group = await asyncio.to_thread(
+            weight_update_group, body["master_address"], int(body["master_port"]),
+            int(body.get("rank_offset", 1)), int(body["world_size"]), name, body.get("backend", "gloo"))
+        self.groups[name] = group
+        return success(f"joined weight update group {name!r}")
+
+    async def update_from_distributed(self, request: web.Request) -> web.Response:
+        body = await json_body(request)
+        name = body.get("group_name", "weight_update_group")
+        if name not in self.groups:
+            raise BadRequest(f"no weight update group {name!r}; call /init_weights_update_group first")
+        shapes, dtypes = body["shapes"], [parse_dtype(d) for d in body["dtypes"]]
+        bucket = await asyncio.to_thread(receive_broadcast, self.groups[name], body["names"], dtypes, shapes)
+        staged = await asyncio.to_thread(self.engine.stage, bucket)
+        return await self._install(staged, body)
+
+    async def destroy_group(self, request: web.Request) -> web.Response:
+        name = (await json_body(request)).get("group_name", "weight_update_group")
+        group = self.groups.pop(name, None)
+        if group is not None:
+            torch.distributed.destroy_process_group(group)
+        return success(f"destroyed weight update group {name!r}")
+
+    async def begin_update(self, request: web.Request) -> web.Response:
+        self.session, self.session_version = {}, None
+        return success("weight update session open")
+
+    async def end_update(self, request: web.Request) -> web.Response:
+        body = await json_body(request)
+        if self.session is None:
+            raise BadRequest("no weight update session is open; call /begin_weight_update first")
+        staged, self.session = self.session, None
+        version = body.get("weight_version")
+        version = parse_version(version) if version is not None else self.session_version
+        await self.engine.commit(staged, self.engine.version if version is None else version)
+        return success(f"applied {len(staged)} tensors; weight version {self.engine.version}")
+
+    async def set_version(self, request: web.Request) -> web.Response:
+        body = await json_body(request)
+        if body.get("abort_all_requests"):
+            await self.engine.abort_all()
+        await self.engine.set_version(parse_version(body.get("new_version")))
+        return success(f"weight version {self.engine.version}", new_version=str(self.engine.version))
+
+    # --- information --------------------------------------------------------------------------------
+
+    async def weight_version(self, request: web.Request) -> web.Response:
+        return web.json_response({"weight_version": str(self.engine.version)})
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        return web.json_response({"model_path": str(self.engine.folder), "is_generation": True,
+                                  "weight_version": str(self.engine.version)})
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        return web.json_response({"engine": "flowrl-embedded", **self.engine.stats(),
+                                  "weight_version": str(self.engine.version)})
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=503 if self.engine.closed else 200)
+
+    async def models(self, request: web.Request) -> web.Response:
+        card = {"id": self.model_name, "object": "model", "owned_by": "flowrl", "root": self.model_name,
+                "max_model_len": self.engine.max_context}
+        return web.json_response({"object": "list", "data": [card]})
+
+
+def receive_broadcast(group, names: list[str], dtypes: list[torch.dtype], shapes: list[list[int]]):
+    """Receive one bucket broadcast by rank 0 of `group`, tensor by tensor in the given order."""
+    bucket = []
+    for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+        tensor = torch.empty(shape, dtype=dtype)
+        torch.distributed.broadcast(tensor, src=0, group=group)
+        bucket.append((name, tensor))
+    return bucket
+
+
+@web.middleware
+async def errors_as_json(request: web.Request, handler):
+    """Client mistakes -> 400 with SGLang's error shape; anything else -> 500 with the message."""
+    try:
+        return await handler(request)
+    except web.HTTPException:
+        raise
+    except KeyError as exc:  # a missing body field, or an unknown weight name from engine.stage
+        message = exc.args[0] if exc.args and " " in str(exc.args[0]) else f"missing field {exc}"
+        return web.json_response({"error": {"message": message}, "success": False, "message": message},
+                                 status=400)
+    except (BadRequest, ValueError, FileNotFoundError, msgspec.ValidationError) as exc:
+        return web.json_response({"error": {"message": str(exc)}, "success": False, "message": str(exc)},
+                                 status=400)
+    except Exception as exc:
+        return web.json_response({"error": {"message": f"{type(exc).__name__}: {exc}"}, "success": False,
+                                  "message": str(exc)}, status=500)
+
+
+async def json_body(request: web.Request) -> dict:
+    if not request.can_read_body:
+        return {}
+    try:
+        body = await request.json()
+    except ValueError:
+        raise BadRequest("the request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    return body
+
+
+def ok(message: str) -> web.Response:
+    return web.json_response({"message": message, "status": "ok"})
+
+
+def success(message: str, **extra) -> web.Response:
+    return web.json_response({"success": True, "message": message, **extra})
+
+
+async def start_server(engine: EmbeddedEngine, host: str = "127.0.0.1", port: int = 0, tokenizer=None,
+                       model_name: str | None = None) -> tuple[web.AppRunner, int]:
+    """Serve `engine` on host:port (port 0: a free one) in the running loop; returns (runner, port).
+    Stop with `await runner.cleanup()`."""
+    if not ipaddress.ip_address(host).is_loopback:
+        raise ValueError(f"host {host!r}: the engine server binds loopback addresses only (127.0.0.1)")
+    runner = web.AppRunner(EngineServer(engine, tokenizer, model_name).app(), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    return runner, site._server.sockets[0].getsockname()[1]
+
+
+async def serve(args: argparse.Namespace) -> None:
+    engine = EmbeddedEngine(args.model, max_slots=args.max_slots, max_context=args.max_context,
+                            dtype=args.dtype, device=args.device, threads=args.threads, seed=args.seed)
+    tokenizer = load_tokenizer(engine.folder)
+    runner, port = await start_server(engine, args.host, args.port, tokenizer, model_name=args.model)
+    print(f"flowrl engine listening on http://{args.host}:{port}", flush=True)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()
+        await engine.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="flowrl's embedded engine as an SGLang-compatible server")
+    parser.add_argument("--model", required=True, help="checkpoint folder or builtin:<name>")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0, help="0 picks a free port (printed on start)")
+    parser.add_argument("--max-slots", type=int, default=32)
+    parser.add_argument("--max-context", type=int, default=None)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (one per process is fastest "
+                        "when processes share cores)")
+    parser.add_argument("--seed", type=int, default=0)
+    try:
+        asyncio.run(serve(parser.parse_args(argv)))
+    except KeyboardInterrupt:
+        sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()
