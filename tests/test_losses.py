@@ -8,11 +8,14 @@ import math
 import msgspec
 import pytest
 import torch
+
+from flowrl_operators.training.advantages import AdvantageConfig
 from flowrl_operators.training.batch import Batch, Normaliser
 from flowrl_operators.training.losses import (
     LossConfig,
     ValueLossConfig,
     apply_kl_penalty,
+    check_compatible,
     corrects_behaviour,
     needs_proximal,
     policy_loss,
@@ -200,6 +203,9 @@ def test_config_errors_and_behaviour_flag():
         msgspec.convert({"name": "ppo"}, LossConfig)
     with pytest.raises(msgspec.ValidationError, match="dual_clip must be > 1"):
         msgspec.convert({"dual_clip": 0.5}, LossConfig)
+    with pytest.raises(ValueError, match="use kl mode 'loss'"):
+        check_compatible(msgspec.convert({"kl": {"coef": 0.1, "mode": "reward"}}, LossConfig), AdvantageConfig())
+    check_compatible(msgspec.convert({"kl": {"coef": 0.1, "mode": "reward"}}, LossConfig), AdvantageConfig(name="gae"))
     batch = make_batch()
     with pytest.raises(ValueError, match="compute_logprobs"):
         run(msgspec.convert({"correction": {"mode": "tis"}}, LossConfig), batch)

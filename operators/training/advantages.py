@@ -53,6 +53,11 @@ class AdvantageConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ValueError("advantage gamma and lam must lie in [0, 1]")
 
 
+def needs_values(config: AdvantageConfig) -> bool:
+    """Whether the estimator needs critic values (a critic node before the trainer)."""
+    return config.name == "gae"
+
+
 @dataclasses.dataclass
 class AdvantageInputs:
     rewards: torch.Tensor  # (B, T)

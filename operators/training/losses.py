@@ -45,6 +45,7 @@ from typing import Literal
 import msgspec
 import torch
 
+from flowrl_operators.training.advantages import AdvantageConfig
 from flowrl_operators.training.batch import Batch, Normaliser
 
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
@@ -102,7 +103,17 @@ def needs_proximal(config: LossConfig) -> bool:
 
 
 def needs_reference(config: LossConfig) -> bool:
+    """Whether the loss needs reference logprobs (a reference node before the trainer)."""
     return config.kl.coef > 0
+
+
+def check_compatible(loss: LossConfig, advantage: AdvantageConfig) -> None:
+    """Reject a KL reward penalty that the chosen estimator would silently ignore."""
+    if loss.kl.mode == "reward" and loss.kl.coef > 0 and advantage.name in ("grpo", "dr_grpo", "rloo"):
+        raise ValueError(
+            f"kl mode 'reward' has no effect with advantage {advantage.name!r} (it normalises the "
+            "defined rewards only); use kl mode 'loss', or advantage reinforce_pp or gae"
+        )
 
 
 # Policy loss registry: fn(logprobs, old, advantages, mask, config) -> (per-token loss, clipped).

@@ -8,7 +8,8 @@
     for bucket in trainer.named_weights(64 << 20): ...          # rank 0 yields, others only join
     trainer.save(run_dir / "step_4"); trainer.load(...); trainer.export_hf(out_dir)
 
-Ranks: with torch.distributed initialised (gloo on CPU, NCCL on GPU) and more than one rank the
+Ranks: with torch.distributed initialised (gloo on CPU, NCCL on GPU; on GPU call
+`torch.cuda.set_device(local_rank)` first) and more than one rank the
 model is sharded with `fully_shard` per decoder layer and then the root, on an explicit 1-D mesh;
 with one rank (or no process group) it is a plain module. Every method is collective: all ranks
 call it in the same order. Each rank passes its own rows (`batch.shard`); the ranks may hold
@@ -187,7 +188,7 @@ class Trainer:
     def _plan(self, batch: Batch) -> tuple[list[list[int]], int]:
         """This rank's micro-batch rows and the number of micro-batches every rank will run."""
         rows = micro_batch_rows(batch, self.config.token_budget)
-        return rows, int(self._all_reduce([float(len(rows))], dist.ReduceOp.MAX if self.world_size > 1 else None)[0])
+        return rows, int(self._all_reduce([float(len(rows))], dist.ReduceOp.MAX)[0])
 
     def forward_backward(self, batch: Batch, loss_fn: LossFn) -> dict[str, float]:
         """Accumulate the gradient of this rank's rows; returns metrics summed over all ranks."""
