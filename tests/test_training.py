@@ -134,6 +134,17 @@ def test_resume_is_bit_identical_and_a_crashed_save_keeps_the_last_checkpoint(tm
         assert torch.equal(value, resumed.model.state_dict()[name]), name
     assert resumed.scheduler.get_last_lr() == straight.scheduler.get_last_lr()
 
+    # A checkpoint taken before the first step holds no optimizer state and leaves training as it was.
+    zero = Trainer(MODEL, config)
+    zero.save(tmp_path / "zero")
+    run_steps(zero, range(4))
+    fresh = Trainer(MODEL, config)
+    fresh.load(tmp_path / "zero")
+    run_steps(fresh, range(4))
+    for name, value in straight.model.state_dict().items():
+        assert torch.equal(value, zero.model.state_dict()[name]), name
+        assert torch.equal(value, fresh.model.state_dict()[name]), name
+
     # A crash between moving the old checkpoint aside and renaming the new one into place.
     (tmp_path / "ckpt").rename(tmp_path / ".ckpt.old")
     again = Trainer(MODEL, config)

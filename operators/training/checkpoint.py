@@ -24,7 +24,12 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 if TYPE_CHECKING:
     from flowrl_operators.training.trainer import Trainer
@@ -76,14 +81,22 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def _state(trainer: Trainer, with_optim: bool) -> dict:
+    # get_state_dict initialises an empty optimizer state with a zero-lr step (its step counter
+    # then reads 1), so the optimizer is only touched when its state is to be saved or loaded.
+    if with_optim:
+        model_state, optim_state = get_state_dict(trainer.model, trainer.optimizer)
+        return {"model": model_state, "optim": optim_state}
+    return {"model": get_model_state_dict(trainer.model)}
+
+
 def save(trainer: Trainer, target: Path) -> Path:
     target = target.absolute()
     tmp = _prepare_tmp(trainer, target)
-    model_state, optim_state = get_state_dict(trainer.model, trainer.optimizer or [])
-    state = {"model": model_state} | ({"optim": optim_state} if trainer.optimizer else {})
+    with_optim = trainer.optimizer is not None and bool(trainer.optimizer.state)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is")  # one process, no group
-        dcp.save(state, checkpoint_id=str(tmp / "dcp"))
+        dcp.save(_state(trainer, with_optim), checkpoint_id=str(tmp / "dcp"))
     torch.save(_rng_state(), tmp / f"rng_rank{trainer.rank}.pt")
     if trainer.rank == 0:
         counters = {
@@ -92,6 +105,7 @@ def save(trainer: Trainer, target: Path) -> Path:
             "skipped_steps": trainer.skipped_steps,
             "bad_in_row": trainer.bad_in_row,
             "world_size": trainer.world_size,
+            "with_optim": with_optim,
         }
         scheduler = trainer.scheduler.state_dict() if trainer.scheduler else None
         torch.save(counters | {"scheduler": scheduler}, tmp / "trainer.pt")
@@ -114,18 +128,18 @@ def _existing(target: Path) -> Path:
 
 def load(trainer: Trainer, target: Path) -> None:
     source = _existing(target.absolute())
-    model_state, optim_state = get_state_dict(trainer.model, trainer.optimizer or [])
-    state = {"model": model_state} | ({"optim": optim_state} if trainer.optimizer else {})
+    counters = torch.load(source / "trainer.pt", weights_only=True)
+    with_optim = counters["with_optim"] and trainer.optimizer is not None
+    state = _state(trainer, with_optim)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is")
         dcp.load(state, checkpoint_id=str(source / "dcp"))
-    if trainer.optimizer:
+    if with_optim:
         set_state_dict(
             trainer.model, trainer.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
         )
     else:
-        set_state_dict(trainer.model, [], model_state_dict=state["model"], optim_state_dict={})
-    counters = torch.load(source / "trainer.pt", weights_only=True)
+        set_model_state_dict(trainer.model, state["model"])
     if trainer.scheduler and counters["scheduler"] is not None:
         trainer.scheduler.load_state_dict(counters["scheduler"])
     trainer.step_count = counters["step"]

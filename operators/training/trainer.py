@@ -111,8 +111,9 @@ class Trainer:
         else:
             self.device = torch.device("cpu")
         self.bf16 = self.device.type == "cuda" and self.config.mixed_precision
-        torch.manual_seed(self.config.seed)  # the same fresh heads on every rank
-        self.model = _load_model(self.model_path, self.head).to(self.device)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.config.seed)  # the same fresh heads on every rank
+            self.model = _load_model(self.model_path, self.head).to(self.device)
         if self.config.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
         self.sharded = self.world_size > 1
