@@ -370,15 +370,15 @@ class EmbeddedEngine:
     def _step(self, running: list[Sequence]) -> None:
         prefill = [seq for seq in running if seq.needs_prefill]
         decode = [seq for seq in running if not seq.needs_prefill]
-        for seq in prefill:
+        if prefill:
             try:
-                tokens = torch.tensor([seq.tokens], device=self.device)
-                start = torch.zeros(1, dtype=torch.long, device=self.device)
-                logits = self.model(tokens, start, self.cache, slice(seq.slot, seq.slot + 1), len(seq.tokens))
-                seq.needs_prefill = False
-                self._emit([seq], logits)
-            except Exception as exc:  # this request alone fails
-                seq.error, seq.finish_reason = f"prefill failed: {exc!r}", "abort"
+                self._prefill(prefill)
+            except Exception:  # find the culprit: one request's failure must not fail the others
+                for seq in prefill:
+                    try:
+                        self._prefill([seq])
+                    except Exception as exc:
+                        seq.error, seq.finish_reason = f"prefill failed: {exc!r}", "abort"
         if decode:
             # One token per row over slots 0..hi; free slots in between feed a dummy token at position
             # 0 of their own (unowned) slot, and their logits are ignored.
@@ -393,6 +393,20 @@ class EmbeddedEngine:
             )
             rows = torch.tensor([seq.slot for seq in decode], device=self.device)
             self._emit(decode, logits[rows])
+
+    def _prefill(self, seqs: list[Sequence]) -> None:
+        """Prefill several requests in one right-padded forward, each into its own slot."""
+        lengths = [len(seq.tokens) for seq in seqs]
+        width = max(lengths)
+        tokens = torch.tensor([seq.tokens + [0] * (width - len(seq.tokens)) for seq in seqs], device=self.device)
+        logits = self.model(
+            tokens, torch.zeros(len(seqs), dtype=torch.long, device=self.device), self.cache,
+            torch.tensor([seq.slot for seq in seqs], device=self.device), width,
+            last=torch.tensor(lengths, device=self.device) - 1,
+        )
+        for seq in seqs:
+            seq.needs_prefill = False
+        self._emit(seqs, logits)
 
     def _emit(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         """Sample one token per sequence from its logits row; append it and check stop conditions."""

@@ -55,8 +55,12 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x, cos, sin, keys, values, row_index, positions, mask, length):
-        """x [B, S, hidden]; keys/values: this layer's cache rows [B, kv_heads, max_context, head_dim]."""
+    def forward(self, x, cos, sin, keys, values, rows, positions, mask, length):
+        """x [B, S, hidden]; keys/values: this layer's whole cache [slots, kv_heads, max_context, head_dim].
+
+        `rows` picks the B cache rows: a slice (decode: rows 0..B-1, read without copying) or a
+        tensor of slot numbers (prefill: any slots, read through a gather).
+        """
         batch, steps, _ = x.shape
         q = self.q_proj(x).view(batch, steps, self.heads, self.head_dim)
         k = self.k_proj(x).view(batch, steps, self.kv_heads, self.head_dim)
@@ -65,11 +69,18 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         # Write this block's keys/values into the cache, then attend over the cached prefix.
-        keys[row_index, :, positions] = k
-        values[row_index, :, positions] = v
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), keys[:, :, :length], values[:, :, :length], attn_mask=mask, enable_gqa=True
-        )
+        if isinstance(rows, slice):
+            keys, values = keys[rows], values[rows]
+            index = torch.arange(batch, device=x.device)[:, None]
+        else:
+            index = rows[:, None]
+        keys[index, :, positions] = k
+        values[index, :, positions] = v
+        if isinstance(rows, slice):
+            keys, values = keys[:, :, :length], values[:, :, :length]
+        else:
+            keys, values = keys[:, :, :length][rows], values[:, :, :length][rows]
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(batch, steps, self.heads * self.head_dim))
 
 
@@ -118,16 +129,18 @@ class CausalLM(nn.Module):
         return self.model.embed_tokens.weight if self.tied else self.lm_head.weight
 
     @torch.no_grad()
-    def forward(self, tokens: torch.Tensor, start: torch.Tensor, cache: KVCache, rows: slice,
-                length: int, all_logits: bool = False) -> torch.Tensor:
-        """Feed tokens [B, S] to cache rows `rows` (B of them), row b starting at position start[b].
+    def forward(self, tokens: torch.Tensor, start: torch.Tensor, cache: KVCache, rows: slice | torch.Tensor,
+                length: int, last: torch.Tensor | None = None, all_logits: bool = False) -> torch.Tensor:
+        """Feed tokens [B, S] to B cache rows, row b starting at position start[b].
 
-        `length` = max(start) + S, the cached prefix the block attends over. Returns fp32 logits of
-        the last position of each row [B, vocab], or of every position [B, S, vocab].
+        `rows`: a slice of cache rows, or a tensor of B slot numbers. `length` = max(start) + S, the
+        cached prefix the block attends over. Returns fp32 logits [B, vocab] at position `last[b]`
+        of each row (default: the last column), or of every position [B, S, vocab] with all_logits.
+        Right-padded rows are fine: their padding writes cache entries beyond the row's real
+        tokens, which are masked until the row's own later tokens overwrite them.
         """
         batch, steps = tokens.shape
         positions = start[:, None] + torch.arange(steps, device=tokens.device)  # [B, S]
-        row_index = torch.arange(batch, device=tokens.device)[:, None]  # broadcasts against positions
         # Key t is visible to query (b, i) iff t <= positions[b, i] (causal within the row's slot).
         mask = (torch.arange(length, device=tokens.device) <= positions[:, :, None])[:, None]
         dtype = self.model.embed_tokens.weight.dtype
@@ -135,11 +148,11 @@ class CausalLM(nn.Module):
         h = self.model.embed_tokens(tokens)
         for layer, keys, values in zip(self.model.layers, cache.keys, cache.values, strict=True):
             attn_in = layer.input_layernorm(h)
-            h = h + layer.self_attn(attn_in, cos, sin, keys[rows], values[rows], row_index, positions,
-                                    mask, length)
+            h = h + layer.self_attn(attn_in, cos, sin, keys, values, rows, positions, mask, length)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
-        h = self.model.norm(h if all_logits else h[:, -1])
-        return (h @ self.head_weight().T).float()
+        if not all_logits:
+            h = h[:, -1] if last is None else h[torch.arange(batch, device=h.device), last]
+        return (self.model.norm(h) @ self.head_weight().T).float()
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
