@@ -48,6 +48,13 @@ class GenerateConfig(Strict):
     # in_place (keep the KV cache computed by the old weights), abort (resubmit prompt + output).
     pause_mode: Literal["retract", "in_place", "abort"] = "retract"
     max_concurrency: PositiveInt = 64  # episodes in flight
+    # An episode that raises (environment, agent, engine rejection) is dropped and counted; the run
+    # fails once this many episodes have failed in total.
+    max_episode_errors: PositiveInt = 100
+    proxy_host: str = "127.0.0.1"  # where agent workflows' OpenAI proxy listens
+    # Serve the engine at an OpenAI-compatible endpoint (e.g. for a judge node with `node:`), written
+    # to <run_dir>/endpoints/<node>.url. Agent workflows always start it.
+    serve_openai: bool = False
 
 
 class RewardConfig(Strict):
@@ -130,3 +137,15 @@ class CriticConfig(Strict):
 class SyncConfig(Strict):
     transport: Literal["inprocess", "object_store", "broadcast"] = "object_store"
     bucket_mb: Annotated[float, Meta(gt=0)] = 64.0
+    # inprocess: copy the tensors at send time instead of handing over references (needed when the
+    # trainer may step again before the engines applied the version, e.g. behind async edges).
+    snapshot: bool = False
+    # broadcast: the engines that join the group (ranks 1..receivers; rank 0 sends), where the
+    # sender hosts its TCP store (port 0 = any free port), gloo on CPU / NCCL on GPU, and whether
+    # each bucket travels as one flat buffer or tensor by tensor.
+    receivers: PositiveInt = 1
+    address: str = "127.0.0.1"
+    port: Annotated[int, Meta(ge=0, le=65535)] = 0
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    layout: Literal["flat", "per_tensor"] = "flat"
+    timeout_s: Annotated[float, Meta(gt=0)] = 600.0

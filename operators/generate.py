@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
+import asyncio
+import traceback
+from pathlib import Path
+from typing import Any, ClassVar
 
+import msgspec
+
+from flowrl.data.trajectory import Group, Trajectory
 from flowrl.operator import PROMPTS, TRAJECTORIES, WEIGHTS, Operator, Resources
-from flowrl_operators.config import GenerateConfig
+from flowrl_operators.config import EngineConfig, GenerateConfig
+from flowrl_operators.engine.base import SamplingParams
+
+
+class TooManyEpisodeErrors(RuntimeError):
+    """More episodes failed than the node's `max_episode_errors` allows."""
 
 
 class Generate(Operator):
@@ -16,3 +27,141 @@ class Generate(Operator):
     inputs: ClassVar = {"prompts": PROMPTS, "weights": WEIGHTS}
     outputs: ClassVar = {"trajectories": TRAJECTORIES}
     resources = Resources(cpus=0.5)
+
+    config: GenerateConfig
+
+    async def setup(self) -> None:
+        from flowrl_operators.models import load_tokenizer
+        from flowrl_operators.workflows import load_workflow
+
+        model = self.context.model.get("path")
+        if not model:
+            raise ValueError("the generate node needs the pipeline's model.path (a checkpoint or builtin:<name>)")
+        self.engine = self._make_engine(model)
+        self.tokenizer = load_tokenizer(model)
+        self.workflow = load_workflow(self.config.workflow, self.config.workflow_args)
+        s = self.config.sampling
+        self.sampling = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                                       max_new_tokens=s.max_new_tokens, stop_token_ids=list(s.stop_token_ids))
+        self.services: dict[str, Any] = {}
+        if getattr(self.workflow, "needs_proxy", False) or self.config.serve_openai:
+            from flowrl_operators.workflows.proxy import Proxy
+
+            proxy = Proxy(self.engine, self.tokenizer, self.sampling, host=self.config.proxy_host)
+            url = await proxy.start()
+            self.services["proxy"] = proxy
+            if self.context.run_dir is not None:
+                folder = Path(self.context.run_dir) / "endpoints"
+                folder.mkdir(parents=True, exist_ok=True)
+                scratch = folder / f".{self.context.node}.{self.context.rank}.tmp"
+                scratch.write_text(url + "/v1")
+                scratch.replace(folder / f"{self.context.node}.url")  # readers never see half a file
+        self.counts = {"episodes": 0, "episode_errors": 0, "rejected_samples": 0, "trajectories": 0,
+                       "model_tokens": 0, "turns": 0, "weight_updates": 0}
+        self.last_error: str | None = None
+
+    def _make_engine(self, model: str) -> Any:
+        engine = self.config.engine
+        if isinstance(engine, str):
+            engine = EngineConfig(kind=engine)
+        if engine.kind != "embedded" or engine.url:
+            raise ValueError("engine: only the embedded engine runs in-process for now; the SGLang adapter "
+                             "(engine: sglang or a url) is not available in this build")
+        if engine.engines != 1:
+            raise ValueError(f"engine.engines: the embedded engine runs one engine per generate replica, got "
+                             f"{engine.engines}; raise the node's resources.replicas instead")
+        import torch
+
+        from flowrl_operators.engine.embedded import EmbeddedEngine
+
+        device = engine.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        return EmbeddedEngine(model, max_slots=engine.max_batch, device=device, threads=engine.threads,
+                              dtype=self.context.model.get("dtype", "float32"), seed=self.context.seed)
+
+    # --- the generate kind's contract (flowrl/operator.py) -----------------------------------------
+
+    async def generate(self, sample: dict[str, Any], *, step: int, sample_id: str,
+                       greedy: bool = False) -> Group | None:
+        """`group_size` episodes of `sample` (one greedy episode if `greedy`, for evaluation)."""
+        sampling = msgspec.structs.replace(self.sampling, temperature=0.0) if greedy else self.sampling
+        episodes = 1 if greedy else self.config.group_size
+        results = await asyncio.gather(*(self._episode(sample, step, sample_id, i, sampling)
+                                         for i in range(episodes)))
+        trajectories = [t for episode in results for t in episode]
+        if not trajectories:
+            self.counts["rejected_samples"] += 1
+            return None
+        self.counts["trajectories"] += len(trajectories)
+        return Group(id=sample_id, step=step, trajectories=trajectories)
+
+    async def _episode(self, sample: dict[str, Any], step: int, sample_id: str, episode: int,
+                       sampling: SamplingParams) -> list[Trajectory]:
+        from flowrl_operators.workflows.base import WorkflowContext
+
+        ctx = WorkflowContext(engine=self.engine, tokenizer=self.tokenizer, sampling=sampling,
+                              sample_id=sample_id, episode=episode, step=step, seed=self.context.seed,
+                              args=dict(self.config.workflow_args), services=self.services)
+        self.counts["episodes"] += 1
+        try:
+            out = await self.workflow(ctx, sample)
+            trajectories = [] if out is None else [out] if isinstance(out, Trajectory) else list(out)
+            for j, t in enumerate(trajectories):
+                self._stamp(t, sample, step, sample_id, episode, j if len(trajectories) > 1 else None)
+        except Exception as exc:  # an environment, agent or engine failure costs this episode only
+            self.counts["episode_errors"] += 1
+            self.last_error = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+            if self.counts["episode_errors"] >= self.config.max_episode_errors:
+                raise TooManyEpisodeErrors(
+                    f"{self.counts['episode_errors']} episodes failed (max_episode_errors "
+                    f"{self.config.max_episode_errors}); the last one, of sample {sample_id}:\n{self.last_error}"
+                ) from exc
+            return []
+        return trajectories
+
+    def _stamp(self, t: Trajectory, sample: dict[str, Any], step: int, sample_id: str, episode: int,
+               part: int | None) -> None:
+        if not isinstance(t, Trajectory):
+            raise TypeError(f"workflow {self.config.workflow!r} returned {type(t).__name__}; expected Trajectory")
+        t.id = f"{sample_id}/{episode}" + ("" if part is None else f".{part}")
+        t.group_id, t.sample_id, t.step = sample_id, sample_id, step
+        t.metadata.setdefault("sample", sample)
+        t.metadata.setdefault("text", self.tokenizer.decode(t.response_ids, skip_special_tokens=True))
+        t.metadata["episode"] = episode
+        t.validate()
+        self.counts["model_tokens"] += sum(t.loss_mask)
+        self.counts["turns"] += len(t.turns)
+
+    async def update_weights(self, weights: Any, version: int) -> None:
+        """Apply a weights record: buckets (a list of [(name, tensor), ...]) or a transport's record."""
+        self.counts["weight_updates"] += 1
+        if isinstance(weights, list | tuple):
+            await self.engine.update_weights(weights, version)
+            return
+        if isinstance(weights, dict) and "buckets" in weights:
+            await self.engine.update_weights(weights["buckets"], version)
+            return
+        try:
+            from flowrl_operators.transport import apply_weights
+        except ImportError:
+            raise TypeError(f"cannot apply a weights record of type {type(weights).__name__}: expected a list "
+                            "of [(name, tensor), ...] buckets") from None
+        await apply_weights(self.engine, weights, version)
+
+    async def pause(self) -> None:
+        await self.engine.pause(self.config.pause_mode)
+
+    async def resume(self) -> None:
+        await self.engine.resume()
+
+    def metrics(self) -> dict[str, float]:
+        """Cumulative counters since setup (episodes, episode_errors, rejected_samples, ...)."""
+        return {f"generate/{k}": float(v) for k, v in self.counts.items()}
+
+    async def close(self) -> None:
+        proxy = getattr(self, "services", {}).get("proxy")
+        if proxy is not None:
+            await proxy.close()
+        if getattr(self, "engine", None) is not None:
+            await self.engine.close()

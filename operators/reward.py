@@ -1,11 +1,74 @@
-"""The reward node: scores trajectories with user functions, isolating failures."""
+"""The reward node: scores trajectories with user functions, isolating failures.
+
+    fn: my_pkg.rewards:score        # def score(trajectory) -> float, sync or async
+    fn: builtin:reverse_digits      # a built-in task's reward
+
+A per-sample function gets one `Trajectory` (its decoded response is `metadata["text"]`, its data
+sample `metadata["sample"]`) and returns a float (the sequence reward), a list of floats (one per
+turn), or a dict with any of `reward`, `turn_rewards`, `token_rewards`. With `batched: true` the
+function gets the group's list of trajectories and returns a list of such values.
+
+Each call runs under `timeout_s`. A call that raises or times out is isolated: it is counted in
+`metrics()` and handled by `on_error`: `zero` gives reward 0, `drop` drops the sample (its whole
+group), `fail` stops the run at once. Whatever the policy, the run fails after `max_errors`.
+A sync function runs in a worker thread; one that hangs past its timeout is abandoned there (a
+thread cannot be killed) and counted as `reward/abandoned`.
+"""
 
 from __future__ import annotations
 
-from typing import ClassVar
+import asyncio
+import concurrent.futures
+import traceback
+from collections.abc import Callable
+from typing import Any, ClassVar
 
+from flowrl.data.trajectory import Group, Trajectory
 from flowrl.operator import TRAJECTORIES, Operator, Resources
+from flowrl.registry import OperatorError, import_path
 from flowrl_operators.config import RewardConfig
+from flowrl_operators.workflows.base import is_async_callable
+
+
+class RewardFailed(RuntimeError):
+    """The reward function failed and the policy (`on_error: fail` or `max_errors`) stops the run."""
+
+
+def load_reward(fn: str) -> Callable[..., Any]:
+    """`module:attr` or `builtin:<task>` -> the callable."""
+    if fn.startswith("builtin:"):
+        from flowrl_operators.tasks import TASKS
+
+        task = TASKS.get(fn.removeprefix("builtin:"))
+        if task is None:
+            raise ValueError(f"unknown built-in reward {fn!r}; known: {', '.join('builtin:' + t for t in TASKS)}")
+        return task.reward
+    try:
+        target = import_path(fn)
+    except OperatorError as e:
+        raise ValueError(f"reward fn {fn!r}: {e}") from None
+    if not callable(target):
+        raise ValueError(f"reward fn {fn!r} is not callable")
+    return target
+
+
+def apply_score(trajectory: Trajectory, score: Any) -> None:
+    """Write a reward function's return value into the trajectory (see the module docs)."""
+    if isinstance(score, int | float):
+        trajectory.reward = float(score)
+    elif isinstance(score, list | tuple):
+        if len(score) != len(trajectory.turns):
+            raise ValueError(f"reward returned {len(score)} turn rewards for {len(trajectory.turns)} turns")
+        trajectory.turn_rewards = [float(x) for x in score]
+        trajectory.reward = sum(trajectory.turn_rewards)
+    elif isinstance(score, dict) and score and set(score) <= {"reward", "turn_rewards", "token_rewards"}:
+        for key, value in score.items():
+            setattr(trajectory, key, None if value is None else
+                    float(value) if key == "reward" else [float(x) for x in value])
+        trajectory.validate()
+    else:
+        raise TypeError(f"reward returned {score!r:.60}; return a float, a list of turn rewards, or a dict "
+                        "with reward / turn_rewards / token_rewards")
 
 
 class Reward(Operator):
@@ -16,3 +79,94 @@ class Reward(Operator):
     inputs: ClassVar = {"trajectories": TRAJECTORIES}
     outputs: ClassVar = {"trajectories": TRAJECTORIES}
     resources = Resources(cpus=0.25)
+
+    config: RewardConfig
+
+    async def setup(self) -> None:
+        self.fn = load_reward(self.config.fn)
+        self.is_async = is_async_callable(self.fn)
+        self.setup_counters()
+
+    def setup_counters(self) -> None:
+        # Own pool: abandoned (hung) sync calls must not starve asyncio's default executor.
+        self.pool = concurrent.futures.ThreadPoolExecutor(self.config.concurrency, thread_name_prefix="flowrl-reward")
+        self.counts = {"calls": 0, "errors": 0, "timeouts": 0, "exceptions": 0, "zeroed": 0,
+                       "dropped_groups": 0, "abandoned": 0}
+        self.rewards = {"sum": 0.0, "count": 0}
+        self.last_error: str | None = None
+
+    async def process(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        group: Group = inputs["trajectories"]
+        if self.config.batched:
+            ok = await self._call_batched(group.trajectories)
+        else:
+            ok = all(await asyncio.gather(*(self._call_one(t) for t in group.trajectories)))
+        if not ok and self.config.on_error == "drop":
+            self.counts["dropped_groups"] += 1
+            return {}
+        for t in group.trajectories:
+            if t.reward is not None:
+                self.rewards["sum"] += t.reward
+                self.rewards["count"] += 1
+        return {"trajectories": group}
+
+    async def _call_one(self, trajectory: Trajectory) -> bool:
+        try:
+            apply_score(trajectory, await self._call(trajectory))
+            return True
+        except RewardFailed:
+            raise
+        except Exception as exc:
+            return self._failed(exc, [trajectory])
+
+    async def _call_batched(self, trajectories: list[Trajectory]) -> bool:
+        try:
+            scores = await self._call(trajectories)
+            if not isinstance(scores, list | tuple) or len(scores) != len(trajectories):
+                raise TypeError(f"a batched reward must return one score per trajectory ({len(trajectories)}), "
+                                f"got {scores!r:.60}")
+            for t, score in zip(trajectories, scores, strict=True):
+                apply_score(t, score)
+            return True
+        except RewardFailed:
+            raise
+        except Exception as exc:
+            return self._failed(exc, trajectories)
+
+    async def _call(self, arg: Any) -> Any:
+        self.counts["calls"] += 1
+        if self.is_async:
+            return await asyncio.wait_for(self.fn(arg), self.config.timeout_s)
+        future = asyncio.get_running_loop().run_in_executor(self.pool, self.fn, arg)
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), self.config.timeout_s)
+        except asyncio.TimeoutError:
+            self.counts["abandoned"] += 1
+            raise
+
+    def _failed(self, exc: BaseException, trajectories: list[Trajectory]) -> bool:
+        self.counts["errors"] += 1
+        self.counts["timeouts" if isinstance(exc, asyncio.TimeoutError) else "exceptions"] += 1
+        what = (f"timed out after {self.config.timeout_s} s" if isinstance(exc, asyncio.TimeoutError)
+                else "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
+        self.last_error = f"reward fn {self.config.fn} on {trajectories[0].id}: {what}"
+        if self.config.on_error == "fail" or self.counts["errors"] >= self.config.max_errors:
+            raise RewardFailed(f"{self.counts['errors']} reward errors (on_error {self.config.on_error}, "
+                               f"max_errors {self.config.max_errors}); the last: {self.last_error}") from exc
+        if self.config.on_error == "zero":
+            for t in trajectories:
+                t.reward = 0.0
+            self.counts["zeroed"] += len(trajectories)
+        return False
+
+    def metrics(self) -> dict[str, float]:
+        """Cumulative counters since setup, and the mean reward assigned."""
+        out = {f"reward/{k}": float(v) for k, v in self.counts.items()}
+        if self.rewards["count"]:
+            out["reward/mean"] = self.rewards["sum"] / self.rewards["count"]
+        return out
+
+    async def close(self) -> None:
+        pool = getattr(self, "pool", None)
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)

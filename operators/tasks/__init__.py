@@ -1,0 +1,15 @@
+"""Built-in tasks: each is a data source (`data: {source: builtin:<name>}`), a reward
+(`fn: builtin:<name>`) and, for multi-turn tasks, a workflow (`workflow: builtin:<name>`).
+
+Every source is a pure function of (seed, split, step, index); `split: eval` (or `eval_sample(i)`)
+gives held-out problems that the train split never draws.
+"""
+
+from flowrl_operators.tasks.calculator import CalculatorEnv, calculator
+from flowrl_operators.tasks.digits import copy_digits, positions_correct, reverse_digits
+from flowrl_operators.tasks.guess import GuessNumberEnv, guess_number
+
+TASKS = {t.name: t for t in (reverse_digits, copy_digits, guess_number, calculator)}
+
+__all__ = ["TASKS", "CalculatorEnv", "GuessNumberEnv", "calculator", "copy_digits", "guess_number",
+           "positions_correct", "reverse_digits"]

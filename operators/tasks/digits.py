@@ -1,0 +1,73 @@
+"""Digit tasks: reverse the digits (single-turn RL with a dense reward) and copy them (a supervised
+warm-up whose target is known).
+
+A prompt is raw text, the digits then a marker (`1234>` reverses, `1234=` copies); the answer is
+the digits and the end-of-text token. Raw prompts keep sequences short for a CPU quickstart; set
+`chat: true` to wrap the prompt in the chat template instead.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from flowrl.data.trajectory import Trajectory
+from flowrl_operators.tasks.common import Split, TaskSource, draw, response_text, sample_of
+
+
+def positions_correct(answer: str, target: str) -> float:
+    """Fraction of target positions answered correctly; extra characters count as wrong positions."""
+    answer = answer.strip()
+    if not target:
+        return float(answer == "")
+    hits = sum(a == b for a, b in zip(answer, target, strict=False))
+    return hits / max(len(target), len(answer))
+
+
+class _Digits(TaskSource):
+    marker = "?"
+
+    def __init__(self, seed: int = 0, split: Split = "train", min_digits: int = 3, max_digits: int = 6,
+                 chat: bool = False) -> None:
+        super().__init__(seed, split)
+        if not 1 <= min_digits <= max_digits:
+            raise ValueError(f"need 1 <= min_digits <= max_digits, got {min_digits}, {max_digits}")
+        self.min_digits, self.max_digits, self.chat = min_digits, max_digits, chat
+
+    def answer(self, digits: str) -> str:
+        raise NotImplementedError
+
+    def make(self, rng: random.Random, split: str) -> dict[str, Any]:
+        def digits_of(r: random.Random) -> str:
+            return "".join(r.choice("0123456789") for _ in range(r.randint(self.min_digits, self.max_digits)))
+
+        digits = draw(digits_of, rng, split, lambda d: d)
+        text = digits + self.marker
+        prompt: dict[str, Any] = {"messages": [{"role": "user", "content": text}]} if self.chat else {"prompt": text}
+        return {**prompt, "digits": digits, "target": self.answer(digits)}
+
+    @staticmethod
+    def reward(trajectory: Trajectory) -> float:
+        """Dense reward: the fraction of correct positions."""
+        return positions_correct(response_text(trajectory), sample_of(trajectory)["target"])
+
+
+class reverse_digits(_Digits):  # noqa: N801 - the name users write: data.source builtin:reverse_digits
+    """Reverse a string of digits: `1234>` -> `4321`."""
+
+    name = "reverse_digits"
+    marker = ">"
+
+    def answer(self, digits: str) -> str:
+        return digits[::-1]
+
+
+class copy_digits(_Digits):  # noqa: N801
+    """Copy a string of digits: `1234=` -> `1234`. Fresh random problems each step (a small fixed
+    pool would be memorised); use with `workflow: supervised` for a warm-up phase."""
+
+    name = "copy_digits"
+    marker = "="
+
+    def answer(self, digits: str) -> str:
+        return digits

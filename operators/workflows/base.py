@@ -1,0 +1,222 @@
+"""The workflow protocol: what a generate node runs once per episode of a sample.
+
+A workflow is an async callable `workflow(ctx, sample)` returning a `Trajectory`, a list of them,
+or None (reject). It talks to the engine only through `ctx.generate(input_ids)`, which returns the
+engine's own token ids, behaviour logprobs and per-token policy versions; `TrajectoryBuilder` lays
+those out with environment tokens in between (loss mask 0) and records the turn spans. Model
+output is never re-tokenised: the ids the engine sampled are the ids the trainer sees.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import inspect
+import random
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import msgspec
+
+from flowrl.data.trajectory import Trajectory, Turn
+from flowrl_operators.engine.base import GenerateRequest, GenerateResult, InferenceEngine, SamplingParams
+
+
+class EpisodeError(RuntimeError):
+    """An episode that cannot produce a trajectory (engine rejection, environment failure)."""
+
+
+class Workflow(Protocol):
+    async def __call__(self, ctx: WorkflowContext, sample: dict[str, Any]) -> Trajectory | list[Trajectory] | None: ...
+
+
+def derive_seed(*parts: Any) -> int:
+    """A 63-bit seed from any printable parts: the same episode draws the same tokens on re-issue."""
+    digest = hashlib.sha256("\x1f".join(str(p) for p in parts).encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1
+
+
+@dataclass
+class WorkflowContext:
+    """What one episode gets: the engine (through `generate`), the tokenizer, a seeded RNG, the
+    node's sampling defaults, and where it is (sample id, episode index within the group, step)."""
+
+    engine: InferenceEngine
+    tokenizer: Any
+    sampling: SamplingParams
+    sample_id: str
+    episode: int = 0
+    step: int = 0
+    seed: int = 0
+    args: dict[str, Any] = field(default_factory=dict)
+    services: dict[str, Any] = field(default_factory=dict)  # e.g. "proxy" for agent workflows
+    rng: random.Random = field(init=False)
+    calls: int = field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        self.rng = random.Random(derive_seed(self.seed, self.sample_id, self.episode, "rng"))
+
+    @property
+    def version(self) -> int:
+        """The policy version the engine serves now."""
+        return self.engine.version
+
+    async def generate(self, input_ids: list[int], **overrides: Any) -> GenerateResult:
+        """One engine call from token ids. `overrides` replace sampling fields (max_new_tokens, ...).
+
+        A request aborted by a weight update (pause mode "abort") is resubmitted with its partial
+        output appended, so the caller always sees one complete result whose `versions` say which
+        policy produced each token.
+        """
+        self.calls += 1
+        sampling = msgspec.structs.replace(self.sampling, **overrides)
+        if sampling.temperature > 0 and sampling.seed is None:
+            sampling = msgspec.structs.replace(
+                sampling, seed=derive_seed(self.seed, self.sample_id, self.episode, self.calls))
+        request_id = f"{self.sample_id}/{self.episode}/{self.calls}"
+        merged = GenerateResult(request_id=request_id)
+        prefix = list(input_ids)
+        for attempt in range(1000):
+            request = GenerateRequest(request_id=f"{request_id}#{attempt}", input_ids=prefix, sampling=sampling)
+            result = await self.engine.generate(request)
+            if result.error:
+                raise EpisodeError(f"engine rejected request {request_id}: {result.error}")
+            merged.output_ids += result.output_ids
+            merged.logprobs += result.logprobs
+            merged.versions += result.versions
+            merged.finish_reason = result.finish_reason
+            left = sampling.max_new_tokens - len(result.output_ids)
+            if result.finish_reason != "abort" or left <= 0:
+                if result.finish_reason == "abort":
+                    merged.finish_reason = "length"
+                return merged
+            prefix = prefix + result.output_ids
+            sampling = msgspec.structs.replace(sampling, max_new_tokens=left)
+        raise EpisodeError(f"request {request_id} was aborted 1000 times; is the engine being closed?")
+
+    # --- text helpers (prompts and observations are text; model output stays as ids) ----------------
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def chat_ids(self, messages: list[dict[str, Any]], tools: list[dict] | None = None) -> list[int]:
+        return chat_ids(self.tokenizer, messages, add_generation_prompt=True, tools=tools)
+
+    def prompt_ids(self, sample: dict[str, Any]) -> list[int]:
+        """A sample's prompt: `prompt_ids`, chat `messages`, or raw `prompt` text (in that order)."""
+        if "prompt_ids" in sample:
+            return list(sample["prompt_ids"])
+        if "messages" in sample:
+            return self.chat_ids(sample["messages"])
+        if "prompt" in sample:
+            return self.encode(sample["prompt"])
+        raise EpisodeError(f"sample has none of prompt_ids, messages, prompt (keys: {sorted(sample)})")
+
+
+def chat_ids(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+             tools: list[dict] | None = None) -> list[int]:
+    """The chat template's text, tokenised (the template's special tokens map to their ids)."""
+    text = tokenizer.apply_chat_template(
+        [_plain(m) for m in messages], tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False)
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _plain(message: dict[str, Any]) -> dict[str, Any]:
+    # Templates concatenate content; OpenAI clients send None for tool-call-only assistant messages.
+    return {**message, "content": message.get("content") or ""}
+
+
+_PLACEHOLDER = "\u0001FLOWRL\u0001"  # assistant content the template never produces on its own
+
+
+def continuation_ids(tokenizer: Any, history: list[dict[str, Any]], observation: list[dict[str, Any]],
+                     model_ids: list[int]) -> list[int]:
+    """Tokens that follow the model's last turn up to the next assistant prompt.
+
+    Renders `history + [assistant: PLACEHOLDER] + observation` with a generation prompt and keeps the
+    text after the placeholder: the template's end of the assistant turn, the observation messages
+    and the next assistant header. If the model already produced the end-of-turn token (its stop
+    token), that part is not repeated. Only this text is tokenised; the model's ids are kept as is.
+    """
+    rendered = tokenizer.apply_chat_template(
+        [_plain(m) for m in history] + [{"role": "assistant", "content": _PLACEHOLDER}]
+        + [_plain(m) for m in observation], add_generation_prompt=True, tokenize=False)
+    if rendered.count(_PLACEHOLDER) != 1:
+        raise EpisodeError("the chat template does not render assistant content verbatim; "
+                           "write a workflow that builds observation tokens itself")
+    tail = rendered.split(_PLACEHOLDER, 1)[1]
+    if model_ids:
+        last = tokenizer.decode([model_ids[-1]], skip_special_tokens=False)
+        if last and tokenizer.convert_ids_to_tokens(model_ids[-1]) in tokenizer.all_special_tokens \
+                and tail.startswith(last):
+            tail = tail[len(last):]
+    return list(tokenizer.encode(tail, add_special_tokens=False))
+
+
+class TrajectoryBuilder:
+    """Accumulates one trajectory: prompt, then model turns (loss mask 1) and environment tokens
+    (loss mask 0), with turn spans over the response and one reward per turn if given."""
+
+    def __init__(self, prompt_ids: list[int]) -> None:
+        self.prompt_ids = list(prompt_ids)
+        self.response_ids: list[int] = []
+        self.loss_mask: list[int] = []
+        self.logprobs: list[float] = []
+        self.versions: list[int] = []
+        self.turns: list[Turn] = []
+        self.turn_rewards: list[float] = []
+        self.finish_reason = "stop"
+
+    @property
+    def context_ids(self) -> list[int]:
+        """Everything so far: the next engine call's input."""
+        return self.prompt_ids + self.response_ids
+
+    def add_model(self, result: GenerateResult) -> None:
+        start = len(self.response_ids)
+        self.response_ids += result.output_ids
+        self.loss_mask += [1] * len(result.output_ids)
+        self.logprobs += result.logprobs
+        self.versions += result.versions
+        self.turns.append(Turn(start, len(self.response_ids)))
+        self.finish_reason = result.finish_reason
+
+    def add_environment(self, ids: list[int], version: int) -> None:
+        self.response_ids += ids
+        self.loss_mask += [0] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+        # Not trained on; stamped with the serving version so every token has one.
+        self.versions += [version] * len(ids)
+
+    def build(self, reward: float | None = None, metadata: dict[str, Any] | None = None,
+              turn_rewards: list[float] | None = None) -> Trajectory:
+        rewards = turn_rewards if turn_rewards is not None else (self.turn_rewards or None)
+        trajectory = Trajectory(
+            id="", group_id="", sample_id="", prompt_ids=self.prompt_ids, response_ids=self.response_ids,
+            loss_mask=self.loss_mask, behaviour_logprobs=self.logprobs, versions=self.versions,
+            turns=self.turns, reward=reward, turn_rewards=rewards, finish_reason=self.finish_reason,
+            metadata=dict(metadata or {}),
+        )
+        trajectory.validate()
+        return trajectory
+
+
+def is_async_callable(fn: Any) -> bool:
+    """An async function, a partial of one, or an object whose `__call__` is async."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
+
+
+async def maybe_await(value: Any) -> Any:
+    """Environments and agents may be sync or async."""
+    if isinstance(value, Awaitable):
+        return await value
+    return value
+
+
+WorkflowFactory = Callable[..., Workflow]

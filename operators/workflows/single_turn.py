@@ -1,0 +1,37 @@
+"""The two simplest workflows: one model turn per episode, and a supervised one that calls no model."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flowrl.data.trajectory import Trajectory
+from flowrl_operators.workflows.base import EpisodeError, TrajectoryBuilder, WorkflowContext
+
+
+async def single_turn(ctx: WorkflowContext, sample: dict[str, Any]) -> Trajectory:
+    """Prompt (see `WorkflowContext.prompt_ids`) -> one generation -> one trajectory."""
+    builder = TrajectoryBuilder(ctx.prompt_ids(sample))
+    builder.add_model(await ctx.generate(builder.context_ids))
+    return builder.build(metadata={"sample": sample})
+
+
+async def supervised(ctx: WorkflowContext, sample: dict[str, Any]) -> Trajectory:
+    """The sample's known `target` text (or `target_ids`) as the response, ended by the EOS token.
+
+    For supervised phases (e.g. a warm-up with `loss: {kind: sft}`): the engine is not called, the
+    target is tokenised (it is data, not model output), its logprobs are 0 and every token is
+    stamped with the serving policy version.
+    """
+    if "target_ids" in sample:
+        target = list(sample["target_ids"])
+    elif "target" in sample:
+        target = ctx.encode(sample["target"])
+        if ctx.tokenizer.eos_token_id is not None:
+            target.append(ctx.tokenizer.eos_token_id)
+    else:
+        raise EpisodeError(f"the supervised workflow needs a sample with 'target' or 'target_ids' (keys: {sorted(sample)})")
+    builder = TrajectoryBuilder(ctx.prompt_ids(sample))
+    version = ctx.version
+    builder.response_ids, builder.loss_mask = target, [1] * len(target)
+    builder.logprobs, builder.versions = [0.0] * len(target), [version] * len(target)
+    return builder.build(metadata={"sample": sample})

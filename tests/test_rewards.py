@@ -1,0 +1,234 @@
+"""Reward node: sync/async, per-sample/batched user functions; raising and hanging functions are
+isolated, counted and handled by on_error. Judge grade parsing. Dynamic sampling."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import msgspec
+import pytest
+
+from flowrl.data.trajectory import Group, Trajectory, Turn
+from flowrl.operator import OperatorContext
+from flowrl_operators.config import RewardConfig
+from flowrl_operators.filters import DynamicSampling, DynamicSamplingConfig
+from flowrl_operators.judge import UngradedReply, parse_grade
+from flowrl_operators.reward import Reward, RewardFailed
+
+# --- user reward functions (resolved as test_rewards:<name>) -----------------------------------------
+
+
+def length_reward(t: Trajectory) -> float:
+    return len(t.metadata["text"]) / 10
+
+
+async def async_length_reward(t: Trajectory) -> float:
+    await asyncio.sleep(0)
+    return len(t.metadata["text"]) / 10
+
+
+def raises_on_bad(t: Trajectory) -> float:
+    if "bad" in t.metadata["text"]:
+        raise ValueError("cannot score this")
+    return 1.0
+
+
+def hangs_on_slow(t: Trajectory) -> float:
+    if "slow" in t.metadata["text"]:
+        time.sleep(2.0)  # a sync function stuck past its timeout: abandoned in its thread
+    return 1.0
+
+
+async def async_hangs_on_slow(t: Trajectory) -> float:
+    if "slow" in t.metadata["text"]:
+        await asyncio.sleep(30)
+    return 1.0
+
+
+def per_turn(t: Trajectory) -> list[float]:
+    return [0.5] * len(t.turns)
+
+
+def as_dict(t: Trajectory) -> dict:
+    return {"token_rewards": [0.25] * len(t.response_ids)}
+
+
+def batched_rank(ts: list[Trajectory]) -> list[float]:
+    return [float(i) for i in range(len(ts))]
+
+
+def wrong_type(t: Trajectory) -> str:
+    return "high"
+
+
+def group(texts: list[str], gid: str = "0:0", rewards: list[float | None] | None = None) -> Group:
+    trajectories = [
+        Trajectory(id=f"{gid}/{i}", group_id=gid, sample_id=gid, prompt_ids=[1], response_ids=[2, 3],
+                   loss_mask=[1, 1], behaviour_logprobs=[-1.0, -1.0], versions=[0, 0], turns=[Turn(0, 2)],
+                   reward=None if rewards is None else rewards[i], metadata={"text": text})
+        for i, text in enumerate(texts)]
+    return Group(id=gid, step=0, trajectories=trajectories)
+
+
+async def make(fn: str, **config) -> Reward:
+    op = Reward(msgspec.convert({"fn": fn, **config}, RewardConfig), OperatorContext(node="score"))
+    await op.setup()
+    return op
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+@pytest.mark.parametrize("fn", ["test_rewards:length_reward", "test_rewards:async_length_reward"])
+def test_sync_and_async_functions(fn):
+    async def main():
+        op = await make(fn)
+        out = await op.process({"trajectories": group(["ab", "abcd"])})
+        await op.close()
+        return out, op.metrics()
+
+    out, metrics = run(main())
+    assert [t.reward for t in out["trajectories"].trajectories] == [0.2, 0.4]
+    assert metrics["reward/calls"] == 2 and metrics["reward/errors"] == 0
+    assert metrics["reward/mean"] == pytest.approx(0.3)
+
+
+def test_return_shapes_turns_tokens_batched_builtin():
+    turns = run(_one("test_rewards:per_turn", group(["a"])))
+    assert turns.trajectories[0].turn_rewards == [0.5] and turns.trajectories[0].reward == 0.5
+    tokens = run(_one("test_rewards:as_dict", group(["a"])))
+    assert tokens.trajectories[0].token_rewards == [0.25, 0.25] and tokens.trajectories[0].reward is None
+    batched = run(_one("test_rewards:batched_rank", group(["a", "b", "c"]), batched=True))
+    assert [t.reward for t in batched.trajectories] == [0.0, 1.0, 2.0]
+    digits = group(["4321", "4300"])
+    for t in digits.trajectories:
+        t.metadata["sample"] = {"target": "4321"}
+    assert [t.reward for t in run(_one("builtin:reverse_digits", digits)).trajectories] == [1.0, 0.5]
+
+
+async def _one(fn: str, g: Group, **config) -> Group:
+    op = await make(fn, **config)
+    out = await op.process({"trajectories": g})
+    await op.close()
+    return out["trajectories"]
+
+
+def test_raising_function_zero_policy_counts_and_continues():
+    async def main():
+        op = await make("test_rewards:raises_on_bad", on_error="zero")
+        first = await op.process({"trajectories": group(["ok", "bad", "ok"])})
+        second = await op.process({"trajectories": group(["ok", "ok"], "0:1")})
+        return first, second, op.metrics(), op.last_error
+
+    first, second, metrics, last_error = run(main())
+    assert [t.reward for t in first["trajectories"].trajectories] == [1.0, 0.0, 1.0]
+    assert [t.reward for t in second["trajectories"].trajectories] == [1.0, 1.0]
+    assert metrics["reward/errors"] == 1 and metrics["reward/exceptions"] == 1 and metrics["reward/zeroed"] == 1
+    assert "cannot score this" in last_error and "0:0/1" in last_error
+
+
+def test_raising_function_drop_policy_drops_the_group():
+    async def main():
+        op = await make("test_rewards:raises_on_bad", on_error="drop")
+        dropped = await op.process({"trajectories": group(["ok", "bad"])})
+        kept = await op.process({"trajectories": group(["ok"], "0:1")})
+        return dropped, kept, op.metrics()
+
+    dropped, kept, metrics = run(main())
+    assert dropped == {} and kept["trajectories"].trajectories[0].reward == 1.0
+    assert metrics["reward/dropped_groups"] == 1 and metrics["reward/errors"] == 1
+
+
+def test_fail_policy_and_max_errors_stop_the_run():
+    async def fail_now():
+        op = await make("test_rewards:raises_on_bad", on_error="fail")
+        await op.process({"trajectories": group(["bad"])})
+
+    with pytest.raises(RewardFailed, match="cannot score this"):
+        run(fail_now())
+
+    async def threshold():
+        op = await make("test_rewards:raises_on_bad", on_error="zero", max_errors=3)
+        await op.process({"trajectories": group(["bad", "bad"])})
+        assert op.metrics()["reward/errors"] == 2
+        await op.process({"trajectories": group(["bad"], "0:1")})
+
+    with pytest.raises(RewardFailed, match="3 reward errors"):
+        run(threshold())
+
+
+@pytest.mark.parametrize("fn", ["test_rewards:hangs_on_slow", "test_rewards:async_hangs_on_slow"])
+def test_hanging_function_times_out_and_the_rest_is_scored(fn):
+    async def main():
+        op = await make(fn, timeout_s=0.3, on_error="zero")
+        start = time.perf_counter()
+        out = await op.process({"trajectories": group(["ok", "slow", "ok"])})
+        elapsed = time.perf_counter() - start
+        await op.close()
+        return out, op.metrics(), elapsed
+
+    out, metrics, elapsed = run(main())
+    assert [t.reward for t in out["trajectories"].trajectories] == [1.0, 0.0, 1.0]
+    assert metrics["reward/timeouts"] == 1 and metrics["reward/errors"] == 1
+    assert elapsed < 1.5  # the hung call did not hold the group
+    if fn.endswith(":hangs_on_slow"):
+        assert metrics["reward/abandoned"] == 1
+
+
+def test_bad_return_value_is_an_isolated_error():
+    async def main():
+        op = await make("test_rewards:wrong_type")
+        out = await op.process({"trajectories": group(["a"])})
+        return out, op.metrics(), op.last_error
+
+    out, metrics, last_error = run(main())
+    assert out["trajectories"].trajectories[0].reward == 0.0 and metrics["reward/exceptions"] == 1
+    assert "return a float" in last_error
+
+
+def test_unknown_function_is_a_clear_error():
+    with pytest.raises(ValueError, match="no attribute 'nope'"):
+        run(make("test_rewards:nope"))
+    with pytest.raises(ValueError, match="known: builtin:"):
+        run(make("builtin:nope"))
+
+
+# --- judge parsing ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("reply, grade", [
+    ("Score: 7", 0.7), ("score=10", 1.0), ("**Grade:** 9", 0.9), ("Rating: 8/10", 0.8),
+    ("I'd give it a score of 3 out of 5.", 0.6), ("The answer is \\boxed{4}", 0.4), ("7/10, decent", 0.7),
+    ("after thinking about 2 issues, 6", 0.6), ("Score: 15", 1.0), ("score: -3", 0.0),
+    ("first 2, final Score: 5 and Score: 8", 0.8), ("Score: 2.5", 0.25),
+])
+def test_parse_grade(reply, grade):
+    assert parse_grade(reply, 10) == pytest.approx(grade)
+
+
+@pytest.mark.parametrize("reply", ["", "no idea", "score: unknown", "0/0"])
+def test_parse_grade_without_a_grade_raises(reply):
+    with pytest.raises(UngradedReply):
+        parse_grade(reply, 10)
+
+
+# --- dynamic sampling -------------------------------------------------------------------------------
+
+
+def test_dynamic_sampling_drops_uniform_groups_and_declares_oversampling():
+    async def main():
+        op = DynamicSampling(DynamicSamplingConfig(oversample=2.0, max_oversample=3.0),
+                             OperatorContext(node="filter"))
+        await op.setup()
+        outs = [await op.process({"trajectories": group(["a"] * 4, f"0:{i}", rewards=r)})
+                for i, r in enumerate([[1, 1, 1, 1], [0, 1, 0, 0], [0.0, 0.0, 0.0, 0.0], [0.5, 0.5, 0.5, 0.25]])]
+        return op, outs
+
+    op, outs = run(main())
+    assert [bool(o) for o in outs] == [False, True, False, True]
+    assert outs[1]["trajectories"].id == "0:1"
+    m = op.metrics()
+    assert m["dynamic_sampling/dropped"] == 2 and m["dynamic_sampling/keep_rate"] == 0.5
+    assert DynamicSampling.oversampling(DynamicSamplingConfig(oversample=2.0, max_oversample=3.0)) == (2.0, 3.0)
