@@ -195,6 +195,10 @@ def test_openai_client_and_subprocess_server_with_broadcast_update(old_and_new):
         assert chat.choices[0].message.content == tok.decode(reference[:cut], skip_special_tokens=True)
         assert chat.choices[0].finish_reason == ("stop" if cut < 8 else "length")
         assert chat.usage.prompt_tokens == len(tok.encode(prompt))
+        sampled = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=8, temperature=1.0, n=2, seed=3)
+        assert [c.index for c in sampled.choices] == [0, 1]
+        assert 2 <= sampled.usage.completion_tokens <= 16
 
         params = list(load_hf_model(new).named_parameters())
         answers = asyncio.run(broadcast_update(url, params))

@@ -314,9 +314,13 @@ class EmbeddedEngine:
 
     def _start(self) -> None:
         """Create the lock and the scheduler task in the running loop (on first use)."""
+        loop = asyncio.get_running_loop()
         if self._scheduler is None:
             self._lock, self._wake = asyncio.Lock(), asyncio.Event()
-            self._scheduler = asyncio.get_running_loop().create_task(self._schedule())
+            self._scheduler = loop.create_task(self._schedule())
+        elif self._scheduler.get_loop() is not loop:
+            raise RuntimeError("an EmbeddedEngine serves the event loop it first ran in; create one engine "
+                               "per event loop (e.g. per asyncio.run)")
 
     def _running(self) -> list[Sequence]:
         return [seq for seq in self._slots if seq is not None]

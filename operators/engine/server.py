@@ -214,21 +214,22 @@ class EngineServer:
             seed=body.get("seed"),
         )
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        choices, completion = [], 0
-        for index in range(int(body.get("n", 1))):
-            sampling_i = msgspec.structs.replace(sampling, seed=None if sampling.seed is None else sampling.seed + index)
-            result = await self.engine.generate(GenerateRequest(request_id=f"{rid}-{index}", input_ids=ids,
-                                                                sampling=sampling_i))
+        count = int(body.get("n", 1))
+        results = await asyncio.gather(*[self.engine.generate(GenerateRequest(
+            request_id=f"{rid}-{i}", input_ids=ids,
+            sampling=msgspec.structs.replace(sampling, seed=None if sampling.seed is None else sampling.seed + i)))
+            for i in range(count)])
+        for result in results:
             if result.error:
                 raise BadRequest(result.error)
-            choices.append({
-                "index": index,
-                "message": {"role": "assistant",
-                            "content": self.tokenizer.decode(result.output_ids, skip_special_tokens=True)},
-                "finish_reason": "stop" if result.finish_reason == "stop" else "length",
-                "logprobs": None,
-            })
-            completion += len(result.output_ids)
+        choices = [{
+            "index": i,
+            "message": {"role": "assistant",
+                        "content": self.tokenizer.decode(result.output_ids, skip_special_tokens=True)},
+            "finish_reason": "stop" if result.finish_reason == "stop" else "length",
+            "logprobs": None,
+        } for i, result in enumerate(results)]
+        completion = sum(len(result.output_ids) for result in results)
         return web.json_response({
             "id": rid, "object": "chat.completion", "created": int(time.time()),
             "model": body.get("model", self.model_name), "choices": choices,
