@@ -107,14 +107,26 @@ def test_pause_update_by_tensor_continue(old_and_new):
         while (snap := engine.snapshot("req-000001")) is None or len(snap.output_ids) < 5:
             await asyncio.sleep(0.001)
         await post(session, f"{url}/pause_generation", {"mode": "retract"})
+        old_embedding = dict(engine.named_parameters())["model.embed_tokens.weight"].clone()
+        # A session with one bad bucket applies nothing, not even the good bucket before it.
         await post(session, f"{url}/begin_weight_update")
-        for start in range(0, len(new_params), 7):  # several buckets in one session
+        await post(session, f"{url}/begin_weight_update", status=400)  # no nesting
+        await post(session, f"{url}/update_weights_from_tensor", {
+            "serialized_named_tensors": [encode_bucket(new_params[:3])]})
+        bad = await post(session, f"{url}/update_weights_from_tensor", {
+            "serialized_named_tensors": [encode_bucket([("model.nope.weight", torch.zeros(2))])]}, status=400)
+        assert "model.nope.weight" in bad["error"]["message"]
+        refused = await post(session, f"{url}/end_weight_update", {"weight_version": "1"}, status=400)
+        assert "nothing applied" in refused["error"]["message"] and engine.version == 0
+        assert torch.equal(old_embedding, dict(engine.named_parameters())["model.embed_tokens.weight"])
+        # A good session: several buckets staged, applied together at the end.
+        await post(session, f"{url}/begin_weight_update")
+        for start in range(0, len(new_params), 7):
             await post(session, f"{url}/update_weights_from_tensor", {
                 "serialized_named_tensors": [encode_bucket(new_params[start:start + 7])],
                 "load_format": "flowrl_safetensors", "flush_cache": False})
         assert engine.version == 0  # staged, not applied
-        old_embedding = dict(engine.named_parameters())["model.embed_tokens.weight"].clone()
-        assert torch.equal(old_embedding, dict(load_hf_model(old).named_parameters())["model.embed_tokens.weight"])
+        assert torch.equal(old_embedding, dict(engine.named_parameters())["model.embed_tokens.weight"])
         await post(session, f"{url}/end_weight_update", {"weight_version": "1"})
         await post(session, f"{url}/continue_generation")
         return await task

@@ -103,6 +103,7 @@ class EngineServer:
         self.model_name = model_name or str(engine.folder)
         self.session: dict[str, torch.Tensor] | None = None  # staged weights between begin/end
         self.session_version: int | None = None
+        self.session_error: str | None = None  # a failed update poisons the session: none applies
         self.groups: dict[str, object] = {}  # weight broadcast groups by name
 
     def app(self) -> web.Application:
@@ -289,12 +290,20 @@ class EngineServer:
         if load_format != LOAD_FORMAT:
             raise BadRequest(f"load_format {load_format!r} is not supported; the embedded engine takes "
                              f"{LOAD_FORMAT!r} (base64 safetensors, see flowrl_operators.engine.transfer)")
-        entries = body.get("serialized_named_tensors") or []
         staged = {}
-        for entry in entries:
-            bucket = await asyncio.to_thread(decode_bucket, entry)
-            staged.update(await asyncio.to_thread(self.engine.stage, bucket))
+        for entry in body.get("serialized_named_tensors") or []:
+            staged.update(await self._stage(decode_bucket, entry))
         return await self._install(staged, body)
+
+    async def _stage(self, receive, *args) -> dict[str, torch.Tensor]:
+        """Receive a bucket with `receive(*args)` and stage it; a failure inside a session poisons it."""
+        try:
+            bucket = await asyncio.to_thread(receive, *args)
+            return await asyncio.to_thread(self.engine.stage, bucket)
+        except Exception as exc:
+            if self.session is not None:
+                self.session_error = f"{type(exc).__name__}: {exc}"
+            raise
 
     async def update_from_disk(self, request: web.Request) -> web.Response:
         body = await json_body(request)
@@ -320,8 +329,7 @@ class EngineServer:
         if name not in self.groups:
             raise BadRequest(f"no weight update group {name!r}; call /init_weights_update_group first")
         shapes, dtypes = body["shapes"], [parse_dtype(d) for d in body["dtypes"]]
-        bucket = await asyncio.to_thread(receive_broadcast, self.groups[name], body["names"], dtypes, shapes)
-        staged = await asyncio.to_thread(self.engine.stage, bucket)
+        staged = await self._stage(receive_broadcast, self.groups[name], body["names"], dtypes, shapes)
         return await self._install(staged, body)
 
     async def destroy_group(self, request: web.Request) -> web.Response:
@@ -332,7 +340,9 @@ class EngineServer:
         return success(f"destroyed weight update group {name!r}")
 
     async def begin_update(self, request: web.Request) -> web.Response:
-        self.session, self.session_version = {}, None
+        if self.session is not None:
+            raise BadRequest("a weight update session is already open; end it with /end_weight_update")
+        self.session, self.session_version, self.session_error = {}, None, None
         return success("weight update session open")
 
     async def end_update(self, request: web.Request) -> web.Response:
@@ -340,6 +350,8 @@ class EngineServer:
         if self.session is None:
             raise BadRequest("no weight update session is open; call /begin_weight_update first")
         staged, self.session = self.session, None
+        if self.session_error:
+            raise BadRequest(f"nothing applied: an update in this session failed ({self.session_error})")
         version = body.get("weight_version")
         version = parse_version(version) if version is not None else self.session_version
         await self.engine.commit(staged, self.engine.version if version is None else version)
