@@ -4,6 +4,8 @@ import math
 
 import pytest
 import torch
+
+from flowrl.data.trajectory import Trajectory, Turn
 from flowrl_operators.training.advantages import (
     ADVANTAGES,
     AdvantageConfig,
@@ -11,8 +13,6 @@ from flowrl_operators.training.advantages import (
     compute_advantages,
 )
 from flowrl_operators.training.batch import pack
-
-from flowrl.data.trajectory import Trajectory, Turn
 
 torch.set_num_threads(1)
 

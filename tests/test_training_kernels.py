@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from flowrl_operators.training.kernels import reference_token_logprobs, token_logprobs
 
 torch.set_num_threads(1)
