@@ -2,17 +2,51 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
+import asyncio
+from typing import Any, ClassVar
 
 from flowrl.operator import POLICY, WEIGHTS, Operator, Resources
 from flowrl_operators.config import SyncConfig
 
 
 class Sync(Operator):
-    """Delivers a new policy version to the generate engines in weight buckets."""
+    """Delivers a new policy version to the generate engines in weight buckets.
+
+    `sync(policy, version=)` accepts what a train node publishes: a trainer (anything with
+    `named_weights(bucket_bytes)`), a torch module, a state dict, an iterable of buckets, or a weights
+    record the trainer already sent itself (passed through; that is how a broadcast leaves a Ray train
+    actor's rank 0 without the weights travelling through this node). It returns the weights record
+    that the generate node hands to `flowrl_operators.transport.apply`.
+    """
 
     kind = "sync"
     Config = SyncConfig
     inputs: ClassVar = {"policy": POLICY}
     outputs: ClassVar = {"weights": WEIGHTS}
     resources = Resources(cpus=0.1)
+
+    async def setup(self) -> None:
+        from flowrl_operators.transport import make_sender
+
+        self.sender = make_sender(self.config)
+
+    async def sync(self, policy: Any, *, version: int) -> Any:
+        from flowrl_operators.transport import (
+            BroadcastRecord,
+            InProcessRecord,
+            ObjectStoreRecord,
+            weight_buckets,
+        )
+
+        if isinstance(policy, InProcessRecord | ObjectStoreRecord | BroadcastRecord):
+            return policy
+        if not hasattr(self, "sender"):
+            await self.setup()
+        buckets = weight_buckets(policy, int(self.config.bucket_mb * 2**20))
+        # Gathering and copying block: keep the stage's event loop free.
+        return await asyncio.to_thread(self.sender.send, buckets, version)
+
+    async def close(self) -> None:
+        sender = getattr(self, "sender", None)
+        if sender is not None:
+            await asyncio.to_thread(sender.close)

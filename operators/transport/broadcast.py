@@ -1,0 +1,286 @@
+"""torch.distributed broadcast transport: train rank 0 broadcasts each bucket to every engine.
+
+The group. Rank 0 is the sender (train rank 0, or the sync node); engines are ranks
+`rank_offset + i` (rank_offset 1; one rank per engine here, `tp_size` ranks per SGLang engine).
+Rendezvous: the sender hosts a TCP store at (address, port) when it is built (port 0 picks a free
+port); the weights record names it, and each receiver connects to it on its first record. Both ends
+build the backend (gloo on CPU, NCCL on GPU) over the store prefixed "<group_name>/<device>/",
+which is what `init_process_group(init_method="tcp://...")` and SGLang's
+`init_weights_update_group(master_address, master_port, rank_offset, world_size, group_name,
+backend)` do, so an SGLang server can join the same group as ranks rank_offset... The backend is
+created directly (not as torch's default group), so a trainer that already has its FSDP group can
+host it too. Building it returns once all `world_size` ranks have joined; the group then lives on
+for every later version.
+
+The wire, per version: for each bucket a header (int64: kind, metadata length, data length,
+version), the bucket's metadata (names, dtypes, shapes; msgpack), then its bytes, either as one
+flat uint8 buffer (layout "flat": one broadcast per bucket) or tensor by tensor (layout
+"per_tensor", the shape SGLang's `update_weights_from_distributed` receives). An END header closes
+the version; an ABORT header tells the engines the sender failed mid-way (they raise and keep their
+old weights). A receiver whose engine rejects a bucket still drains the rest of the version, so
+the group stays in step. If the group itself breaks (a peer died), the sender starts a new group
+under a new name for the next version and receivers join that.
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from flowrl_operators.transport.base import (
+    Bucket,
+    Stream,
+    TensorMeta,
+    TransferError,
+    aligned,
+    as_bytes,
+    bucket_nbytes,
+    from_bytes,
+)
+
+BUCKET, END, ABORT = 1, 2, 3
+Layout = Literal["flat", "per_tensor"]
+
+
+@dataclass(frozen=True)
+class BroadcastGroup:
+    """Where to join: the arguments of SGLang's `init_weights_update_group` (rank_offset is 1)."""
+
+    address: str
+    port: int
+    world_size: int
+    group_name: str
+    backend: str  # "gloo" or "nccl"
+    timeout_s: float = 600.0
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class BroadcastRecord:
+    version: int
+    group: BroadcastGroup
+    layout: Layout
+    transport: str = "broadcast"
+
+
+def connect(group: BroadcastGroup, rank: int, store: dist.Store | None = None):
+    """Join `group` as `rank` (blocks until every rank joined); returns the backend process group."""
+    timeout = datetime.timedelta(seconds=group.timeout_s)
+    if store is None:
+        store = dist.TCPStore(group.address, group.port, group.world_size, is_master=False, timeout=timeout,
+                              multi_tenant=True)
+    device = "cuda" if group.backend == "nccl" else "cpu"
+    prefixed = dist.PrefixStore(f"{device}/", dist.PrefixStore(f"{group.group_name}/", store))
+    if group.backend == "gloo":
+        return dist.ProcessGroupGloo(prefixed, rank, group.world_size, timeout)
+    if group.backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(prefixed, rank, group.world_size, options)
+    raise ValueError(f"broadcast backend {group.backend!r} is not gloo or nccl")
+
+
+def _broadcast(pg, tensor: torch.Tensor) -> None:
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    pg.broadcast([tensor], options).wait()
+
+
+class BroadcastSender:
+    """Rank 0 of the group. `send` returns the record at once and broadcasts in a background thread;
+    the next `send` (or `wait`) waits for that transfer, so versions never interleave on the wire."""
+
+    transport = "broadcast"
+
+    def __init__(self, receivers: int = 1, address: str = "127.0.0.1", port: int = 0, backend: str = "auto",
+                 group_name: str = "flowrl-weights", layout: Layout = "flat", timeout_s: float = 600.0) -> None:
+        if receivers < 1:
+            raise ValueError(f"a broadcast needs at least one receiving engine, got receivers={receivers}")
+        if backend == "auto":
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        self.receivers, self.layout, self.timeout_s = receivers, layout, timeout_s
+        self.address, self.backend, self.base_name = address, backend, group_name
+        timeout = datetime.timedelta(seconds=timeout_s)
+        self.store = dist.TCPStore(address, port, receivers + 1, is_master=True, timeout=timeout,
+                                   wait_for_workers=False, multi_tenant=True)
+        self._incarnation = itertools.count()
+        self.group = self._new_group()
+        self._pg = None
+        self._flat = torch.empty(0, dtype=torch.uint8, device=self.group.device)
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None  # why the last transfer failed, if it did
+        self.seconds = 0.0  # duration of the last transfer
+
+    def _new_group(self) -> BroadcastGroup:
+        name = f"{self.base_name}-{next(self._incarnation)}"
+        return BroadcastGroup(self.address, self.store.port, self.receivers + 1, name, self.backend, self.timeout_s)
+
+    def send(self, buckets: Iterable[Bucket], version: int) -> BroadcastRecord:
+        self._join(None)  # a failed previous version was already dropped by the engines: go on
+        self.error = None
+        record = BroadcastRecord(version, self.group, self.layout)
+        self._thread = threading.Thread(target=self._run, args=(buckets, version), daemon=True,
+                                        name=f"flowrl-broadcast-v{version}")
+        self._thread.start()
+        return record
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the last version was delivered; raises TransferError if it was not."""
+        self._join(timeout)
+        if self.error is not None:
+            raise TransferError(f"the last weight broadcast failed: {self.error!r}") from self.error
+
+    def _join(self, timeout: float | None) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise TransferError(f"weight broadcast still running after {timeout} s")
+            self._thread = None
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._thread.join(self.timeout_s)
+        self._pg = None
+
+    def _run(self, buckets: Iterable[Bucket], version: int) -> None:
+        start = time.perf_counter()
+        try:
+            if self._pg is None:
+                self._pg = connect(self.group, 0, self.store)
+            iterator = iter(buckets)
+            while True:
+                try:
+                    bucket = next(iterator, None)  # may gather from FSDP shards, and may raise
+                except Exception as exc:  # the source failed, the group is fine: engines drop the version
+                    self.error = exc
+                    self._header(ABORT, 0, 0, version)
+                    return
+                if bucket is None:
+                    self._header(END, 0, 0, version)
+                    return
+                self._send_bucket(bucket, version)
+        except Exception as exc:  # the group failed (a receiver died, a timeout): never reuse it
+            self.error = exc
+            self._pg, self.group = None, self._new_group()
+        finally:
+            self.seconds = time.perf_counter() - start
+
+    def _header(self, kind: int, meta_len: int, data_len: int, version: int) -> None:
+        _broadcast(self._pg, torch.tensor([kind, meta_len, data_len, version], dtype=torch.int64,
+                                          device=self.group.device))
+
+    def _send_bucket(self, bucket: Bucket, version: int) -> None:
+        device = self.group.device
+        metas = [TensorMeta.of(name, t) for name, t in bucket]
+        meta = msgspec.msgpack.encode([[m.name, m.dtype, list(m.shape)] for m in metas])
+        size = sum(aligned(m.nbytes) for m in metas) if self.layout == "flat" else bucket_nbytes(bucket)
+        self._header(BUCKET, len(meta), size, version)
+        _broadcast(self._pg, torch.frombuffer(bytearray(meta), dtype=torch.uint8).to(device))
+        if self.layout == "per_tensor":
+            for _, t in bucket:
+                _broadcast(self._pg, t.detach().to(device).contiguous())
+            return
+        if self._flat.numel() < size:
+            self._flat = torch.empty(size, dtype=torch.uint8, device=device)
+        offset = 0
+        for (_, t), m in zip(bucket, metas, strict=True):
+            self._flat[offset:offset + m.nbytes].copy_(as_bytes(t))
+            offset += aligned(m.nbytes)
+        _broadcast(self._pg, self._flat[:size])
+
+
+_joined: dict[tuple[str, int, str, int], object] = {}
+_joined_lock = threading.Lock()
+_joining: dict[tuple[str, int, str, int], threading.Lock] = {}
+
+
+class BroadcastStream(Stream):
+    """Rank `rank` of the record's group. Buckets of the flat layout are views of one receive buffer,
+    valid until the next bucket is asked for (engines copy a bucket before taking the next)."""
+
+    transport = "broadcast"
+    _buffers: dict[tuple[torch.device, int], torch.Tensor] = {}  # per device and rank, reused
+
+    def __init__(self, record: BroadcastRecord, rank: int) -> None:
+        super().__init__()
+        if not 1 <= rank < record.group.world_size:
+            raise TransferError(f"engine rank {rank} is outside the broadcast group of {record.group.world_size} "
+                                "(rank 0 is the sender; set the sync node's `receivers` to the number of engines)")
+        self.record, self.rank = record, rank
+        self._ended = False
+        self._problem: TransferError | None = None
+
+    def _group(self):
+        g = self.record.group
+        key = (g.address, g.port, g.group_name, self.rank)
+        with _joined_lock:  # one lock per rank: two engines of one process join concurrently
+            lock = _joining.setdefault(key, threading.Lock())
+        with lock:
+            if key not in _joined:
+                _joined[key] = connect(g, self.rank)
+            return _joined[key]
+
+    def _receive(self, pg, shape: tuple[int, ...], dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+        tensor = out if out is not None else torch.empty(shape, dtype=dtype, device=self.record.group.device)
+        _broadcast(pg, tensor)
+        return tensor
+
+    def _next(self) -> Bucket | None:
+        if self._ended:
+            return None
+        g = self.record.group
+        try:
+            pg = self._group()
+            kind, meta_len, data_len, version = self._receive(pg, (4,), torch.int64).tolist()
+            if kind == END:
+                self._ended = True
+                return None
+            if kind == ABORT:
+                self._ended = True
+                raise TransferError(f"the sender of weights version {version} failed mid-way; the version is dropped")
+            raw = self._receive(pg, (meta_len,), torch.uint8).cpu().numpy().tobytes()
+            metas = [TensorMeta(n, d, tuple(s)) for n, d, s in msgspec.msgpack.decode(raw)]
+            if self.record.layout == "per_tensor":
+                bucket = [(m.name, self._receive(pg, m.shape, m.torch_dtype)) for m in metas]
+            else:
+                buffer = self._buffers.get((g.device, self.rank))
+                if buffer is None or buffer.numel() < data_len:
+                    buffer = self._buffers[(g.device, self.rank)] = torch.empty(data_len, dtype=torch.uint8, device=g.device)
+                self._receive(pg, (data_len,), torch.uint8, buffer[:data_len])
+                bucket, offset = [], 0
+                for m in metas:
+                    bucket.append((m.name, from_bytes(buffer[offset:offset + m.nbytes], m)))
+                    offset += aligned(m.nbytes)
+        except TransferError:
+            raise
+        except Exception as exc:  # the group broke (a peer died, a timeout): forget it
+            self._ended = True
+            with _joined_lock:
+                _joined.pop((g.address, g.port, g.group_name, self.rank), None)
+            raise TransferError(f"weight broadcast from {g.address}:{g.port} ({g.group_name}) failed: {exc}") from exc
+        if version != self.record.version and self._problem is None:
+            self._problem = TransferError(f"the sender is broadcasting version {version}, this record is "
+                                          f"version {self.record.version}")
+        if self._problem is not None:
+            raise self._problem
+        return bucket
+
+    def _finish(self) -> None:
+        while not self._ended:
+            try:
+                self._next()
+            except TransferError:
+                if not self._ended:
+                    continue
