@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+
 from flowrl_operators import models
 
 
@@ -36,18 +37,19 @@ def test_builtin_builds_once_into_the_cache_and_loads_offline(cache):
     assert not list(cache.joinpath("models").glob(".*")), "scratch folders left behind"
 
 
-def test_concurrent_builds_are_safe_and_deterministic(tmp_path):
-    """Two processes race to build into one cache; a third builds alone: same bytes everywhere."""
+def test_concurrent_builds_are_safe_and_deterministic(tmp_path, monkeypatch):
+    """Two processes race to build into one cache; this process builds alone: same bytes everywhere."""
     code = "from flowrl_operators.models import resolve_model; print(resolve_model('builtin:tiny-qwen3'))"
-    caches = [tmp_path / "shared", tmp_path / "shared", tmp_path / "alone"]
-    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
-                              env=dict(os.environ, FLOWRL_CACHE=str(c), HF_HUB_OFFLINE="1"))
-             for c in caches]
+    env = dict(os.environ, FLOWRL_CACHE=str(tmp_path / "shared"), HF_HUB_OFFLINE="1")
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
+             for _ in range(2)]
+    monkeypatch.setenv("FLOWRL_CACHE", str(tmp_path / "alone"))
+    alone = models.resolve_model("builtin:tiny-qwen3")
     outs = [p.communicate()[0].strip() for p in procs]
     assert all(p.returncode == 0 for p in procs)
-    assert outs[0] == outs[1] != outs[2]
+    assert outs[0] == outs[1] == str(tmp_path / "shared" / "models" / "tiny-qwen3")
     assert [p.name for p in (tmp_path / "shared" / "models").iterdir()] == ["tiny-qwen3"]
-    assert _digest(models.Path(outs[0])) == _digest(models.Path(outs[2]))
+    assert _digest(models.Path(outs[0])) == _digest(alone)
     assert models.load_config(outs[0]).model_type == "qwen3"
 
 
