@@ -29,6 +29,7 @@ from flowrl.data.trajectory import Trajectory
 from flowrl_operators.engine.base import GenerateRequest, GenerateResult, InferenceEngine, SamplingParams
 from flowrl_operators.workflows.base import TrajectoryBuilder, chat_ids, derive_seed, is_async_callable
 
+_MARK = "\u0002"  # brackets spliced-reply indices in a rendered template
 _TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
 
 
@@ -39,6 +40,7 @@ class Call:
     logprobs: list[float]
     versions: list[int]
     finish_reason: str
+    sampling: SamplingParams  # as sent to the engine (its seed makes the call replayable)
 
 
 @dataclass
@@ -47,6 +49,7 @@ class Session:
     sampling: SamplingParams
     seed: int
     calls: list[Call] = field(default_factory=list)
+    replies: dict[str, list[int]] = field(default_factory=dict)  # reply text -> the engine's ids
     open: bool = True
 
 
@@ -138,19 +141,54 @@ class Proxy:
         if body.get("stream"):
             raise ProxyError(400, "stream is not supported by the flowrl proxy; call without stream=True")
         sampling = self._sampling(body, session)
-        prompt_ids = chat_ids(self.tokenizer, messages, add_generation_prompt=True, tools=body.get("tools"))
+        prompt_ids = self.render(messages, body.get("tools"), session)
         calls = len(session.calls) if session else 0
         request_id = f"{session.id if session else 'open'}/{calls}/{uuid.uuid4().hex[:8]}"
         result = await self.engine.generate(GenerateRequest(request_id=request_id, input_ids=prompt_ids,
                                                             sampling=sampling))
         if result.error:
             raise ProxyError(400, f"the engine rejected the request: {result.error}")
+        response = self._response(result, prompt_ids, body)
         if session is not None:
             if not session.open:
                 raise ProxyError(404, f"session {session.id!r} ended while the call was running")
             session.calls.append(Call(prompt_ids, list(result.output_ids), list(result.logprobs),
-                                      list(result.versions), result.finish_reason))
-        return self._response(result, prompt_ids, body)
+                                      list(result.versions), result.finish_reason, sampling))
+            session.replies[response["choices"][0]["message"]["content"]] = list(result.output_ids)
+        return response
+
+    def render(self, messages: list[dict[str, Any]], tools: list[dict] | None, session: Session | None) -> list[int]:
+        """The prompt's token ids. An assistant message whose content is a reply this session sent is
+        spliced in as the engine's own output ids (stop token included), not re-tokenised, so a
+        conversation's prompt extends the previous call's prompt + output token for token."""
+        replies = session.replies if session else {}
+        spliced: list[list[int]] = []
+        rendered = []
+        for m in messages:
+            if m.get("role") == "assistant" and m.get("content") in replies and not m.get("tool_calls"):
+                rendered.append({**m, "content": f"{_MARK}{len(spliced)}{_MARK}"})
+                spliced.append(replies[m["content"]])
+            else:
+                rendered.append(m)
+        if not spliced:
+            return chat_ids(self.tokenizer, messages, add_generation_prompt=True, tools=tools)
+        text = self.tokenizer.apply_chat_template([{**m, "content": m.get("content") or ""} for m in rendered],
+                                                  tools=tools, add_generation_prompt=True, tokenize=False)
+        parts = text.split(_MARK)
+        if len(parts) != 2 * len(spliced) + 1:  # the template altered the content: fall back to text
+            return chat_ids(self.tokenizer, messages, add_generation_prompt=True, tools=tools)
+        ids = self._encode(parts[0])
+        for k in range(len(spliced)):
+            output, tail = spliced[int(parts[2 * k + 1])], parts[2 * k + 2]
+            ids += output
+            if output and output[-1] in self.stop_ids:
+                end = self.tokenizer.decode([output[-1]], skip_special_tokens=False)
+                tail = tail.removeprefix(end)  # the model already closed its turn
+            ids += self._encode(tail)
+        return ids
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False)) if text else []
 
     def _sampling(self, body: dict[str, Any], session: Session | None) -> SamplingParams:
         base = session.sampling if session else self.sampling
