@@ -1,0 +1,497 @@
+"""SGLang backend: `SGLangEngine` drives SGLang servers over their native HTTP API behind flowrl's
+`InferenceEngine` interface. Launching servers (`launch_servers`, `make_engine`) is in
+`sglang_launch.py`.
+
+Written against SGLang 0.5.23's protocol (read from its source; see the routes in
+`flowrl_operators.engine.server`, which speaks the same protocol and is what this adapter is tested
+against on CPU). Not run against a real SGLang server in flowrl's CI.
+
+Generation. `/generate` with `input_ids`, `sampling_params` and `return_logprob`; the answer's
+`output_ids` with `meta_info.output_token_logprobs` (logprob, token id, text) and the per-token weight
+version from `meta_info.weight_versions` spans (SGLang >= 0.5.20), else `meta_info.weight_version`.
+Each submission gets a fresh 32-character rid, because SGLang's `/abort_request` matches rids by
+prefix ("a/1#1" would also abort "a/1#10"). Several servers are balanced by fewest requests in flight.
+
+Pause. `pause(mode)` posts `/pause_generation` to every server and holds new submissions in the
+adapter until `resume()` posts `/continue_generation`. Mode "retract" (the default for partial
+rollout) keeps requests and recomputes their KV under the new weights; "abort" returns partial
+outputs with finish reason "abort", which flowrl's workflows resubmit as prompt + partial output.
+
+Weights, one of (`weight_sync`):
+- "tensor": `/update_weights_from_tensor`. flowrl's server takes base64 safetensors buckets; a real
+  SGLang server takes its own CUDA-IPC serialisation, which works only when the buckets live on the
+  server's GPU (colocated) and needs `sglang` importable here.
+- "distributed": this adapter is rank 0 of a broadcast group (`/init_weights_update_group`, once);
+  per bucket `/update_weights_from_distributed` carries names, dtypes and shapes while the tensors go
+  by broadcast (NCCL on GPU, gloo on CPU). `push_distributed` is the same push for a trainer that
+  wants to be rank 0 itself.
+- "disk": buckets are written to a checkpoint folder and loaded with `/update_weights_from_disk`.
+Tensor and distributed pushes run inside `/begin_weight_update` .. `/end_weight_update` when the
+server has those routes (SGLang >= 0.5.21; flowrl's server applies the session atomically); the
+version travels as `weight_version` and is set again with `/update_weight_version` at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import socket
+import tempfile
+import uuid
+from collections.abc import AsyncIterable, Iterable
+from pathlib import Path
+from typing import Any, Literal
+
+import aiohttp
+
+from flowrl_operators.engine.base import (
+    PAUSE_MODES,
+    Buckets,
+    FinishReason,
+    GenerateRequest,
+    GenerateResult,
+    PauseMode,
+    SamplingParams,
+)
+
+WeightSync = Literal["auto", "tensor", "distributed", "disk"]
+FLOWRL_SERVER = "flowrl-embedded"  # what flowrl's own server reports as `engine` in /get_server_info
+GROUP_PREFIX = "flowrl-sglang-weights"
+
+
+class ServerError(RuntimeError):
+    """An SGLang server answered an error (or could not be reached); the message says which and why."""
+
+
+# --- the wire format of /generate ------------------------------------------------------------------
+
+
+def sampling_params(params: SamplingParams) -> dict[str, Any]:
+    """flowrl's sampling fields -> SGLang's `sampling_params` (same names, seed -> sampling_seed)."""
+    body: dict[str, Any] = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
+                            "max_new_tokens": params.max_new_tokens, "ignore_eos": params.ignore_eos}
+    if params.stop_token_ids:
+        body["stop_token_ids"] = list(params.stop_token_ids)
+    if params.seed is not None:
+        body["sampling_seed"] = params.seed
+    return body
+
+
+def token_versions(meta: dict, count: int) -> list[int]:
+    """The weight version of each of `count` output tokens from an answer's meta_info.
+
+    `weight_versions` is either spans [{"version", "start", "end"}] or one version per token; without
+    it every token gets `weight_version` (SGLang before 0.5.20: the version at the end).
+    """
+    spans = meta.get("weight_versions")
+    if spans and isinstance(spans[0], dict):
+        versions: list[int] = []
+        for span in spans:
+            versions += [int(span["version"])] * (int(span["end"]) - int(span["start"]))
+        if len(versions) == count:
+            return versions
+        raise ServerError(f"meta_info.weight_versions covers {len(versions)} tokens, the output has {count}")
+    if spans:
+        if len(spans) != count:
+            raise ServerError(f"meta_info.weight_versions has {len(spans)} entries, the output has {count}")
+        return [int(v) for v in spans]
+    return [int(meta.get("weight_version") or 0)] * count
+
+
+def finish_reason(meta: dict) -> FinishReason:
+    reason = meta.get("finish_reason")
+    kind = reason.get("type") if isinstance(reason, dict) else reason
+    if kind in ("stop", "length", "abort"):
+        return kind
+    # None means SGLang stopped without saying why (e.g. a closed stream): treat as cut short.
+    return "abort"
+
+
+def parse_answer(request_id: str, answer: dict) -> GenerateResult:
+    """One /generate answer -> GenerateResult (token ids, behaviour logprobs, versions, finish)."""
+    meta = answer.get("meta_info") or {}
+    output = [int(t) for t in answer.get("output_ids") or []]
+    triples = meta.get("output_token_logprobs")
+    if triples is None:
+        raise ServerError("the server answered without meta_info.output_token_logprobs; send return_logprob")
+    if [int(t[1]) for t in triples] != output:
+        raise ServerError("meta_info.output_token_logprobs does not name the same tokens as output_ids")
+    reason = finish_reason(meta)
+    error = None
+    if reason == "abort" and isinstance(meta.get("finish_reason"), dict):
+        message = meta["finish_reason"].get("message")
+        # Aborts by pause or abort_request are normal; anything else the server calls an error.
+        if message and "abort" not in str(message).lower():
+            error = str(message)
+    return GenerateResult(request_id=request_id, output_ids=output, logprobs=[float(t[0]) for t in triples],
+                          versions=token_versions(meta, len(output)), finish_reason=reason, error=error)
+
+
+# --- the adapter --------------------------------------------------------------------------------------
+
+
+class Server:
+    """One server as the adapter sees it: its URL, requests in flight, ranks in the weight group."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url.rstrip("/")
+        self.in_flight = 0
+        self.kind = "sglang"
+        self.tp_size = 1
+        self.sessions: bool | None = None  # has /begin_weight_update (unknown until tried)
+
+
+class SGLangEngine:
+    """`InferenceEngine` over one or more SGLang (or flowrl) servers at `urls`.
+
+    `weight_sync` picks how `update_weights` delivers buckets (see the module docs); "auto" is
+    "tensor" for flowrl's own server and "distributed" for SGLang. `model_path` is needed by "disk"
+    (config and tokenizer files are copied from it). `owned` are launched servers this engine stops on
+    `close()`.
+    """
+
+    def __init__(self, urls: str | Iterable[str], *, weight_sync: WeightSync = "auto",
+                 model_path: str | os.PathLike | None = None, timeout_s: float = 3600.0,
+                 backend: str = "auto", owned: Iterable[Any] = ()) -> None:
+        urls = [u.strip() for u in urls.split(",")] if isinstance(urls, str) else list(urls)
+        if not urls or not all(urls):
+            raise ValueError("engine.url: give one or more server URLs (http://host:port, comma-separated)")
+        self.servers = [Server(u) for u in urls]
+        self.weight_sync = weight_sync
+        self.model_path = None if model_path is None else str(model_path)
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.backend = backend
+        self.owned = list(owned)
+        self._version = 0
+        self._session: aiohttp.ClientSession | None = None
+        self._started = False
+        self._resumed: asyncio.Event | None = None
+        self._paused = False
+        self._requests: dict[str, tuple[Server, str, asyncio.Future]] = {}
+        self._group = None  # the weight broadcast group (weight_sync "distributed")
+        self._disk_dir: Path | None = None
+
+    # --- InferenceEngine -----------------------------------------------------------------------------
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    async def start(self) -> None:
+        """Connect: check every server is healthy and read its version, kind and tensor parallelism."""
+        if self._started:
+            return
+        self._session = aiohttp.ClientSession(timeout=self.timeout)
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+        versions = set()
+        for server in self.servers:
+            info = await self._get(server, "/get_server_info")
+            server.kind = FLOWRL_SERVER if info.get("engine") == FLOWRL_SERVER else "sglang"
+            server.tp_size = int(info.get("tp_size") or 1)
+            versions.add(int((await self._get(server, "/get_weight_version")).get("weight_version") or 0))
+        if len(versions) > 1:
+            raise ServerError(f"the servers serve different weight versions {sorted(versions)}; "
+                              "start them from one checkpoint")
+        self._version = versions.pop()
+        if self.weight_sync == "auto":
+            flowrl = all(s.kind == FLOWRL_SERVER for s in self.servers)
+            self.weight_sync = "tensor" if flowrl else "distributed"
+        self._started = True
+
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        await self.start()
+        if request.request_id in self._requests:
+            return GenerateResult(request_id=request.request_id, finish_reason="abort",
+                                  error=f"request id {request.request_id!r} is already in flight; use a unique id")
+        await self._resumed.wait()  # hold new work while paused, as the embedded engine does
+        server = min(self.servers, key=lambda s: s.in_flight)
+        rid = uuid.uuid4().hex  # fixed length: abort_request matches by prefix
+        done = asyncio.get_running_loop().create_future()
+        self._requests[request.request_id] = (server, rid, done)
+        server.in_flight += 1
+        body = {"input_ids": list(request.input_ids), "sampling_params": sampling_params(request.sampling),
+                "return_logprob": True, "rid": rid}
+        try:
+            status, answer = await self._call(server, "/generate", body)
+            if status == 400:  # the server rejected this request; the engine serves on
+                result = GenerateResult(request_id=request.request_id, finish_reason="abort",
+                                        error=error_message(answer))
+            elif status != 200:
+                raise ServerError(f"{server.url}/generate answered {status}: {error_message(answer)}")
+            else:
+                result = parse_answer(request.request_id, answer)
+            done.set_result(result)
+            return result
+        except asyncio.CancelledError:  # the caller went away: free the server's slot too
+            await asyncio.shield(self._call(server, "/abort_request", {"rid": rid}))
+            raise
+        finally:
+            server.in_flight -= 1
+            self._requests.pop(request.request_id, None)
+            if not done.done():
+                done.cancel()
+
+    async def pause(self, mode: PauseMode = "retract") -> None:
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode {mode!r} is not one of {', '.join(PAUSE_MODES)}")
+        await self.start()
+        self._resumed.clear()
+        self._paused = True
+        await asyncio.gather(*(self._post(s, "/pause_generation", {"mode": mode}) for s in self.servers))
+
+    async def resume(self) -> None:
+        await self.start()
+        await asyncio.gather(*(self._post(s, "/continue_generation", {}) for s in self.servers))
+        self._paused = False
+        self._resumed.set()
+
+    async def abort(self, request_id: str) -> GenerateResult | None:
+        await self.start()
+        entry = self._requests.get(request_id)
+        if entry is None:
+            return None
+        server, rid, done = entry
+        await self._post(server, "/abort_request", {"rid": rid})
+        try:
+            return await asyncio.shield(done)
+        except asyncio.CancelledError:
+            return None
+
+    async def update_weights(self, buckets: Buckets, version: int) -> None:
+        """Deliver a version by `weight_sync`; raises ServerError if a server refused it."""
+        await self.start()
+        if self.weight_sync == "disk":
+            await self._push_disk(buckets, version)
+        else:
+            push = self._push_tensor if self.weight_sync == "tensor" else self._push_distributed
+            await self._session_begin()
+            try:
+                async for bucket in iterate(buckets):
+                    await push(bucket, version)
+            except BaseException:
+                await self._session_end(version, failed=True)
+                raise
+            await self._session_end(version, failed=False)
+        self._version = version
+        # Prefix-cache entries were computed by the old weights; SGLang refuses while requests run (a
+        # retracted request re-prefills anyway), so a refusal here is expected and harmless.
+        await asyncio.gather(*(self._call(s, "/flush_cache", {}) for s in self.servers))
+
+    async def close(self) -> None:
+        if self._session is not None:
+            if self._group is not None:
+                await asyncio.gather(*(self._call(s, "/destroy_weights_update_group",
+                                                  {"group_name": self._group.flowrl_name}) for s in self.servers))
+            await self._session.close()
+            self._session = None
+        if self._group is not None:
+            import torch.distributed as dist
+
+            dist.destroy_process_group(self._group)
+            self._group = None
+        for handle in self.owned:
+            stop = getattr(handle, "stop", None)
+            if stop is not None:
+                result = stop()
+                if hasattr(result, "__await__"):
+                    await result
+        self.owned = []
+        if self._disk_dir is not None:
+            shutil.rmtree(self._disk_dir, ignore_errors=True)
+
+    # --- weight pushes -------------------------------------------------------------------------------
+
+    async def _session_begin(self) -> None:
+        for server in self.servers:
+            if server.sessions is False:
+                continue
+            status, answer = await self._call(server, "/begin_weight_update", {})
+            if status == 404:  # SGLang before 0.5.21: no sessions, updates apply one by one
+                server.sessions = False
+            elif status != 200:
+                raise ServerError(f"{server.url}/begin_weight_update answered {status}: {error_message(answer)}")
+            else:
+                server.sessions = True
+
+    async def _session_end(self, version: int, failed: bool) -> None:
+        problems = []
+        for server in self.servers:
+            if server.sessions:
+                status, answer = await self._call(server, "/end_weight_update", {"weight_version": str(version)})
+                if status != 200 and not failed:
+                    problems.append(f"{server.url}/end_weight_update answered {status}: {error_message(answer)}")
+            if not failed:
+                await self._post(server, "/update_weight_version", {"new_version": str(version)})
+        if problems:
+            raise ServerError("; ".join(problems))
+
+    async def _push_tensor(self, bucket, version: int) -> None:
+        for server in self.servers:
+            if server.kind == FLOWRL_SERVER:
+                from flowrl_operators.engine.transfer import LOAD_FORMAT, encode_bucket
+
+                body = {"serialized_named_tensors": [await asyncio.to_thread(encode_bucket, bucket)],
+                        "load_format": LOAD_FORMAT}
+            else:
+                body = {"serialized_named_tensors": sglang_ipc(bucket, server.tp_size)}
+            body.update(flush_cache=False, weight_version=str(version))
+            await self._post(server, "/update_weights_from_tensor", body)
+
+    async def _push_distributed(self, bucket, version: int) -> None:
+        if self._group is None:
+            self._group = await join_servers(self, self.backend)
+        await push_distributed(self, self._group, bucket, version)
+
+    async def _push_disk(self, buckets: Buckets, version: int) -> None:
+        if self.model_path is None:
+            raise ValueError("weight_sync 'disk' needs model_path (its config and tokenizer files are copied)")
+        from flowrl_operators.models import resolve_model
+
+        folder = Path(tempfile.mkdtemp(prefix=f"flowrl-weights-v{version}-"))
+        try:
+            tensors = {}
+            async for bucket in iterate(buckets):
+                for name, tensor in bucket:
+                    tensors[name] = tensor.detach().to("cpu", copy=True).contiguous()
+            await asyncio.to_thread(write_checkpoint, resolve_model(self.model_path), folder, tensors)
+            for server in self.servers:
+                await self._post(server, "/update_weights_from_disk",
+                                 {"model_path": str(folder), "weight_version": str(version)})
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        if self._disk_dir is not None:
+            shutil.rmtree(self._disk_dir, ignore_errors=True)
+        self._disk_dir = folder  # kept until the next version: a server may read it lazily
+
+    # --- HTTP ------------------------------------------------------------------------------------------
+
+    async def _call(self, server: Server, route: str, body: dict | None) -> tuple[int, Any]:
+        try:
+            async with self._session.post(server.url + route, json=body) as response:
+                if response.content_type == "application/json":
+                    return response.status, await response.json()
+                return response.status, await response.text()
+        except aiohttp.ClientError as exc:
+            raise ServerError(f"{server.url}{route}: {exc!r} (is the server running?)") from exc
+
+    async def _post(self, server: Server, route: str, body: dict) -> Any:
+        status, answer = await self._call(server, route, body)
+        if status != 200 or (isinstance(answer, dict) and answer.get("success") is False):
+            raise ServerError(f"{server.url}{route} answered {status}: {error_message(answer)}")
+        return answer
+
+    async def _get(self, server: Server, route: str) -> dict:
+        try:
+            async with self._session.get(server.url + route) as response:
+                if response.status != 200:
+                    raise ServerError(f"{server.url}{route} answered {response.status}: {await response.text()}")
+                return await response.json(content_type=None)
+        except aiohttp.ClientError as exc:
+            raise ServerError(f"{server.url}{route}: {exc!r} (is the server running?)") from exc
+
+
+def error_message(answer: Any) -> str:
+    if isinstance(answer, dict):
+        error = answer.get("error")
+        if isinstance(error, dict) and error.get("message"):
+            return str(error["message"])
+        return str(answer.get("message") or error or answer)
+    return str(answer).strip()
+
+
+async def iterate(buckets: Buckets):
+    if isinstance(buckets, AsyncIterable):
+        async for bucket in buckets:
+            yield bucket
+    else:
+        for bucket in buckets:
+            yield bucket
+
+
+def sglang_ipc(bucket, tp_size: int) -> list:
+    """A bucket in SGLang's own `update_weights_from_tensor` form: CUDA-IPC handles, one entry per TP
+    rank. Needs sglang here and the tensors on the server's GPU (colocated trainer and engine)."""
+    try:
+        from sglang.srt.utils import MultiprocessingSerializer
+    except ImportError as exc:
+        raise ServerError("weight_sync 'tensor' into a real SGLang server needs sglang installed next to the "
+                          "trainer and a colocated GPU; use weight_sync 'distributed' or 'disk'") from exc
+    return [MultiprocessingSerializer.serialize(list(bucket), output_str=True) for _ in range(tp_size)]
+
+
+async def join_servers(engine: SGLangEngine, backend: str = "auto", address: str = "127.0.0.1"):
+    """Create the broadcast group: this process is rank 0, server i's TP ranks follow in order."""
+    import torch
+
+    from flowrl_operators.engine.transfer import weight_update_group
+
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    port = free_port(address)
+    name = f"{GROUP_PREFIX}-{uuid.uuid4().hex[:8]}"  # unique: torch registers groups by name per process
+    world = 1 + sum(s.tp_size for s in engine.servers)
+    joining = asyncio.create_task(asyncio.to_thread(weight_update_group, address, port, 0, world, name,
+                                                    backend))
+    offset, calls = 1, []
+    for server in engine.servers:
+        calls.append(engine._post(server, "/init_weights_update_group", {
+            "master_address": address, "master_port": port, "rank_offset": offset, "world_size": world,
+            "group_name": name, "backend": backend}))
+        offset += server.tp_size
+    try:
+        await asyncio.gather(*calls)
+    except BaseException:
+        joining.cancel()
+        raise
+    group = await joining
+    group.flowrl_backend, group.flowrl_name = backend, name
+    return group
+
+
+async def push_distributed(engine: SGLangEngine, group, bucket, version: int) -> None:
+    """One bucket: names/dtypes/shapes by HTTP to every server while the tensors go by broadcast."""
+    import torch
+    import torch.distributed as dist
+
+    device = "cuda" if getattr(group, "flowrl_backend", "gloo") == "nccl" else "cpu"
+    body = {"names": [n for n, _ in bucket], "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
+            "shapes": [list(t.shape) for _, t in bucket], "group_name": group.flowrl_name, "flush_cache": False,
+            "weight_version": str(version)}
+    calls = [asyncio.create_task(engine._post(s, "/update_weights_from_distributed", body)) for s in engine.servers]
+
+    def send() -> None:
+        for _, tensor in bucket:
+            dist.broadcast(tensor.detach().to(device).contiguous(), src=0, group=group)
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    await asyncio.to_thread(send)
+    await asyncio.gather(*calls)
+
+
+def write_checkpoint(source: Path, folder: Path, tensors: dict) -> None:
+    """A loadable checkpoint: `source`'s config/tokenizer files plus `tensors` as model.safetensors."""
+    from safetensors.torch import save_file
+
+    for path in source.iterdir():
+        if path.is_file() and not path.name.endswith((".safetensors", ".bin", ".index.json")):
+            shutil.copy(path, folder / path.name)
+    seen: set[int] = set()
+    for name, tensor in tensors.items():  # safetensors refuses tensors sharing storage (tied heads)
+        if tensor.data_ptr() in seen:
+            tensors[name] = tensor.clone()
+        seen.add(tensors[name].data_ptr())
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
