@@ -92,6 +92,15 @@ def test_reinforce_pp_discounted_and_batch_whitened():
     close(adv, [[(v - mean) / std for v in g[:3]], [(v - mean) / std for v in g[3:]]])
 
 
+def test_reinforce_pp_baseline():
+    """A = whiten_B(R_i - mean_g R) over all model tokens. Groups {1, 0} and {3, 1}:
+    centred {0.5, -0.5, 1, -1}, two tokens each; batch mean 0, unbiased std sqrt(5/7)."""
+    x = outcome_inputs([1.0, 0.0, 3.0, 1.0], [0, 0, 1, 1])
+    adv, _ = ADVANTAGES["reinforce_pp_baseline"](x, AdvantageConfig(name="reinforce_pp_baseline", eps=0.0))
+    std = math.sqrt(2 * (0.25 + 0.25 + 1 + 1) / 7)
+    close(adv, [[v / std, v / std] for v in (0.5, -0.5, 1.0, -1.0)])
+
+
 def test_gae_skips_environment_tokens():
     """delta_t = r_t + gamma V_next - V_t; A_t = delta_t + gamma lam A_next; returns = A + V.
     gamma 0.9, lam 0.8, V = (0.5, 0.2, 0.1) on the model tokens, reward 1 at the end, an environment

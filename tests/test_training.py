@@ -168,6 +168,8 @@ def test_critic_fits_returns_with_the_clipped_value_loss():
     critic = Critic(MODEL, TrainerConfig(lr=3e-3))
     batch = make_batch(3)
     batch.values = critic.compute_values(batch)
+    # Dropout (0.1 before HF's token-classification head) is off: values are a function of weights.
+    assert torch.equal(critic.compute_values(batch), batch.values)
     batch = compute_advantages(batch, AdvantageConfig(name="gae", gamma=1.0, lam=0.95))
     loss = value_loss(ValueLossConfig(clip=None))
     first = critic.forward_backward(batch, loss)["value_loss"]

@@ -18,6 +18,7 @@ credited to the tokens of that turn (and, as part of the return, to the turns be
     rloo        r~ = r - mean of the rewards of the *other* trajectories of the group
     reinforce_pp  G_t = sum_{s>=t} gamma^(s-t) r_s; A = (G - mean_B G) / (std_B G + eps) over all
                   model tokens of the batch (REINFORCE++, batch-normalised)
+    reinforce_pp_baseline  as reinforce_pp, on the returns of r - mean_g r (group mean baseline)
     gae         delta_t = r_t + gamma V_{t+1} - V_t, A_t = sum_l (gamma lam)^l delta_{t+l},
                 returns = A + V; steps are the model tokens (environment tokens are not actions,
                 their rewards join the preceding model token); A whitened over the batch
@@ -150,6 +151,12 @@ def rloo(x: AdvantageInputs, config: AdvantageConfig) -> tuple[torch.Tensor, tor
 def reinforce_pp(x: AdvantageInputs, config: AdvantageConfig) -> tuple[torch.Tensor, torch.Tensor]:
     returns = reward_to_go(x.rewards, x.mask, config.gamma)
     return _whiten(returns, x.mask, config.eps), returns
+
+
+@register("reinforce_pp_baseline")
+def reinforce_pp_baseline(x: AdvantageInputs, config: AdvantageConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    centred = reward_to_go(_group_normalised(x, "mean", config.eps), x.mask, config.gamma)
+    return _whiten(centred, x.mask, config.eps), reward_to_go(x.rewards, x.mask, config.gamma)
 
 
 @register("gae")

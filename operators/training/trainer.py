@@ -92,6 +92,16 @@ def _load_model(path: Path, head: str):
     return AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=torch.float32)
 
 
+def _disable_dropout(model: torch.nn.Module) -> None:
+    """RL needs the trainer's logprobs and values to be the engine's function of the weights; dropout
+    (e.g. the 0.1 before a token-classification head) would make them random."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    if hasattr(model.config, "attention_dropout"):
+        model.config.attention_dropout = 0.0
+
+
 class Trainer:
     """One rank of a (possibly sharded) policy: forward/backward, optimizer step, weights, checkpoints."""
 
@@ -114,6 +124,7 @@ class Trainer:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.config.seed)  # the same fresh heads on every rank
             self.model = _load_model(self.model_path, self.head).to(self.device)
+        _disable_dropout(self.model)
         if self.config.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
         self.sharded = self.world_size > 1
@@ -183,8 +194,11 @@ class Trainer:
             )
         if self.head == "value":
             return {"values": out.logits[:, :-1, 0].float()}
-        logprobs, entropy = token_logprobs(out.logits[:, :-1], mb.input_ids[:, 1:])
-        return {"logprobs": logprobs, "entropy": entropy}
+        # Targets shifted by one with a dummy last column: the kernel then reads the logits in place
+        # (slicing off the last position first would copy the whole logits tensor).
+        targets = torch.nn.functional.pad(mb.input_ids[:, 1:], (0, 1))
+        logprobs, entropy = token_logprobs(out.logits, targets)
+        return {"logprobs": logprobs[:, :-1], "entropy": entropy[:, :-1]}
 
     def _plan(self, batch: Batch) -> tuple[list[list[int]], int]:
         """This rank's micro-batch rows and the number of micro-batches every rank will run."""
