@@ -134,20 +134,16 @@ class Generate(Operator):
         self.counts["turns"] += len(t.turns)
 
     async def update_weights(self, weights: Any, version: int) -> None:
-        """Apply a weights record: buckets (a list of [(name, tensor), ...]) or a transport's record."""
+        """Apply a weights record from a sync node (flowrl_operators.transport), or plain buckets
+        (a list of [(name, tensor), ...]) handed over in-process."""
         self.counts["weight_updates"] += 1
         if isinstance(weights, list | tuple):
             await self.engine.update_weights(weights, version)
             return
-        if isinstance(weights, dict) and "buckets" in weights:
-            await self.engine.update_weights(weights["buckets"], version)
-            return
-        try:
-            from flowrl_operators.transport import apply_weights
-        except ImportError:
-            raise TypeError(f"cannot apply a weights record of type {type(weights).__name__}: expected a list "
-                            "of [(name, tensor), ...] buckets") from None
-        await apply_weights(self.engine, weights, version)
+        from flowrl_operators.transport import apply
+
+        synced = await apply(self.engine, weights, version, replica=self.context.rank)
+        self.last_sync = synced.as_dict()
 
     async def pause(self) -> None:
         await self.engine.pause(self.config.pause_mode)
@@ -157,7 +153,7 @@ class Generate(Operator):
 
     def metrics(self) -> dict[str, float]:
         """Cumulative counters since setup (episodes, episode_errors, rejected_samples, ...)."""
-        return {f"generate/{k}": float(v) for k, v in self.counts.items()}
+        return {f"generate/{k}": float(v) for k, v in self.counts.items()} | getattr(self, "last_sync", {})
 
     async def close(self) -> None:
         proxy = getattr(self, "services", {}).get("proxy")

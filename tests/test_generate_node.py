@@ -72,8 +72,13 @@ def test_update_weights_stamps_new_version(loop):
         assert all(t.versions == [1] * len(t.response_ids) for t in after.trajectories)
         assert before.trajectories[0].response_ids != after.trajectories[0].response_ids
         assert op.metrics()["generate/weight_updates"] == 1
-        with pytest.raises(TypeError, match="buckets"):
+        with pytest.raises(Exception, match="not a weights record"):
             loop.run_until_complete(op.update_weights(object(), 2))
+        from flowrl_operators.transport import InProcessSender
+
+        record = InProcessSender().send(perturbed(op.engine, 0.1), 2)  # what a sync node sends
+        loop.run_until_complete(op.update_weights(record, 2))
+        assert op.engine.version == 2 and op.metrics()["sync/version"] == 2
     finally:
         loop.run_until_complete(op.close())
 
