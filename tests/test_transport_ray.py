@@ -1,0 +1,146 @@
+"""Weight transports across processes: a Ray actor publishes (object store, gloo broadcast), the
+embedded engine in this process applies; and what happens when the publisher dies half-way."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+import ray
+import torch
+from test_transport import MODEL, assert_bitwise, engine_weights, greedy_version, policy
+
+from flowrl.operator import OperatorContext
+from flowrl_operators.config import SyncConfig
+from flowrl_operators.engine.embedded import EmbeddedEngine
+from flowrl_operators.transport import TransferError, apply, rebucket
+
+torch.set_num_threads(1)
+BUCKET_BYTES = 256 * 1024  # the actor's globals must come from importable modules or this file
+CROSS = [("object_store", "flat"), ("broadcast", "flat"), ("broadcast", "per_tensor")]
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, object_store_memory=200 * 1024**2)
+    yield
+    if started:
+        ray.shutdown()
+
+
+@ray.remote(num_cpus=0.25, max_restarts=0)
+class Publisher:
+    """A train rank 0 stand-in in its own process: the policy's weights, and sync nodes' sending ends."""
+
+    def __init__(self, weights: dict) -> None:
+        import torch
+
+        torch.set_num_threads(1)
+        self.weights = {name: torch.from_numpy(array.copy()) for name, array in weights.items()}
+        self.nodes = {}
+
+    async def publish(self, transport: str, layout: str, version: int, source: str = "good"):
+        from flowrl_operators.sync import Sync
+
+        if (transport, layout) not in self.nodes:
+            config = SyncConfig(transport=transport, layout=layout, bucket_mb=BUCKET_BYTES / 2**20, timeout_s=60.0)
+            self.nodes[transport, layout] = Sync(config, OperatorContext(node="publish"))
+            await self.nodes[transport, layout].setup()
+        buckets = list(rebucket(self.weights.items(), BUCKET_BYTES))
+        if source == "bad":  # a wrong shape in the middle: the receiving engine raises half-way
+            name, tensor = buckets[3][0]
+            buckets[3][0] = (name, tensor[:-1])
+        elif source == "dies":
+            buckets = self._dies_after(buckets, 2)
+        return await self.nodes[transport, layout].sync(buckets, version=version)
+
+    def _dies_after(self, buckets, count: int):
+        yield from buckets[:count]
+        os._exit(1)  # the train process dies half-way through the transfer
+
+    def sentinel(self) -> list:
+        import numpy as np
+
+        return [ray.put(np.zeros(200_000, dtype=np.uint8))]  # in a list: the caller borrows the ref
+
+
+@pytest.fixture(scope="module")
+def trained() -> dict[str, torch.Tensor]:
+    return dict(policy(seed=5).state_dict())
+
+
+def publisher(weights: dict[str, torch.Tensor]):
+    return Publisher.remote({name: t.numpy() for name, t in weights.items()})
+
+
+@pytest.fixture(scope="module")
+def shared_publisher(ray_session, trained):
+    actor = publisher(trained)
+    yield actor
+    ray.kill(actor)
+
+
+@pytest.mark.parametrize(("transport", "layout"), CROSS)
+def test_cross_process_sync_is_bit_for_bit_and_atomic(shared_publisher, trained, transport, layout):
+    actor = shared_publisher
+
+    async def run():
+        engine = EmbeddedEngine(MODEL, max_slots=2)
+        try:
+            old = engine_weights(engine)
+            # Half-way rejection by the receiving engine: old version and weights stay.
+            record = await actor.publish.remote(transport, layout, 1, "bad")
+            with pytest.raises(TransferError, match="shape"):
+                await apply(engine, record, 1)
+            assert engine.version == 0
+            assert_bitwise(engine, old)
+            # A good version, across processes, lands bit for bit.
+            record = await actor.publish.remote(transport, layout, 2)
+            metrics = await apply(engine, record, 2)
+            assert engine.version == 2
+            assert_bitwise(engine, trained)
+            assert await greedy_version(engine) == [2, 2, 2]
+            return metrics
+        finally:
+            await engine.close()
+
+    metrics = asyncio.run(run())
+    assert metrics.transport == transport
+    assert metrics.bytes == sum(t.numel() * t.element_size() for t in trained.values())
+
+
+@pytest.mark.parametrize("transport", ["object_store", "broadcast"])
+def test_publisher_dying_half_way_leaves_the_old_weights(ray_session, trained, transport):
+    actor = publisher(trained)
+
+    async def run():
+        engine = EmbeddedEngine(MODEL, max_slots=2)
+        try:
+            old = engine_weights(engine)
+            if transport == "object_store":
+                # The object store copy is complete once publish returns; its owner dying before the
+                # engine read it is this transport's half-way failure.
+                record = await actor.publish.remote(transport, "flat", 1)
+                [sentinel] = await actor.sentinel.remote()
+                ray.kill(actor)
+                for _ in range(200):  # until Ray treats the owner's objects as lost (it notices late)
+                    try:
+                        await asyncio.to_thread(ray.get, sentinel, timeout=5)
+                    except ray.exceptions.OwnerDiedError:
+                        break
+                    await asyncio.sleep(0.05)
+            else:
+                record = await actor.publish.remote(transport, "flat", 1, "dies")
+            with pytest.raises(TransferError):
+                await apply(engine, record, 1)
+            assert engine.version == 0
+            assert_bitwise(engine, old)
+            assert await greedy_version(engine) == [0, 0, 0]
+        finally:
+            await engine.close()
+
+    asyncio.run(run())
