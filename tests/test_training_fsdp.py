@@ -3,7 +3,8 @@
 One spawn runs every 2-rank scenario (process start and model load dominate the time):
 3 steps -> parameters equal the 1-rank run's (1e-5); save at step 2, resume in a fresh Trainer,
 run to step 4 -> bit-identical to the uninterrupted run; named_weights (rank 0) equal the full
-state dict; export_hf loads with from_pretrained; a NaN on one rank makes both ranks skip.
+state dict; export_hf loads with from_pretrained; a NaN on one rank makes both ranks skip; a rank
+without rows still takes part in the step.
 """
 
 import os
@@ -87,6 +88,14 @@ def worker(rank: int, world: int, port: int, out: str) -> None:
         resumed.forward_backward(batch, policy_loss(LOSS))
         result["nan_step"] = resumed.step()
         result["after_nan"] = resumed.state_dict_full()
+
+        # One row for two ranks: rank 1 holds nothing and joins with zero-weight micro-batches.
+        one = step_batch(5).select([0])
+        mine = shard(one, rank, world)
+        result["rows_on_rank1"] = shard(one, 1, world).size
+        mine.behaviour_logprobs = resumed.compute_logprobs(mine)  # on-policy: ratio 1, nothing clipped
+        result["logprobs_one_row"] = mine.behaviour_logprobs
+        result["one_row"] = resumed.forward_backward(mine, policy_loss(LOSS)) | resumed.step()
         if rank == 0:
             torch.save(result, f"{out}/rank0.pt")
         dist.barrier()
@@ -151,6 +160,13 @@ def test_export_loads_with_from_pretrained(two_ranks):
     for name, tensor in result["uninterrupted4"].items():
         assert torch.equal(state[name], tensor), name
     assert AutoTokenizer.from_pretrained(str(out / "hf"), local_files_only=True).encode("12")
+
+
+def test_a_rank_without_rows_still_trains(two_ranks):
+    _, result = two_ranks
+    assert result["rows_on_rank1"] == 0
+    assert result["one_row"]["skipped"] == 0.0 and result["one_row"]["grad_norm"] > 0
+    assert result["logprobs_one_row"].shape[0] == 1 and (result["logprobs_one_row"] < 0).any()
 
 
 def test_nan_on_one_rank_is_skipped_on_both(two_ranks):
