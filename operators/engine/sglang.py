@@ -40,6 +40,7 @@ import socket
 import tempfile
 import uuid
 from collections.abc import AsyncIterable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -165,11 +166,11 @@ class SGLangEngine:
         self.owned = list(owned)
         self._version = 0
         self._session: aiohttp.ClientSession | None = None
-        self._started = False
+        self._starting: asyncio.Future | None = None
         self._resumed: asyncio.Event | None = None
         self._paused = False
         self._requests: dict[str, tuple[Server, str, asyncio.Future]] = {}
-        self._group = None  # the weight broadcast group (weight_sync "distributed")
+        self._group: WeightGroup | None = None  # the weight broadcast group (weight_sync "distributed")
         self._disk_dir: Path | None = None
 
     # --- InferenceEngine -----------------------------------------------------------------------------
@@ -184,8 +185,11 @@ class SGLangEngine:
 
     async def start(self) -> None:
         """Connect: check every server is healthy and read its version, kind and tensor parallelism."""
-        if self._started:
-            return
+        if self._starting is None:  # the first caller connects; concurrent callers wait for it
+            self._starting = asyncio.ensure_future(self._connect())
+        await asyncio.shield(self._starting)
+
+    async def _connect(self) -> None:
         self._session = aiohttp.ClientSession(timeout=self.timeout)
         self._resumed = asyncio.Event()
         self._resumed.set()
@@ -202,7 +206,6 @@ class SGLangEngine:
         if self.weight_sync == "auto":
             flowrl = all(s.kind == FLOWRL_SERVER for s in self.servers)
             self.weight_sync = "tensor" if flowrl else "distributed"
-        self._started = True
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         await self.start()
@@ -287,13 +290,13 @@ class SGLangEngine:
         if self._session is not None:
             if self._group is not None:
                 await asyncio.gather(*(self._call(s, "/destroy_weights_update_group",
-                                                  {"group_name": self._group.flowrl_name}) for s in self.servers))
+                                                  {"group_name": self._group.name}) for s in self.servers))
             await self._session.close()
             self._session = None
         if self._group is not None:
             import torch.distributed as dist
 
-            dist.destroy_process_group(self._group)
+            dist.destroy_process_group(self._group.group)
             self._group = None
         for handle in self.owned:
             stop = getattr(handle, "stop", None)
@@ -426,7 +429,16 @@ def sglang_ipc(bucket, tp_size: int) -> list:
     return [MultiprocessingSerializer.serialize(list(bucket), output_str=True) for _ in range(tp_size)]
 
 
-async def join_servers(engine: SGLangEngine, backend: str = "auto", address: str = "127.0.0.1"):
+@dataclass
+class WeightGroup:
+    """The broadcast group into the servers: rank 0 here, then each server's TP ranks."""
+
+    group: Any  # torch ProcessGroup
+    backend: str
+    name: str
+
+
+async def join_servers(engine: SGLangEngine, backend: str = "auto", address: str = "127.0.0.1") -> WeightGroup:
     """Create the broadcast group: this process is rank 0, server i's TP ranks follow in order."""
     import torch
 
@@ -450,25 +462,23 @@ async def join_servers(engine: SGLangEngine, backend: str = "auto", address: str
     except BaseException:
         joining.cancel()
         raise
-    group = await joining
-    group.flowrl_backend, group.flowrl_name = backend, name
-    return group
+    return WeightGroup(await joining, backend, name)
 
 
-async def push_distributed(engine: SGLangEngine, group, bucket, version: int) -> None:
+async def push_distributed(engine: SGLangEngine, group: WeightGroup, bucket, version: int) -> None:
     """One bucket: names/dtypes/shapes by HTTP to every server while the tensors go by broadcast."""
     import torch
     import torch.distributed as dist
 
-    device = "cuda" if getattr(group, "flowrl_backend", "gloo") == "nccl" else "cpu"
+    device = "cuda" if group.backend == "nccl" else "cpu"
     body = {"names": [n for n, _ in bucket], "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
-            "shapes": [list(t.shape) for _, t in bucket], "group_name": group.flowrl_name, "flush_cache": False,
+            "shapes": [list(t.shape) for _, t in bucket], "group_name": group.name, "flush_cache": False,
             "weight_version": str(version)}
     calls = [asyncio.create_task(engine._post(s, "/update_weights_from_distributed", body)) for s in engine.servers]
 
     def send() -> None:
         for _, tensor in bucket:
-            dist.broadcast(tensor.detach().to(device).contiguous(), src=0, group=group)
+            dist.broadcast(tensor.detach().to(device).contiguous(), src=0, group=group.group)
         if device == "cuda":
             torch.cuda.synchronize()
 
