@@ -1,0 +1,1 @@
+"""Countdown: the model counts down from a number, one number per turn."""
