@@ -9,7 +9,7 @@ import msgspec
 import pytest
 import torch
 
-from flowrl_operators.training.advantages import AdvantageConfig
+from flowrl_operators.training.advantages import AdvantageConfig, advantage_config
 from flowrl_operators.training.batch import Batch, Normaliser
 from flowrl_operators.training.losses import (
     LossConfig,
@@ -17,6 +17,7 @@ from flowrl_operators.training.losses import (
     apply_kl_penalty,
     check_compatible,
     corrects_behaviour,
+    loss_config,
     needs_proximal,
     policy_loss,
     value_loss,
@@ -195,6 +196,8 @@ def test_clipped_value_loss():
 
 
 def test_config_errors_and_behaviour_flag():
+    assert loss_config("gspo").name == "gspo" and loss_config({"clip_high": 0.28}).clip_high == 0.28
+    assert advantage_config("rloo").name == "rloo"
     assert not corrects_behaviour(LossConfig())
     assert corrects_behaviour(msgspec.convert({"correction": {"mode": "tis"}}, LossConfig))
     with pytest.raises(msgspec.ValidationError, match="unknown field `clip_hgh`"):

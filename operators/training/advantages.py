@@ -54,6 +54,13 @@ class AdvantageConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ValueError("advantage gamma and lam must lie in [0, 1]")
 
 
+def advantage_config(value: str | dict | AdvantageConfig) -> AdvantageConfig:
+    """An AdvantageConfig from YAML: an estimator name (`advantage: rloo`) or a mapping of its keys."""
+    if isinstance(value, AdvantageConfig):
+        return value
+    return msgspec.convert({"name": value} if isinstance(value, str) else value, AdvantageConfig)
+
+
 def needs_values(config: AdvantageConfig) -> bool:
     """Whether the estimator needs critic values (a critic node before the trainer)."""
     return config.name == "gae"

@@ -92,6 +92,13 @@ class LossConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             self.correction = Correction(mode="mis", level="token", cap=self.correction.cap)
 
 
+def loss_config(value: str | dict | LossConfig) -> LossConfig:
+    """A LossConfig from YAML: a loss name (`loss: gspo`) or a mapping of LossConfig keys."""
+    if isinstance(value, LossConfig):
+        return value
+    return msgspec.convert({"name": value} if isinstance(value, str) else value, LossConfig)
+
+
 def corrects_behaviour(config: LossConfig) -> bool:
     """Whether the loss corrects for data from an older or different behaviour policy."""
     return config.correction.mode != "none"

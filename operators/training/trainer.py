@@ -233,7 +233,7 @@ class Trainer:
         keys = sorted(metrics)
         totals = self._all_reduce([metrics[k] for k in keys] + [nonfinite])
         self._nonfinite_loss = self._nonfinite_loss or totals[-1] > 0
-        return dict(zip(keys, totals[:-1], strict=True))
+        return dict(zip(keys, totals[:-1], strict=True)) | {"tokens": tokens, "sequences": sequences}
 
     def step(self) -> dict[str, float]:
         """Clip, check and apply the accumulated gradient; a non-finite one is dropped and counted."""
