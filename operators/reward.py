@@ -149,7 +149,7 @@ class Reward(Operator):
         self.counts["timeouts" if isinstance(exc, asyncio.TimeoutError) else "exceptions"] += 1
         what = (f"timed out after {self.config.timeout_s} s" if isinstance(exc, asyncio.TimeoutError)
                 else "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
-        self.last_error = f"reward fn {self.config.fn} on {trajectories[0].id}: {what}"
+        self.last_error = f"{self.context.node} on {trajectories[0].id}: {what}"
         if self.config.on_error == "fail" or self.counts["errors"] >= self.config.max_errors:
             raise RewardFailed(f"{self.counts['errors']} reward errors (on_error {self.config.on_error}, "
                                f"max_errors {self.config.max_errors}); the last: {self.last_error}") from exc

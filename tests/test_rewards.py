@@ -232,3 +232,63 @@ def test_dynamic_sampling_drops_uniform_groups_and_declares_oversampling():
     m = op.metrics()
     assert m["dynamic_sampling/dropped"] == 2 and m["dynamic_sampling/keep_rate"] == 0.5
     assert DynamicSampling.oversampling(DynamicSamplingConfig(oversample=2.0, max_oversample=3.0)) == (2.0, 3.0)
+
+
+# --- judge on a real engine -------------------------------------------------------------------------
+
+
+def test_judge_grades_with_its_own_engine_and_with_a_generate_nodes_endpoint(tmp_path):
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from flowrl_operators.config import GenerateConfig
+    from flowrl_operators.generate import Generate
+    from flowrl_operators.judge import Judge, JudgeConfig
+
+    model = {"path": "builtin:tiny-qwen2"}
+
+    def expected(replies: list[str]) -> list[float]:
+        out = []
+        for reply in replies:
+            try:
+                out.append(parse_grade(reply, 10))
+            except UngradedReply:
+                out.append(0.0)  # on_error zero
+        return out
+
+    async def main():
+        own = Judge(msgspec.convert({"template": "Rate {response} for {prompt}. Score:"}, JudgeConfig),
+                    OperatorContext(node="judge", model=model))
+        await own.setup()
+        g = group(["12", "345", "6"])
+        for t in g.trajectories:
+            t.metadata["sample"] = {"prompt": "reverse 21", "target": "12"}
+        out = await own.process({"trajectories": g})
+        own_result = ([t.reward for t in out["trajectories"].trajectories], list(own.replies), own.metrics())
+        await own.close()
+
+        rollout = Generate(msgspec.convert({"serve_openai": True}, GenerateConfig),
+                           OperatorContext(node="rollout", model=model, run_dir=tmp_path))
+        await rollout.setup()
+        remote = Judge(msgspec.convert({"node": "rollout"}, JudgeConfig),
+                       OperatorContext(node="judge", model=model, run_dir=tmp_path))
+        await remote.setup()
+        out = await remote.process({"trajectories": group(["a", "b"])})
+        remote_result = ([t.reward for t in out["trajectories"].trajectories], list(remote.replies), remote.metrics())
+        await remote.close()
+        await rollout.close()
+        return own_result, remote_result
+
+    for rewards, replies, metrics in asyncio.run(main()):
+        assert len(replies) == len(rewards) and rewards == expected(replies)
+        assert metrics["reward/calls"] == len(rewards)
+        assert metrics["reward/errors"] == sum(1 for r in replies if not _grades(r))
+        assert all(0.0 <= r <= 1.0 for r in rewards)
+
+
+def _grades(reply: str) -> bool:
+    try:
+        parse_grade(reply, 10)
+        return True
+    except UngradedReply:
+        return False
