@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +19,8 @@ import torch
 
 from flowrl_operators.engine.base import GenerateRequest, GenerateResult, SamplingParams
 
-LONG = 400  # tokens: long enough that a pause or abort lands mid-request on any engine here
+# Tokens: long enough that a pause or abort 0.1 s in lands mid-request (fast engines: raise it).
+LONG = int(os.environ.get("FLOWRL_CONTRACT_LONG", "400"))
 
 
 @dataclass

@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# The GPU check: one H200 (Python 3.12, torch with CUDA, transformers, triton, pytest; no Ray,
+# omegaconf, msgspec or aiohttp, and no network). Fits in 8 minutes by construction: every part runs
+# under `timeout` and the limits add up to at most 460 s.
+#
+#   tools/gpu_check.sh --fetch-wheels   # on a machine with PyPI: the missing packages into tools/gpu_wheels/
+#   tools/gpu_check.sh                  # on the GPU machine (the wheels travel with the working tree)
+#
+# Parts: (1) install the carried wheels, (2) the engine contract tests on CUDA with the embedded engine
+# (in-process, and through flowrl's SGLang-compatible server and the SGLang adapter), (3) tools/gpu_check.py:
+# an FSDP2 train step, a bucketed weight sync and GRPO steps of a ~0.5B Qwen2-shaped model with random
+# weights, in one process (no Ray). Without CUDA the CUDA parts are skipped and gpu_check.py runs on
+# the CPU with the tiny model instead, so a dry run still exercises the same code.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+REPO=$PWD
+PY=${PYTHON:-python3}
+WHEELS=tools/gpu_wheels
+NEEDED="msgspec omegaconf antlr4-python3-runtime aiohttp multidict yarl propcache frozenlist aiosignal aiohappyeyeballs attrs"
+START=$(date +%s)
+elapsed() { echo $(( $(date +%s) - START )); }
+say() { echo "[gpu_check.sh +$(elapsed)s] $*"; }
+
+if [[ "${1:-}" == "--fetch-wheels" ]]; then
+  mkdir -p "$WHEELS"
+  # CPython 3.12 manylinux wheels, no dependencies resolved (the list above is the closure we need).
+  $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \
+    --platform any -d "$WHEELS" $NEEDED || exit 1
+  du -sh "$WHEELS"; ls "$WHEELS"
+  exit 0
+fi
+
+# 1. Dependencies: install only what is missing, from the carried wheels (no index: no network there).
+if ! $PY -c "import msgspec, omegaconf, aiohttp" 2>/dev/null; then
+  if ! ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+    say "FAIL: msgspec/omegaconf/aiohttp are missing and $WHEELS/ holds no wheels;"
+    say "      run 'tools/gpu_check.sh --fetch-wheels' where PyPI is reachable, then carry $WHEELS"
+    exit 2
+  fi
+  timeout 60 $PY -m pip install -q --no-index --find-links "$WHEELS" msgspec omegaconf aiohttp || exit 2
+fi
+# flowrl without installing it: the repo on the path, and operators/ under its import name.
+if ! $PY -c "import flowrl, flowrl_operators" 2>/dev/null; then
+  SHIM=$(mktemp -d)
+  ln -s "$REPO/operators" "$SHIM/flowrl_operators"
+  export PYTHONPATH="$REPO:$SHIM${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+$PY - <<'PY'
+import torch
+print(f"torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}"
+      + (f", {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else ""))
+PY
+if $PY -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then CUDA=1; else CUDA=0; fi
+
+CONTRACT=skipped
+if [[ $CUDA == 1 ]]; then
+  say "2. engine contract tests on CUDA (embedded in-process + SGLang adapter over loopback), limit 120 s"
+  FLOWRL_CONTRACT_DEVICE=cuda timeout 120 $PY -m pytest -q -p no:cacheprovider tests/test_engine_contract.py
+  rc=$?; CONTRACT=$([[ $rc == 0 ]] && echo passed || echo "failed (rc $rc)")
+  say "2. contract tests: $CONTRACT"
+  say "3. FSDP2 step, bucketed sync, GRPO on qwen2-0.5b-shape (bf16), limit 280 s"
+  timeout 280 $PY tools/gpu_check.py --budget-s 220
+  rc=$?
+else
+  say "2. SKIPPED (no CUDA): engine contract tests on CUDA (on CPU they are tests/test_engine_contract.py)"
+  say "3. SKIPPED (no CUDA): FSDP2/sync/GRPO on qwen2-0.5b-shape; dry run of the same code on CPU, tiny model"
+  timeout 280 $PY tools/gpu_check.py --model builtin:tiny-qwen2 --device cpu --steps 2 --prompts 4 --group 4 --lr 1e-3
+  rc=$?
+fi
+GRPO=$([[ $rc == 0 ]] && echo passed || echo "failed (rc $rc)")
+say "done in $(elapsed) s: contract $CONTRACT, gpu_check.py $GRPO"
+echo "{\"cuda\": $CUDA, \"contract\": \"$CONTRACT\", \"gpu_check\": \"$GRPO\", \"seconds\": $(elapsed)}"
+[[ $GRPO == passed && $CONTRACT != failed* ]]
