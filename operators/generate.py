@@ -11,7 +11,7 @@ import msgspec
 
 from flowrl.data.trajectory import Group, Trajectory
 from flowrl.operator import PROMPTS, TRAJECTORIES, WEIGHTS, Operator, Resources
-from flowrl_operators.config import EngineConfig, GenerateConfig
+from flowrl_operators.config import GenerateConfig
 from flowrl_operators.engine.base import SamplingParams
 
 
@@ -61,24 +61,12 @@ class Generate(Operator):
         self.last_error: str | None = None
 
     def _make_engine(self, model: str) -> Any:
-        engine = self.config.engine
-        if isinstance(engine, str):
-            engine = EngineConfig(kind=engine)
-        if engine.kind != "embedded" or engine.url:
-            raise ValueError("engine: only the embedded engine runs in-process for now; the SGLang adapter "
-                             "(engine: sglang or a url) is not available in this build")
-        if engine.engines != 1:
-            raise ValueError(f"engine.engines: the embedded engine runs one engine per generate replica, got "
-                             f"{engine.engines}; raise the node's resources.replicas instead")
-        import torch
+        """The embedded engine in this process, or the SGLang adapter (servers at `engine.url`, or
+        launched by it): both implement InferenceEngine, so workflows see no difference."""
+        from flowrl_operators.engine.sglang_launch import make_engine
 
-        from flowrl_operators.engine.embedded import EmbeddedEngine
-
-        device = engine.device
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        return EmbeddedEngine(model, max_slots=engine.max_batch, device=device, threads=engine.threads,
-                              dtype=self.context.model.get("dtype", "float32"), seed=self.context.seed)
+        return make_engine(self.config.engine, model, dtype=self.context.model.get("dtype", "float32"),
+                           seed=self.context.seed)
 
     # --- the generate kind's contract (flowrl/operator.py) -----------------------------------------
 

@@ -173,10 +173,37 @@ def test_serve_openai_writes_endpoint(loop, tmp_path):
         loop.run_until_complete(op.close())
 
 
+def test_generate_over_the_sglang_adapter(loop, tmp_path):
+    """The same node with `engine: {kind: sglang, url: ...}` against flowrl's SGLang-compatible
+    server: multi-turn episodes, per-token versions after a weight update by tensor."""
+    from flowrl_operators.engine.embedded import EmbeddedEngine
+    from flowrl_operators.engine.server import start_server
+    from flowrl_operators.tasks import guess_number
+
+    server_engine = EmbeddedEngine(MODEL, max_slots=8, threads=1)
+    runner, port = loop.run_until_complete(start_server(server_engine))
+    op = make(loop, group_size=2, workflow="builtin:guess_number", workflow_args={"max_turns": 2},
+              engine={"kind": "sglang", "url": f"http://127.0.0.1:{port}"}, sampling={"max_new_tokens": 3})
+    try:
+        sample = guess_number(seed=0).sample(0, 0)
+        group = loop.run_until_complete(op.generate(sample, step=0, sample_id="0:0"))
+        assert len(group.trajectories) == 2 and all(len(t.turns) >= 1 for t in group.trajectories)
+        loop.run_until_complete(op.update_weights(perturbed(server_engine, 0.1), 1))
+        assert server_engine.version == 1
+        after = loop.run_until_complete(op.generate(sample, step=1, sample_id="0:0"))
+        for t in after.trajectories:
+            masked = [v for v, m in zip(t.versions, t.loss_mask, strict=True) if m]
+            assert masked and set(masked) == {1}
+    finally:
+        loop.run_until_complete(op.close())
+        loop.run_until_complete(runner.cleanup())
+        loop.run_until_complete(server_engine.close())
+
+
 def test_bad_engine_config_is_a_clear_error(loop):
-    op = Generate(msgspec.convert({"engine": "sglang"}, GenerateConfig),
+    op = Generate(msgspec.convert({"engine": {"kind": "embedded", "engines": 2}}, GenerateConfig),
                   OperatorContext(node="rollout", model={"path": MODEL}))
-    with pytest.raises(ValueError, match="embedded engine"):
+    with pytest.raises(ValueError, match="replicas"):
         loop.run_until_complete(op.setup())
     op = Generate(GenerateConfig(), OperatorContext(node="rollout"))
     with pytest.raises(ValueError, match="model.path"):
