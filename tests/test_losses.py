@@ -93,9 +93,9 @@ def test_aggregations():
     """seq-mean-token-mean: sum_i (sum_t m l / n_i) / S; seq-mean-token-sum: sum_i sum_t m l / (S L)."""
     per = table(lambda i, t: ppo_token(LOGP[i][t], OLD[i][t], ADV[i][t], 0.2, 0.2))
     row_sums = [sum(per[i][t] for t in range(3) if MASK[i][t]) for i in range(2)]
-    loss, _, _ = run(LossConfig(aggregation="seq-mean-token-mean"))
+    loss, _, _ = run(LossConfig(aggregation="seq_mean_token_mean"))
     assert abs(loss.item() - (row_sums[0] / 3 + row_sums[1] / 2) / 2) < 1e-6
-    loss, _, _ = run(LossConfig(aggregation="seq-mean-token-sum", norm_length=4))
+    loss, _, _ = run(LossConfig(aggregation="seq_mean_token_sum", norm_length=4))
     assert abs(loss.item() - (row_sums[0] + row_sums[1]) / (2 * 4)) < 1e-6
 
 
@@ -103,7 +103,7 @@ def test_gspo_sequence_ratio_value_and_gradient():
     """s_i = exp(sum_t m (logp - old) / n_i); l = max(-A s_i, -A clip(s_i, 1-0.2, 1+0.2)), token-mean.
     Gradient of an unclipped token: d l / d logp_t = -A s_i / N (each token carries s_i's value
     but only its own logprob's gradient)."""
-    loss, _, logp = run(LossConfig(name="gspo"), grad=True)
+    loss, _, logp = run(LossConfig(kind="gspo"), grad=True)
     s = []
     for i in range(2):
         ts = [t for t in range(3) if MASK[i][t]]
@@ -117,29 +117,28 @@ def test_gspo_sequence_ratio_value_and_gradient():
         assert abs(logp.grad[0, t].item() - (-ADV[0][t] * s[0] / 5)) < 1e-6
 
 
-def test_decoupled_ppo_masks_tokens_above_the_cap():
-    """Decoupled PPO: r = exp(logp - prox); w = exp(prox - behav); default correction is mis at
-    token level: w' = w if w <= cap (2.0) else 0; loss = sum m w' l / N."""
-    config = LossConfig(name="decoupled_ppo")
+def test_decoupled_ppo_weights_by_the_behaviour_ratio():
+    """Decoupled PPO (no correction): r = exp(logp - prox), l = ppo_clip(r) * w with
+    w = exp(prox - behav) untruncated; loss = sum m w l / N."""
+    config = LossConfig(decoupled=True)
     assert corrects_behaviour(config) and needs_proximal(config)
     loss, metrics, _ = run(config, make_batch(old=BEHAV, proximal=OLD))
 
     def per(i, t):
         w = math.exp(OLD[i][t] - BEHAV[i][t])
-        w = w if w <= 2.0 else 0.0
         return w * ppo_token(LOGP[i][t], OLD[i][t], ADV[i][t], 0.2, 0.2)
 
-    # exp(-1.1 + 1.5) = 1.49 kept; exp(-2.0 + 2.2) = 1.22 kept; exp(-1.0 + 0.1) = 0.41 kept
     assert abs(loss.item() - token_mean(table(per))) < 1e-6
     assert "behaviour_weight" in metrics
 
 
-@pytest.mark.parametrize("mode,level", [("tis", "token"), ("tis", "sequence"), ("mis", "sequence")])
-def test_tis_and_mis(mode, level):
+@pytest.mark.parametrize("kind,level", [("tis", "token"), ("mis", "token"), ("tis", "sequence"), ("mis", "sequence")])
+def test_tis_and_mis(kind, level):
     """w = exp(prox - behav) per token, or exp(sum_t m (prox - behav)) per sequence;
-    tis: min(w, cap); mis: w if floor <= w <= cap else 0. cap 1.3, floor 0.5."""
+    tis: min(w, threshold); mis: w if floor <= w <= threshold else 0. threshold 1.25, floor 0.5.
+    The ratio is taken against the proximal logprobs: r = exp(logp - prox)."""
     config = msgspec.convert(
-        {"name": "ppo_clip", "correction": {"mode": mode, "level": level, "cap": 1.3, "floor": 0.5}}, LossConfig
+        {"correction": {"kind": kind, "level": level, "threshold": 1.25, "floor": 0.5}}, LossConfig
     )
     loss, _, _ = run(config, make_batch(old=BEHAV, proximal=OLD))
 
@@ -148,12 +147,23 @@ def test_tis_and_mis(mode, level):
             w = math.exp(OLD[i][t] - BEHAV[i][t])
         else:
             w = math.exp(sum(OLD[i][s] - BEHAV[i][s] for s in range(3) if MASK[i][s]))
-        if mode == "tis":
-            return min(w, 1.3)
-        return w if 0.5 <= w <= 1.3 else 0.0
+        if kind == "tis":
+            return min(w, 1.25)
+        return w if 0.5 <= w <= 1.25 else 0.0
 
-    per = table(lambda i, t: weight(i, t) * ppo_token(LOGP[i][t], OLD[i][t], ADV[i][t], 0.2, 0.2))
+    weights = table(weight)
+    # The fixed data exercises both sides: some tokens kept as is, some truncated or masked.
+    assert any(w == 1.25 or w == 0.0 for row in weights for w in row)
+    per = table(lambda i, t: weights[i][t] * ppo_token(LOGP[i][t], OLD[i][t], ADV[i][t], 0.2, 0.2))
     assert abs(loss.item() - token_mean(per)) < 1e-6
+
+
+def test_sft():
+    """kind sft: l = -logp, token_mean; advantages are not needed."""
+    batch = make_batch()
+    batch.advantages = None
+    loss, _, _ = run(LossConfig(kind="sft"), batch)
+    assert abs(loss.item() - token_mean(table(lambda i, t: -LOGP[i][t]))) < 1e-6
 
 
 @pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
@@ -171,8 +181,8 @@ def test_kl_loss_term_and_entropy_bonus(estimator):
 
 
 def test_kl_reward_penalty():
-    """kl.mode reward: r_t -= coef * k3(behav - ref) on model tokens only."""
-    config = msgspec.convert({"kl": {"coef": 0.5, "mode": "reward"}}, LossConfig)
+    """kl apply_as reward: r_t -= coef * k3(behav - ref) on model tokens only."""
+    config = msgspec.convert({"kl": {"coef": 0.5, "apply_as": "reward"}}, LossConfig)
     batch = apply_kl_penalty(make_batch(old=BEHAV), config)
     for i in range(2):
         for t in range(3):
@@ -196,19 +206,21 @@ def test_clipped_value_loss():
 
 
 def test_config_errors_and_behaviour_flag():
-    assert loss_config("gspo").name == "gspo" and loss_config({"clip_high": 0.28}).clip_high == 0.28
-    assert advantage_config("rloo").name == "rloo"
+    assert loss_config("gspo").kind == "gspo" and loss_config({"clip_high": 0.28}).clip_high == 0.28
+    assert advantage_config("rloo").estimator == "rloo"
     assert not corrects_behaviour(LossConfig())
-    assert corrects_behaviour(msgspec.convert({"correction": {"mode": "tis"}}, LossConfig))
+    assert corrects_behaviour(msgspec.convert({"correction": {"kind": "tis"}}, LossConfig))
+    assert corrects_behaviour(LossConfig(kind="sft")) and not needs_proximal(LossConfig(kind="sft"))
     with pytest.raises(msgspec.ValidationError, match="unknown field `clip_hgh`"):
         msgspec.convert({"clip_hgh": 0.3}, LossConfig)
     with pytest.raises(msgspec.ValidationError, match="unknown loss 'ppo'"):
-        msgspec.convert({"name": "ppo"}, LossConfig)
+        msgspec.convert({"kind": "ppo"}, LossConfig)
     with pytest.raises(msgspec.ValidationError, match="dual_clip must be > 1"):
         msgspec.convert({"dual_clip": 0.5}, LossConfig)
-    with pytest.raises(ValueError, match="use kl mode 'loss'"):
-        check_compatible(msgspec.convert({"kl": {"coef": 0.1, "mode": "reward"}}, LossConfig), AdvantageConfig())
-    check_compatible(msgspec.convert({"kl": {"coef": 0.1, "mode": "reward"}}, LossConfig), AdvantageConfig(name="gae"))
+    kl_in_reward = msgspec.convert({"kl": {"coef": 0.1, "apply_as": "reward"}}, LossConfig)
+    with pytest.raises(ValueError, match="use kl apply_as 'loss'"):
+        check_compatible(kl_in_reward, AdvantageConfig())
+    check_compatible(kl_in_reward, AdvantageConfig(estimator="gae"))
     batch = make_batch()
     with pytest.raises(ValueError, match="compute_logprobs"):
-        run(msgspec.convert({"correction": {"mode": "tis"}}, LossConfig), batch)
+        run(msgspec.convert({"correction": {"kind": "tis"}}, LossConfig), batch)

@@ -58,7 +58,7 @@ def test_compute_logprobs_equal_log_softmax_of_the_model(trainer):
 
 
 def test_gradient_does_not_depend_on_the_micro_batch_split(trainer):
-    batch, loss = make_batch(1), policy_loss(LossConfig(aggregation="seq-mean-token-mean"))
+    batch, loss = make_batch(1), policy_loss(LossConfig(aggregation="seq_mean_token_mean"))
     trainer.config.token_budget = 10_000
     whole = trainer.forward_backward(batch, loss)
     g_whole = grads(trainer.model)
@@ -170,7 +170,7 @@ def test_critic_fits_returns_with_the_clipped_value_loss():
     batch.values = critic.compute_values(batch)
     # Dropout (0.1 before HF's token-classification head) is off: values are a function of weights.
     assert torch.equal(critic.compute_values(batch), batch.values)
-    batch = compute_advantages(batch, AdvantageConfig(name="gae", gamma=1.0, lam=0.95))
+    batch = compute_advantages(batch, AdvantageConfig(estimator="gae", gamma=1.0, lam=0.95))
     loss = value_loss(ValueLossConfig(clip=None))
     first = critic.forward_backward(batch, loss)["value_loss"]
     critic.step()

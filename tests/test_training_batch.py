@@ -69,7 +69,7 @@ def test_micro_batches_respect_the_token_budget():
     assert [mb.input_ids.shape[1] for mb in micro_batches(batch, 12)] == [max(lengths[r] for r in g) for g in rows]
 
 
-@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"])
 def test_global_normaliser_makes_the_loss_split_invariant(aggregation):
     """sum over micro-batches of loss(mb, normaliser of the whole batch) == loss(whole batch)."""
     g = torch.Generator().manual_seed(0)

@@ -49,7 +49,7 @@ def test_ppo_with_critic_improves_reward():
         rewards.append(sum(t.reward for t in trajectories) / ROWS)
         batch = pack(trajectories)
         batch.values = critic.compute_values(batch)
-        compute_advantages(batch, AdvantageConfig(name="gae", gamma=1.0, lam=0.95))
+        compute_advantages(batch, AdvantageConfig(estimator="gae", gamma=1.0, lam=0.95))
         for _ in range(2):  # two PPO epochs over the batch: the ratio moves, clipping matters
             policy.forward_backward(batch, policy_fn)
             policy.step()

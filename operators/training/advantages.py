@@ -13,7 +13,7 @@ each defined reward is normalised against the rewards of its group, then every m
 the sum of the normalised rewards at or after it (reward-to-go). A turn's reward is therefore
 credited to the tokens of that turn (and, as part of the return, to the turns before it).
 
-    grpo        r~ = (r - mean_g r) / (std_g r + eps)   (std_g unbiased; `norm_std: false` drops it)
+    grpo        r~ = (r - mean_g r) / (std_g r + eps)   (std_g unbiased; `std_normalize: false` drops it)
     dr_grpo     r~ = r - mean_g r                        (Dr.GRPO: no std, no length normalisation)
     rloo        r~ = r - mean of the rewards of the *other* trajectories of the group
     reinforce_pp  G_t = sum_{s>=t} gamma^(s-t) r_s; A = (G - mean_B G) / (std_B G + eps) over all
@@ -40,30 +40,34 @@ from flowrl_operators.training.batch import Batch
 
 
 class AdvantageConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    name: str = "grpo"
-    norm_std: bool = True  # grpo only
+    """The train node schema's `advantage` keys (flowrl_operators.config), plus `whiten` and `eps`."""
+
+    estimator: str = "grpo"
+    std_normalize: bool = True  # grpo only
     gamma: float = 1.0
     lam: float = 1.0  # gae only
     whiten: bool = True  # gae only
     eps: float = 1e-6
 
     def __post_init__(self) -> None:
-        if self.name not in ADVANTAGES:
-            raise ValueError(f"unknown advantage estimator {self.name!r}; choose one of {sorted(ADVANTAGES)}")
+        if self.estimator not in ADVANTAGES:
+            raise ValueError(f"unknown advantage estimator {self.estimator!r}; choose one of {sorted(ADVANTAGES)}")
         if not 0.0 <= self.gamma <= 1.0 or not 0.0 <= self.lam <= 1.0:
             raise ValueError("advantage gamma and lam must lie in [0, 1]")
 
 
-def advantage_config(value: str | dict | AdvantageConfig) -> AdvantageConfig:
-    """An AdvantageConfig from YAML: an estimator name (`advantage: rloo`) or a mapping of its keys."""
+def advantage_config(value: str | dict | msgspec.Struct) -> AdvantageConfig:
+    """An AdvantageConfig from YAML (an estimator name or a mapping) or from the node schema's."""
     if isinstance(value, AdvantageConfig):
         return value
-    return msgspec.convert({"name": value} if isinstance(value, str) else value, AdvantageConfig)
+    if isinstance(value, msgspec.Struct):
+        value = msgspec.to_builtins(value)
+    return msgspec.convert({"estimator": value} if isinstance(value, str) else value, AdvantageConfig)
 
 
 def needs_values(config: AdvantageConfig) -> bool:
     """Whether the estimator needs critic values (a critic node before the trainer)."""
-    return config.name == "gae"
+    return config.estimator == "gae"
 
 
 @dataclasses.dataclass
@@ -137,7 +141,7 @@ def _whiten(x: torch.Tensor, mask: torch.Tensor, eps: float) -> torch.Tensor:
 
 @register("grpo")
 def grpo(x: AdvantageInputs, config: AdvantageConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    mode = "std" if config.norm_std else "mean"
+    mode = "std" if config.std_normalize else "mean"
     advantages = reward_to_go(_group_normalised(x, mode, config.eps), x.mask, config.gamma)
     return advantages, reward_to_go(x.rewards, x.mask, config.gamma)
 
@@ -191,5 +195,5 @@ def gae(x: AdvantageInputs, config: AdvantageConfig) -> tuple[torch.Tensor, torc
 
 def compute_advantages(batch: Batch, config: AdvantageConfig) -> Batch:
     """Fill `batch.advantages` and `batch.returns` with the configured estimator (in place)."""
-    batch.advantages, batch.returns = ADVANTAGES[config.name](AdvantageInputs.of(batch), config)
+    batch.advantages, batch.returns = ADVANTAGES[config.estimator](AdvantageInputs.of(batch), config)
     return batch

@@ -1,36 +1,41 @@
 """RL losses: a registry of policy losses chosen in YAML, plus the critic's clipped value loss.
 
-YAML (`loss:` of a train node) is a name or a mapping validated by `LossConfig`:
+`LossConfig` uses the key names of the train node's schema (flowrl_operators.config.LossConfig)
+and adds a few of its own (`norm_length`, `correction.floor`); `loss_config(value)` accepts a
+kind name or a mapping:
 
-    loss: {name: ppo_clip, clip_low: 0.2, clip_high: 0.28, dual_clip: 3.0,
-           aggregation: seq-mean-token-mean, correction: {mode: tis, level: token, cap: 2.0},
-           kl: {coef: 0.001, estimator: k3, mode: loss}, entropy_coef: 0.0}
+    loss: {kind: ppo_clip, clip_low: 0.2, clip_high: 0.28, dual_clip: 3.0, decoupled: true,
+           aggregation: seq_mean_token_mean, correction: {kind: tis, level: token, threshold: 2.0},
+           kl: {coef: 0.001, estimator: k3, apply_as: loss}, entropy_coef: 0.0}
 
 Per token, with A the advantage, old the logprob the ratio is taken against, m the loss mask:
 
-    ppo_clip       r = exp(logp - old); l = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))
-                   dual clip (c > 1): l = min(l, -A c) where A < 0
-    gspo           r_i = exp(mean_t m (logp - old)) per sequence, used per token as
-                   exp(sg(log r_i) + logp - sg(logp)); then clipped like ppo_clip
-    decoupled_ppo  ppo_clip against the *proximal* logprobs the trainer recomputes before the update,
-                   times the behaviour weight below (AReaL); without a `correction` it uses
-                   `mis` at token level with `cap` (tokens whose weight exceeds the cap are dropped)
+    ppo_clip  r = exp(logp - old); l = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))
+              dual clip (c > 1): l = min(l, -A c) where A < 0
+    gspo      r_i = exp(mean_t m (logp - old)) per sequence, used per token as
+              exp(sg(log r_i) + logp - sg(logp)); then clipped like ppo_clip (GSPO's clip ranges
+              are about 3e-4 / 4e-4)
+    sft       l = -logp (supervised; advantages unused)
 
-Behaviour correction (`correction.mode` tis | mis): with proximal logprobs (recomputed by the
-trainer) and behaviour logprobs (the engine's), w = exp(prox - behav) per token, or
-exp(sum_t m (prox - behav)) per sequence (`level: sequence`). tis: w' = min(w, cap); mis:
-w' = w if floor <= w <= cap else 0. The per-token loss is multiplied by w' (no gradient through
-w'). Any correction makes the ratio be taken against the proximal logprobs.
+Behaviour policy. By default old = the engine's behaviour logprobs. With `decoupled: true`
+(decoupled PPO, AReaL) or a `correction`, old = the proximal logprobs the trainer recomputes
+before the update (`Trainer.compute_logprobs`), and the per-token loss is multiplied by the
+behaviour weight w = exp(prox - behav) per token, or exp(sum_t m (prox - behav)) per sequence
+(`correction.level: sequence`), without gradient:
+    decoupled, no correction   w
+    correction.kind tis        min(w, threshold)                    (truncated importance sampling)
+    correction.kind mis        w if floor <= w <= threshold else 0  (masked importance sampling)
 
 Aggregation (N = loss tokens of the global batch, S = its sequences with a loss token):
-    token-mean            sum_{i,t} m l / N
-    seq-mean-token-mean   sum_i (sum_t m l / n_i) / S
-    seq-mean-token-sum    sum_i (sum_t m l) / (S * norm_length)   (Dr.GRPO; norm_length 1 if unset)
+    token_mean            sum_{i,t} m l / N
+    seq_mean_token_mean   sum_i (sum_t m l / n_i) / S
+    seq_mean_token_sum    sum_i (sum_t m l) / (S * norm_length)   (Dr.GRPO; norm_length 1 if unset)
 
-KL to the reference, d = logp - ref: k1 = d, k2 = d^2 / 2, k3 = exp(-d) - 1 + d. `mode: loss` adds
-coef * aggregate(k) to the loss; `mode: reward` subtracts coef * k (from the behaviour logprobs)
-from the token rewards before the advantages (`apply_kl_penalty`; only the token-return
-estimators reinforce_pp and gae see it). Entropy bonus: loss -= entropy_coef * aggregate(H).
+KL to the reference, d = logp - ref: k1 = d, k2 = d^2 / 2, k3 = exp(-d) - 1 + d. `apply_as: loss`
+adds coef * aggregate(k) to the loss; `apply_as: reward` subtracts coef * k (of the behaviour
+logprobs) from the token rewards before the advantages (`apply_kl_penalty`; only the token-return
+estimators reinforce_pp and gae see it, see `check_compatible`). Entropy bonus:
+loss -= entropy_coef * aggregate(H).
 
 A loss function built by `policy_loss(config)` or `value_loss(config)` is called once per
 micro-batch as `fn(output, batch, normaliser) -> (loss, metrics)`; the loss and every metric are
@@ -48,65 +53,67 @@ import torch
 from flowrl_operators.training.advantages import AdvantageConfig
 from flowrl_operators.training.batch import Batch, Normaliser
 
-Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
+Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
 
 
 class Correction(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    mode: Literal["none", "tis", "mis"] = "none"
+    kind: Literal["tis", "mis"] = "tis"
     level: Literal["token", "sequence"] = "token"
-    cap: float = 2.0
-    floor: float = 0.0  # mis only
+    threshold: float = 2.0
+    floor: float = 0.0  # mis only: weights below it are masked too
 
     def __post_init__(self) -> None:
-        if self.cap <= 0 or self.floor < 0 or self.floor >= self.cap:
-            raise ValueError("correction needs 0 <= floor < cap")
+        if self.threshold <= 0 or self.floor < 0 or self.floor >= self.threshold:
+            raise ValueError("correction needs 0 <= floor < threshold")
 
 
 class KLConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     coef: float = 0.0
     estimator: Literal["k1", "k2", "k3"] = "k3"
-    mode: Literal["loss", "reward"] = "loss"
+    apply_as: Literal["loss", "reward"] = "loss"
 
 
 class LossConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    name: str = "ppo_clip"
+    kind: str = "ppo_clip"
     clip_low: float = 0.2
-    clip_high: float = 0.2  # DAPO clip-higher: 0.28; GSPO uses about 3e-4 / 4e-4
+    clip_high: float = 0.2  # > clip_low is DAPO's clip-higher (0.28)
     dual_clip: float | None = None
-    aggregation: Aggregation = "token-mean"
+    decoupled: bool = False
+    correction: Correction | None = None
+    aggregation: Aggregation = "token_mean"
     norm_length: float | None = None
-    correction: Correction = msgspec.field(default_factory=Correction)
     kl: KLConfig = msgspec.field(default_factory=KLConfig)
     entropy_coef: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.name not in LOSSES:
-            raise ValueError(f"unknown loss {self.name!r}; choose one of {sorted(LOSSES)}")
+        if self.kind not in LOSSES:
+            raise ValueError(f"unknown loss {self.kind!r}; choose one of {sorted(LOSSES)}")
         if self.clip_low < 0 or self.clip_high < 0 or self.clip_low >= 1:
             raise ValueError("loss clip_low must lie in [0, 1) and clip_high be >= 0")
         if self.dual_clip is not None and self.dual_clip <= 1:
             raise ValueError("loss dual_clip must be > 1 (e.g. 3.0), or left out")
         if self.norm_length is not None and self.norm_length <= 0:
             raise ValueError("loss norm_length must be > 0")
-        if self.name == "decoupled_ppo" and self.correction.mode == "none":
-            self.correction = Correction(mode="mis", level="token", cap=self.correction.cap)
 
 
-def loss_config(value: str | dict | LossConfig) -> LossConfig:
-    """A LossConfig from YAML: a loss name (`loss: gspo`) or a mapping of LossConfig keys."""
+def loss_config(value: str | dict | msgspec.Struct) -> LossConfig:
+    """A LossConfig from YAML (a kind name or a mapping) or from the node schema's LossConfig."""
     if isinstance(value, LossConfig):
         return value
-    return msgspec.convert({"name": value} if isinstance(value, str) else value, LossConfig)
+    if isinstance(value, msgspec.Struct):
+        value = msgspec.to_builtins(value)
+    return msgspec.convert({"kind": value} if isinstance(value, str) else value, LossConfig)
 
 
 def corrects_behaviour(config: LossConfig) -> bool:
-    """Whether the loss corrects for data from an older or different behaviour policy."""
-    return config.correction.mode != "none"
+    """Whether the loss accounts for data from an older or different behaviour policy (decoupled
+    PPO or an importance-weight correction; supervised `sft` has no behaviour policy to correct)."""
+    return config.decoupled or config.correction is not None or config.kind == "sft"
 
 
 def needs_proximal(config: LossConfig) -> bool:
     """Whether the trainer must recompute proximal logprobs (`Trainer.compute_logprobs`) first."""
-    return corrects_behaviour(config)
+    return config.decoupled or config.correction is not None
 
 
 def needs_reference(config: LossConfig) -> bool:
@@ -116,10 +123,10 @@ def needs_reference(config: LossConfig) -> bool:
 
 def check_compatible(loss: LossConfig, advantage: AdvantageConfig) -> None:
     """Reject a KL reward penalty that the chosen estimator would silently ignore."""
-    if loss.kl.mode == "reward" and loss.kl.coef > 0 and advantage.name in ("grpo", "dr_grpo", "rloo"):
+    if loss.kl.apply_as == "reward" and loss.kl.coef > 0 and advantage.estimator in ("grpo", "dr_grpo", "rloo"):
         raise ValueError(
-            f"kl mode 'reward' has no effect with advantage {advantage.name!r} (it normalises the "
-            "defined rewards only); use kl mode 'loss', or advantage reinforce_pp or gae"
+            f"kl apply_as 'reward' has no effect with advantage {advantage.estimator!r} (it normalises "
+            "the defined rewards only); use kl apply_as 'loss', or advantage reinforce_pp or gae"
         )
 
 
@@ -158,7 +165,9 @@ def ppo_clip(logprobs, old, advantages, mask, config):
     return _clipped_objective(torch.exp(logprobs - old), advantages, config)
 
 
-register("decoupled_ppo")(ppo_clip)
+@register("sft")
+def sft(logprobs, old, advantages, mask, config):
+    return -logprobs, torch.zeros_like(logprobs)
 
 
 @register("gspo")
@@ -175,10 +184,10 @@ def aggregate(
 ) -> torch.Tensor:
     # where(), not a product: a nan/inf on a padding or prompt column must not reach the loss.
     masked = torch.where(mask > 0, per_token, 0.0) * mask
-    if aggregation == "token-mean":
+    if aggregation == "token_mean":
         return masked.sum() / max(normaliser.tokens, 1.0)
     sums = masked.sum(dim=1)
-    if aggregation == "seq-mean-token-mean":
+    if aggregation == "seq_mean_token_mean":
         return (sums / mask.sum(dim=1).clamp(min=1)).sum() / max(normaliser.sequences, 1.0)
     return sums.sum() / (max(normaliser.sequences, 1.0) * (norm_length or 1.0))
 
@@ -192,20 +201,24 @@ def kl_estimate(logprobs: torch.Tensor, reference: torch.Tensor, estimator: str)
     return torch.exp(-d) - 1 + d
 
 
-def behaviour_weight(proximal: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor, c: Correction):
-    """The truncated (tis) or masked (mis) importance weight prox / behav, without gradient."""
+def behaviour_weight(
+    proximal: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor, correction: Correction | None
+) -> torch.Tensor:
+    """prox / behav per token or sequence, truncated (tis) or masked (mis), without gradient."""
     log_w = (proximal - behaviour).detach() * mask
-    if c.level == "sequence":
+    if correction is not None and correction.level == "sequence":
         log_w = log_w.sum(dim=1, keepdim=True).expand_as(mask)
     w = torch.exp(log_w)
-    if c.mode == "tis":
-        return w.clamp(max=c.cap)
-    return torch.where((w >= c.floor) & (w <= c.cap), w, 0.0)
+    if correction is None:
+        return w
+    if correction.kind == "tis":
+        return w.clamp(max=correction.threshold)
+    return torch.where((w >= correction.floor) & (w <= correction.threshold), w, 0.0)
 
 
 def apply_kl_penalty(batch: Batch, config: LossConfig) -> Batch:
-    """`kl.mode: reward`: rewards -= coef * k(behaviour, reference) on model tokens (in place)."""
-    if config.kl.mode != "reward" or config.kl.coef == 0:
+    """`kl.apply_as: reward`: rewards -= coef * k(behaviour, reference) on model tokens (in place)."""
+    if config.kl.apply_as != "reward" or config.kl.coef == 0:
         return batch
     if batch.reference_logprobs is None:
         raise ValueError("kl in reward needs reference logprobs: add a reference node before the trainer")
@@ -219,17 +232,17 @@ LossFn = Callable[[dict[str, torch.Tensor], Batch, Normaliser], tuple[torch.Tens
 
 def policy_loss(config: LossConfig) -> LossFn:
     """The per-micro-batch loss. `output` holds `logprobs` and `entropy`, both (B, T)."""
-    loss_per_token = LOSSES[config.name]
+    loss_per_token = LOSSES[config.kind]
 
     def fn(output: dict[str, torch.Tensor], batch: Batch, normaliser: Normaliser):
         logprobs, mask = output["logprobs"], batch.loss_mask
-        if batch.advantages is None:
+        if batch.advantages is None and config.kind != "sft":
             raise ValueError("the batch has no advantages: call compute_advantages first")
         old = batch.behaviour_logprobs
         weight = None
         if needs_proximal(config):
             if batch.proximal_logprobs is None:
-                raise ValueError(f"loss {config.name!r} needs proximal logprobs: call Trainer.compute_logprobs")
+                raise ValueError(f"loss {config.kind!r} needs proximal logprobs: call Trainer.compute_logprobs")
             old = batch.proximal_logprobs
             weight = behaviour_weight(batch.proximal_logprobs, batch.behaviour_logprobs, mask, config.correction)
         per_token, clipped = loss_per_token(logprobs, old, batch.advantages, mask, config)
@@ -239,16 +252,18 @@ def policy_loss(config: LossConfig) -> LossFn:
         def agg(x):
             return aggregate(x, mask, normaliser, config.aggregation, config.norm_length)
 
+        def token_mean(x):  # metrics are token means whatever the loss aggregation
+            return aggregate(x.detach(), mask, normaliser, "token_mean").item()
+
         loss = agg(per_token)
-        token_mean = aggregate  # metrics are token means whatever the loss aggregation
         metrics = {
             "policy_loss": loss.item(),
-            "clip_fraction": token_mean(clipped, mask, normaliser, "token-mean").item(),
-            "entropy": token_mean(output["entropy"].detach(), mask, normaliser, "token-mean").item(),
+            "clip_fraction": token_mean(clipped),
+            "entropy": token_mean(output["entropy"]),
         }
         if weight is not None:
-            metrics["behaviour_weight"] = token_mean(weight, mask, normaliser, "token-mean").item()
-        if config.kl.mode == "loss" and config.kl.coef > 0:
+            metrics["behaviour_weight"] = token_mean(weight)
+        if config.kl.apply_as == "loss" and config.kl.coef > 0:
             if batch.reference_logprobs is None:
                 raise ValueError("kl in loss needs reference logprobs: add a reference node before the trainer")
             kl = agg(kl_estimate(logprobs, batch.reference_logprobs, config.kl.estimator))
@@ -264,7 +279,7 @@ def policy_loss(config: LossConfig) -> LossFn:
 
 class ValueLossConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     clip: float | None = 0.2  # value clip range around the values the data was scored with
-    aggregation: Aggregation = "token-mean"
+    aggregation: Aggregation = "token_mean"
 
 
 def value_loss(config: ValueLossConfig) -> LossFn:
