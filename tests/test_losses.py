@@ -224,3 +224,21 @@ def test_config_errors_and_behaviour_flag():
     batch = make_batch()
     with pytest.raises(ValueError, match="compute_logprobs"):
         run(msgspec.convert({"correction": {"kind": "tis"}}, LossConfig), batch)
+
+
+def test_the_train_node_schema_converts():
+    """The train node's YAML schema (flowrl_operators.config) converts field for field."""
+    from flowrl_operators import config as schema
+
+    node = msgspec.convert(
+        {"loss": {"kind": "gspo", "clip_high": 0.28, "decoupled": True, "aggregation": "seq_mean_token_sum",
+                  "correction": {"kind": "mis", "level": "sequence", "threshold": 3.0},
+                  "kl": {"coef": 0.01, "apply_as": "loss"}},
+         "advantage": {"estimator": "rloo", "std_normalize": False, "gamma": 0.9}},
+        schema.TrainConfig,
+    )
+    loss, advantage = loss_config(node.loss), advantage_config(node.advantage)
+    assert (loss.kind, loss.clip_high, loss.decoupled, loss.aggregation) == ("gspo", 0.28, True, "seq_mean_token_sum")
+    assert (loss.correction.kind, loss.correction.level, loss.correction.threshold) == ("mis", "sequence", 3.0)
+    assert loss.kl.coef == 0.01 and corrects_behaviour(loss)
+    assert (advantage.estimator, advantage.std_normalize, advantage.gamma) == ("rloo", False, 0.9)
