@@ -92,7 +92,7 @@ def connect(group: BroadcastGroup, rank: int, store: dist.Store | None = None):
     raise ValueError(f"broadcast backend {group.backend!r} is not gloo or nccl")
 
 
-def _broadcast(pg, tensor: torch.Tensor) -> None:
+def broadcast(pg, tensor: torch.Tensor) -> None:
     options = dist.BroadcastOptions()
     options.rootRank = 0
     pg.broadcast([tensor], options).wait()
@@ -178,7 +178,7 @@ class BroadcastSender:
             self.seconds = time.perf_counter() - start
 
     def _header(self, kind: int, meta_len: int, data_len: int, version: int) -> None:
-        _broadcast(self._pg, torch.tensor([kind, meta_len, data_len, version], dtype=torch.int64,
+        broadcast(self._pg, torch.tensor([kind, meta_len, data_len, version], dtype=torch.int64,
                                           device=self.group.device))
 
     def _send_bucket(self, bucket: Bucket, version: int) -> None:
@@ -187,10 +187,10 @@ class BroadcastSender:
         meta = msgspec.msgpack.encode([[m.name, m.dtype, list(m.shape)] for m in metas])
         size = sum(aligned(m.nbytes) for m in metas) if self.layout == "flat" else bucket_nbytes(bucket)
         self._header(BUCKET, len(meta), size, version)
-        _broadcast(self._pg, torch.frombuffer(bytearray(meta), dtype=torch.uint8).to(device))
+        broadcast(self._pg, torch.frombuffer(bytearray(meta), dtype=torch.uint8).to(device))
         if self.layout == "per_tensor":
             for _, t in bucket:
-                _broadcast(self._pg, t.detach().to(device).contiguous())
+                broadcast(self._pg, t.detach().to(device).contiguous())
             return
         if self._flat.numel() < size:
             self._flat = torch.empty(size, dtype=torch.uint8, device=device)
@@ -198,7 +198,7 @@ class BroadcastSender:
         for (_, t), m in zip(bucket, metas, strict=True):
             self._flat[offset:offset + m.nbytes].copy_(as_bytes(t))
             offset += aligned(m.nbytes)
-        _broadcast(self._pg, self._flat[:size])
+        broadcast(self._pg, self._flat[:size])
 
 
 _joined: dict[tuple[str, int, str, int], object] = {}
@@ -234,7 +234,7 @@ class BroadcastStream(Stream):
 
     def _receive(self, pg, shape: tuple[int, ...], dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
         tensor = out if out is not None else torch.empty(shape, dtype=dtype, device=self.record.group.device)
-        _broadcast(pg, tensor)
+        broadcast(pg, tensor)
         return tensor
 
     def _next(self) -> Bucket | None:

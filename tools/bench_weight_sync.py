@@ -1,0 +1,247 @@
+"""Weight sync throughput of each transport against two limits measured in the same run.
+
+    flock /tmp/flowrl-bench.lock /work/venv/bin/python tools/bench_weight_sync.py [--layers 4]
+
+Model: a Qwen2-shaped model with random weights built here (nothing downloaded); the default shape
+is about 300 MB in fp32. Every figure is one whole version moved from the sending end into live
+buffers of the same shapes at the receiving end (what an engine's parameters are), best of
+--repeats. Limits: `copy_` of every tensor into a live buffer (in-process), and a raw gloo
+broadcast of the same bytes, in buckets of the same size, between two processes (cross-process).
+Also: each transport sending one tensor at a time, and the in-process transport into the real
+embedded engine (which stages a version aside before swapping, so it pays one more copy).
+The machine is shared: figures are noisy; ratios are measured side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import ray
+import torch
+
+from flowrl_operators.config import SyncConfig
+from flowrl_operators.transport import apply, make_sender, rebucket
+from flowrl_operators.transport.broadcast import BroadcastGroup, broadcast, connect
+
+
+def model_weights(layers: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """HF names and shapes of a Qwen2 model (built on the meta device), filled with seeded noise."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    config = Qwen2Config(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=layers,
+                         num_attention_heads=16, num_key_value_heads=4, tie_word_embeddings=True)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    gen = torch.Generator().manual_seed(seed)
+    return {name: torch.randn(p.shape, generator=gen) * 0.02 for name, p in model.state_dict().items()
+            if name != "lm_head.weight"}  # tied to the embedding
+
+
+def nbytes(weights: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in weights.values())
+
+
+class LiveBuffers:
+    """The receiving engine, reduced to what the transport must reach: copy each tensor into live
+    parameters of the same shapes (the engine interface: version, update_weights)."""
+
+    def __init__(self, weights: dict[str, torch.Tensor]) -> None:
+        self.live = {name: torch.ones_like(t) for name, t in weights.items()}  # touched: no page faults
+        self.version = 0
+        self.paused = False
+
+    async def update_weights(self, buckets, version: int) -> None:
+        async for bucket in buckets:
+            for name, tensor in bucket:
+                self.live[name].copy_(tensor)
+        self.version = version
+
+
+@ray.remote(num_cpus=0)
+class Peer:
+    """The sending process: train rank 0 holding the same weights."""
+
+    def __init__(self, layers: int) -> None:
+        torch.set_num_threads(1)
+        self.weights = model_weights(layers)
+        self.senders = {}
+
+    def raw_broadcast(self, group: BroadcastGroup, chunk: int, total: int) -> None:
+        pg = connect(group, 0)
+        buffer = torch.ones(chunk, dtype=torch.uint8)
+        for _ in range(3):  # warm-up and two timed rounds, in step with the receiver
+            broadcast(pg, torch.zeros(1))
+            for start in range(0, total, chunk):
+                broadcast(pg, buffer[:min(chunk, total - start)])
+
+    def publish(self, transport: str, layout: str, bucket_mb: float, version: int):
+        key = (transport, layout, bucket_mb)
+        if key not in self.senders:
+            self.senders[key] = make_sender(SyncConfig(transport=transport, layout=layout, bucket_mb=bucket_mb))
+        buckets = rebucket(self.weights.items(), int(bucket_mb * 2**20))
+        return self.senders[key].send(buckets, version)
+
+    def checksum(self) -> float:
+        return float(sum(t.double().sum() for t in self.weights.values()))
+
+
+def best(times: list[float]) -> float:
+    return min(times)
+
+
+def bench_copy(weights, live: LiveBuffers, repeats: int) -> list[float]:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for name, tensor in weights.items():
+            live.live[name].copy_(tensor)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def bench_raw_broadcast(peer, total: int, chunk: int) -> list[float]:
+    store = torch.distributed.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False, multi_tenant=True)
+    group = BroadcastGroup("127.0.0.1", store.port, 2, "bench-raw", "gloo", 300.0)
+    # The store lives here; the peer is rank 0 of the broadcast and connects to it as a client.
+    done = peer.raw_broadcast.remote(group, chunk, total)
+    pg = connect(group, 1, store)
+    buffer = torch.empty(chunk, dtype=torch.uint8)
+    times = []
+    for _ in range(3):
+        broadcast(pg, torch.zeros(1))
+        start = time.perf_counter()
+        for offset in range(0, total, chunk):
+            broadcast(pg, buffer[:min(chunk, total - offset)])
+        times.append(time.perf_counter() - start)
+    ray.get(done)
+    return times[1:]
+
+
+async def bench_transport(engine, publish, repeats: int, version: list[int]) -> list[float]:
+    """Seconds per version: from asking the sender to publish until the engine holds it."""
+    times = []
+    for i in range(repeats + 1):  # the first builds groups and buffers
+        version[0] += 1
+        start = time.perf_counter()
+        record = await publish(version[0])
+        await apply(engine, record, version[0])
+        if i:
+            times.append(time.perf_counter() - start)
+        del record
+    return times
+
+
+async def bench_embedded(weights, bucket_mb: float, repeats: int) -> list[float]:
+    """In-process transport into the real embedded engine (its staging copy included)."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from flowrl_operators.engine.embedded import EmbeddedEngine
+    from flowrl_operators.models import build_tokenizer, silence_hf
+
+    layers = 1 + max(int(n.split(".")[2]) for n in weights if n.startswith("model.layers."))
+    config = Qwen2Config(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=layers,
+                         num_attention_heads=16, num_key_value_heads=4, tie_word_embeddings=True)
+    silence_hf()
+    with tempfile.TemporaryDirectory() as folder:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        model.load_state_dict(weights, strict=False, assign=True)
+        model.tie_weights()
+        model.save_pretrained(folder)
+        build_tokenizer().save_pretrained(folder)
+        del model
+        engine = EmbeddedEngine(folder, max_slots=1, max_context=64)
+        sender = make_sender(SyncConfig(transport="inprocess", bucket_mb=bucket_mb))
+        try:
+            async def publish(v):
+                return sender.send(rebucket(weights.items(), int(bucket_mb * 2**20)), v)
+            return await bench_transport(engine, publish, repeats, [0])
+        finally:
+            await engine.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=4, help="decoder layers (4 = about 300 MB in fp32)")
+    parser.add_argument("--bucket-mb", type=float, default=64.0)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--skip-engine", action="store_true", help="skip the embedded-engine figure")
+    args = parser.parse_args()
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    torch.set_num_threads(1)
+
+    weights = model_weights(args.layers)
+    total = nbytes(weights)
+    mb = total / 2**20
+    print(f"model: Qwen2-shaped, {args.layers} layers, {len(weights)} tensors, {mb:.0f} MB fp32; "
+          f"buckets of {args.bucket_mb:g} MB; best of {args.repeats}", flush=True)
+    if mb < 200:
+        sys.exit(f"the model is only {mb:.0f} MB; use --layers >= 2 for at least 200 MB")
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=int(max(1.5 * total, 512 * 2**20)),
+             log_to_driver=False)
+    peer = Peer.remote(args.layers)
+    live = LiveBuffers(weights)
+    rates: dict[str, float] = {}
+
+    def report(name: str, times: list[float]) -> None:
+        rates[name] = total / best(times) / 1e9
+        print(f"{name:32s} {rates[name]:7.2f} GB/s   best {best(times) * 1e3:8.1f} ms   "
+              f"median {statistics.median(times) * 1e3:8.1f} ms", flush=True)
+
+    report("limit: copy_ into live buffers", bench_copy(weights, live, args.repeats))
+    report("limit: raw gloo broadcast", bench_raw_broadcast(peer, total, int(args.bucket_mb * 2**20)))
+
+    async def transports() -> None:
+        version = [0]
+        for label, bucket_mb in (("", args.bucket_mb), (" (1 tensor at a time)", 0.0)):
+            inproc = make_sender(SyncConfig(transport="inprocess", bucket_mb=max(bucket_mb, 1e-9)))
+
+            async def local(v, inproc=inproc, bucket_mb=bucket_mb):
+                return inproc.send(rebucket(weights.items(), int(bucket_mb * 2**20)), v)
+
+            report("inprocess" + label, await bench_transport(live, local, args.repeats, version))
+            for transport, layout in (("object_store", "flat"), ("broadcast", "flat" if bucket_mb else "per_tensor")):
+                async def remote(v, transport=transport, layout=layout, bucket_mb=bucket_mb):
+                    return await peer.publish.remote(transport, layout, max(bucket_mb, 1e-9), v)
+
+                times = await bench_transport(live, remote, args.repeats, version)
+                report(f"{transport}{label}", times)
+                checksum = float(sum(t.double().sum() for t in live.live.values()))
+                assert checksum == ray.get(peer.checksum.remote()), f"{transport}: received weights differ"
+
+    asyncio.run(transports())
+    if not args.skip_engine:
+        report("inprocess into embedded engine", asyncio.run(bench_embedded(weights, args.bucket_mb, args.repeats)))
+
+    copy, raw = rates["limit: copy_ into live buffers"], rates["limit: raw gloo broadcast"]
+    cross = {k: rates[k] for k in ("object_store", "broadcast")}
+    best_cross = max(cross, key=cross.get)
+    summary = {
+        "model_mb": round(mb, 1),
+        "bucket_mb": args.bucket_mb,
+        "gbps": {k: round(v, 3) for k, v in rates.items()},
+        "inprocess_vs_copy": round(rates["inprocess"] / copy, 3),
+        "best_crossprocess": best_cross,
+        "crossprocess_vs_raw_broadcast": round(cross[best_cross] / raw, 3),
+        "object_store_vs_raw_broadcast": round(cross["object_store"] / raw, 3),
+        "broadcast_vs_raw_broadcast": round(cross["broadcast"] / raw, 3),
+        "bucketed_vs_one_tensor_at_a_time": {
+            t: round(rates[t] / rates[f"{t} (1 tensor at a time)"], 2) for t in ("inprocess", "object_store", "broadcast")
+        },
+    }
+    print(f"in-process / copy_: {summary['inprocess_vs_copy']:.2f} (target >= 0.5); best cross-process "
+          f"({best_cross}) / raw gloo broadcast: {summary['crossprocess_vs_raw_broadcast']:.2f} (target >= 0.5)")
+    ray.shutdown()
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
