@@ -142,3 +142,22 @@ def test_failures_are_isolated_and_counted(tmp_path):
     assert score["reward/exceptions"] == raised and score["reward/timeouts"] == hung
     assert score["reward/zeroed"] == raised + hung == score["reward/errors"]
     assert score["reward/calls"] == 6
+
+
+def test_dynamic_sampling_between_reward_and_train(tmp_path):
+    """Groups whose rewards are all equal never reach the learner; the runtime counts them filtered."""
+    spec = tmp_path / "dapo.yaml"
+    spec.write_text(SPEC.read_text().replace(
+        "  learner:\n", "  keep:\n    op: flowrl_operators.filters:DynamicSampling\n  learner:\n").replace(
+        "  - score -> learner\n", "  - score -> keep\n  - keep -> learner\n").replace(
+        "group_size: 2", "group_size: 4").replace("batch_size: 2", "batch_size: 4"))
+    SEEN.clear()
+    plan = compile_file(str(spec), ["nodes.learner.op=test_workflows_pipeline:Learner"]).plan
+    result = run(plan, run_dir=tmp_path / "run", progress=False)
+    assert result.status == "done"
+    trained = [row for s in SEEN for row in s["rows"]]
+    groups: dict[str, list[float]] = {}
+    for row in trained:
+        groups.setdefault(row["id"].split("/")[0], []).append(row["reward"])
+    assert all(len(set(rewards)) > 1 for rewards in groups.values())  # only informative groups
+    assert result.counters["filtered"] == 8 - len(groups)  # 2 steps x 4 samples
