@@ -196,7 +196,7 @@ def test_clipped_value_loss():
     v, v_old, ret = [[0.5, 1.0, 0.0], [0.1, -0.4, 0.3]], [[0.2, 0.9, 0.0], [0.5, 0.0, 0.0]], [[1.0, 0.0, 2.0], [0.0, 0.0, 1.0]]
     batch = make_batch()
     batch.values, batch.returns = torch.tensor(v_old), torch.tensor(ret)
-    loss, _ = value_loss(ValueLossConfig(clip=0.2))({"values": torch.tensor(v)}, batch, Normaliser.of(batch))
+    loss, _ = value_loss(ValueLossConfig(value_clip=0.2))({"values": torch.tensor(v)}, batch, Normaliser.of(batch))
 
     def per(i, t):
         clipped = v_old[i][t] + min(max(v[i][t] - v_old[i][t], -0.2), 0.2)

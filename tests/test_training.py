@@ -59,22 +59,22 @@ def test_compute_logprobs_equal_log_softmax_of_the_model(trainer):
 
 def test_gradient_does_not_depend_on_the_micro_batch_split(trainer):
     batch, loss = make_batch(1), policy_loss(LossConfig(aggregation="seq_mean_token_mean"))
-    trainer.config.token_budget = 10_000
+    trainer.config.micro_batch_tokens = 10_000
     whole = trainer.forward_backward(batch, loss)
     g_whole = grads(trainer.model)
     trainer.optimizer.zero_grad(set_to_none=True)
-    trainer.config.token_budget = 8  # one row per micro-batch
+    trainer.config.micro_batch_tokens = 8  # one row per micro-batch
     split = trainer.forward_backward(batch, loss)
     g_split = grads(trainer.model)
     trainer.optimizer.zero_grad(set_to_none=True)
-    trainer.config.token_budget = 8192
+    trainer.config.micro_batch_tokens = 8192
     assert abs(whole["loss"] - split["loss"]) < 1e-6
     for name in g_whole:
         torch.testing.assert_close(g_split[name], g_whole[name], atol=1e-6, rtol=1e-5)
 
 
 def test_nonfinite_steps_are_skipped_then_stop_the_run():
-    trainer = Trainer(MODEL, TrainerConfig(lr=1e-3, max_bad_steps=2))
+    trainer = Trainer(MODEL, TrainerConfig(lr=1e-3, max_nonfinite_steps=2))
     before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     bad = make_batch()
     bad.advantages[0, int(bad.loss_mask[0].nonzero()[0])] = float("nan")  # on a trained token
@@ -171,7 +171,7 @@ def test_critic_fits_returns_with_the_clipped_value_loss():
     # Dropout (0.1 before HF's token-classification head) is off: values are a function of weights.
     assert torch.equal(critic.compute_values(batch), batch.values)
     batch = compute_advantages(batch, AdvantageConfig(estimator="gae", gamma=1.0, lam=0.95))
-    loss = value_loss(ValueLossConfig(clip=None))
+    loss = value_loss(ValueLossConfig(value_clip=None))
     first = critic.forward_backward(batch, loss)["value_loss"]
     critic.step()
     for _ in range(5):

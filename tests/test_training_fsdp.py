@@ -22,7 +22,7 @@ from flowrl_operators.training.losses import LossConfig, policy_loss
 from flowrl_operators.training.trainer import Trainer, TrainerConfig
 
 MODEL = "builtin:tiny-qwen2"
-CONFIG = TrainerConfig(lr=1e-3, warmup_steps=2, schedule="cosine", total_steps=10, token_budget=40, seed=3)
+CONFIG = TrainerConfig(lr=1e-3, warmup_steps=2, schedule="cosine", total_steps=10, micro_batch_tokens=40, seed=3)
 LOSS = LossConfig(clip_high=0.28)
 
 

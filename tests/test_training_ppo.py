@@ -34,7 +34,7 @@ def test_ppo_with_critic_improves_reward():
     critic = Critic(MODEL, TrainerConfig(lr=3e-3, seed=1))
     generator = torch.Generator().manual_seed(0)
     policy_fn = policy_loss(LossConfig(clip_low=0.2, clip_high=0.28))
-    critic_fn = value_loss(ValueLossConfig(clip=0.5))
+    critic_fn = value_loss(ValueLossConfig(value_clip=0.5))
     rewards = []
     for step in range(14):
         responses, logprobs = sample(policy.model, generator)

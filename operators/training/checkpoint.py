@@ -103,7 +103,7 @@ def save(trainer: Trainer, target: Path) -> Path:
             "step": trainer.step_count,
             "policy_version": trainer.policy_version,
             "skipped_steps": trainer.skipped_steps,
-            "bad_in_row": trainer.bad_in_row,
+            "nonfinite_in_row": trainer.nonfinite_in_row,
             "world_size": trainer.world_size,
             "with_optim": with_optim,
         }
@@ -145,7 +145,7 @@ def load(trainer: Trainer, target: Path) -> None:
     trainer.step_count = counters["step"]
     trainer.policy_version = counters["policy_version"]
     trainer.skipped_steps = counters["skipped_steps"]
-    trainer.bad_in_row = counters["bad_in_row"]
+    trainer.nonfinite_in_row = counters["nonfinite_in_row"]
     # With another world size, ranks beyond the saved ones take rank 0's RNG state.
     rng = source / f"rng_rank{trainer.rank}.pt"
     _set_rng_state(torch.load(rng if rng.is_file() else source / "rng_rank0.pt", weights_only=False))

@@ -278,7 +278,7 @@ def policy_loss(config: LossConfig) -> LossFn:
 
 
 class ValueLossConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    clip: float | None = 0.2  # value clip range around the values the data was scored with
+    value_clip: float | None = 0.2  # clip range around the values the data was scored with
     aggregation: Aggregation = "token_mean"
 
 
@@ -294,8 +294,8 @@ def value_loss(config: ValueLossConfig) -> LossFn:
             raise ValueError("value loss needs batch.values and batch.returns (compute_advantages with gae)")
         v, old, target = output["values"], batch.values, batch.returns
         loss_t = (v - target) ** 2
-        if config.clip is not None:
-            clipped_v = old + (v - old).clamp(-config.clip, config.clip)
+        if config.value_clip is not None:
+            clipped_v = old + (v - old).clamp(-config.value_clip, config.value_clip)
             loss_t = torch.maximum(loss_t, (clipped_v - target) ** 2)
         loss = 0.5 * aggregate(loss_t, batch.loss_mask, normaliser, config.aggregation)
         return loss, {"value_loss": loss.item()}

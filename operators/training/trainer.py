@@ -41,6 +41,9 @@ from flowrl_operators.training.losses import LossFn
 
 
 class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The train node's `optim` keys plus `micro_batch_tokens` and `max_nonfinite_steps` (same names
+    as flowrl_operators.config); `total_steps` comes from the run length for a decaying schedule."""
+
     lr: float = 1e-5
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
@@ -50,8 +53,8 @@ class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     total_steps: int | None = None  # the decay horizon of linear / cosine
     min_lr_ratio: float = 0.0
     grad_clip: float | None = 1.0
-    token_budget: int = 8192  # rows x padded length per micro-batch
-    max_bad_steps: int = 3  # consecutive skipped (non-finite) steps before the run stops
+    micro_batch_tokens: int = 8192  # rows x padded length per micro-batch (a longer row runs alone)
+    max_nonfinite_steps: int = 3  # consecutive skipped (non-finite) steps before the run stops
     mixed_precision: bool = True  # bf16 compute on GPU; CPU always runs fp32
     gradient_checkpointing: bool = False
     seed: int = 0
@@ -59,8 +62,8 @@ class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     def __post_init__(self) -> None:
         if self.schedule != "constant" and not self.total_steps:
             raise ValueError(f"schedule {self.schedule!r} needs total_steps")
-        if self.lr <= 0 or self.token_budget <= 0 or self.max_bad_steps < 1:
-            raise ValueError("trainer lr and token_budget must be > 0 and max_bad_steps >= 1")
+        if self.lr <= 0 or self.micro_batch_tokens <= 0 or self.max_nonfinite_steps < 1:
+            raise ValueError("trainer lr and micro_batch_tokens must be > 0 and max_nonfinite_steps >= 1")
 
 
 class NonFiniteError(RuntimeError):
@@ -133,7 +136,7 @@ class Trainer:
         self.step_count = 0  # optimizer steps applied
         self.policy_version = 0
         self.skipped_steps = 0
-        self.bad_in_row = 0
+        self.nonfinite_in_row = 0
         self._nonfinite_loss = False
         if self.trainable:
             self.model.train()
@@ -202,7 +205,7 @@ class Trainer:
 
     def _plan(self, batch: Batch) -> tuple[list[list[int]], int]:
         """This rank's micro-batch rows and the number of micro-batches every rank will run."""
-        rows = micro_batch_rows(batch, self.config.token_budget)
+        rows = micro_batch_rows(batch, self.config.micro_batch_tokens)
         return rows, int(self._all_reduce([float(len(rows))], dist.ReduceOp.MAX)[0])
 
     def forward_backward(self, batch: Batch, loss_fn: LossFn) -> dict[str, float]:
@@ -247,18 +250,18 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             self._nonfinite_loss = False
             self.skipped_steps += 1
-            self.bad_in_row += 1
-            if self.bad_in_row >= self.config.max_bad_steps:
+            self.nonfinite_in_row += 1
+            if self.nonfinite_in_row >= self.config.max_nonfinite_steps:
                 raise NonFiniteError(
-                    f"{self.bad_in_row} consecutive training steps had a non-finite loss or gradient "
-                    f"(max_bad_steps={self.config.max_bad_steps}); the weights were left untouched. "
-                    "Lower the learning rate, check the rewards and advantages for nan/inf, or raise max_bad_steps."
+                    f"{self.nonfinite_in_row} consecutive training steps had a non-finite loss or gradient "
+                    f"(max_nonfinite_steps={self.config.max_nonfinite_steps}); the weights were left untouched. "
+                    "Lower the learning rate, check the rewards and advantages for nan/inf, or raise max_nonfinite_steps."
                 )
             return {"skipped": 1.0, "skipped_steps": float(self.skipped_steps), "grad_norm": norm, "lr": lr}
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.bad_in_row = 0
+        self.nonfinite_in_row = 0
         self.step_count += 1
         self.policy_version += 1
         return {"skipped": 0.0, "skipped_steps": float(self.skipped_steps), "grad_norm": norm, "lr": lr}
