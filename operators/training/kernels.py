@@ -85,10 +85,10 @@ class _TokenLogprobs(torch.autograd.Function):
                 lp = x - lse
                 p = torch.exp(lp)
                 g = -g_lp * p - g_ent * torch.where(p > 0, p * (lp + ent), 0.0)
+                # + g_lp on each row's target column, if the target falls in this vocabulary chunk.
                 hit = (y >= v0) & (y < v0 + x.shape[1])
-                if hit.any():
-                    rows = hit.nonzero().squeeze(1)
-                    g[rows, y[rows] - v0] += g_lp[rows, 0]
+                column = (y - v0).clamp(0, x.shape[1] - 1)[:, None]
+                g.scatter_add_(1, column, torch.where(hit[:, None], g_lp, 0.0))
                 grad[start:end, v0 : v0 + vocab_chunk] = g.to(logits.dtype)
         return grad, None, None, None
 
