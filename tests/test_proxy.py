@@ -171,3 +171,14 @@ def test_assemble_chains_calls_that_extend_each_other():
     assert first.loss_mask == [1, 0, 0, 1, 1] and [(t.start, t.end) for t in first.turns] == [(0, 1), (3, 5)]
     assert first.behaviour_logprobs == [-0.5, 0.0, 0.0, -0.5, -0.5]
     assert second.prompt_ids == [9] and second.response_ids == [8, 0, 1] and second.loss_mask == [1, 0, 1]
+
+
+def test_tool_calls_are_parsed_into_openai_shape():
+    from flowrl_operators.workflows.proxy import parse_tool_calls
+
+    text = 'ok <tool_call>{"name": "calc", "arguments": {"expression": "2*3"}}</tool_call> and ' \
+           '<tool_call>not json</tool_call><tool_call>{"arguments": {}}</tool_call>'
+    calls = parse_tool_calls(text)
+    assert calls == [{"id": "call_0", "type": "function",
+                      "function": {"name": "calc", "arguments": '{"expression": "2*3"}'}}]
+    assert parse_tool_calls("plain answer") == []

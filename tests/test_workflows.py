@@ -137,6 +137,7 @@ def test_single_turn_and_supervised(loop, engine, tok):
     s = loop.run_until_complete(supervised(ctx, sample))
     assert s.response_ids == encode(tok, sample["target"]) + [tok.eos_token_id]
     assert s.loss_mask == [1] * len(s.response_ids) and s.versions == [engine.version] * len(s.response_ids)
+    assert [(turn.start, turn.end) for turn in s.turns] == [(0, len(s.response_ids))]
     chat = reverse_digits(seed=0, chat=True).sample(0, 0)
     assert loop.run_until_complete(single_turn(ctx, chat)).prompt_ids == encode(
         tok, f"<|im_start|>user\n{chat['digits']}><|im_end|>\n<|im_start|>assistant\n")

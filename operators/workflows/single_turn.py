@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from flowrl.data.trajectory import Trajectory
+from flowrl.data.trajectory import Trajectory, Turn
 from flowrl_operators.workflows.base import EpisodeError, TrajectoryBuilder, WorkflowContext
 
 
@@ -34,4 +34,5 @@ async def supervised(ctx: WorkflowContext, sample: dict[str, Any]) -> Trajectory
     version = ctx.version
     builder.response_ids, builder.loss_mask = target, [1] * len(target)
     builder.logprobs, builder.versions = [0.0] * len(target), [version] * len(target)
+    builder.turns = [Turn(0, len(target))]
     return builder.build(metadata={"sample": sample})
