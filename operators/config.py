@@ -51,6 +51,9 @@ class GenerateConfig(Strict):
     # An episode that raises (environment, agent, engine rejection) is dropped and counted; the run
     # fails once this many episodes have failed in total.
     max_episode_errors: PositiveInt = 100
+    # An episode still running after this long (a hung environment or agent) is cancelled and
+    # counted as an episode error. None: no limit.
+    episode_timeout_s: Annotated[float, Meta(gt=0)] | None = None
     proxy_host: str = "127.0.0.1"  # where agent workflows' OpenAI proxy listens
     # Serve the engine at an OpenAI-compatible endpoint (e.g. for a judge node with `node:`), written
     # to <run_dir>/endpoints/<node>.url. Agent workflows always start it.
@@ -132,6 +135,10 @@ class CriticConfig(Strict):
     optim: OptimConfig = msgspec.field(default_factory=OptimConfig)
     value_clip: Annotated[float, Meta(gt=0)] = 0.2
     micro_batch_tokens: PositiveInt = 8192
+    # The returns the value model learns: GAE with the train node's gamma and lam (interpolate them,
+    # e.g. `lam: ${nodes.learner.advantage.lam}`).
+    gamma: Probability = 1.0
+    lam: Probability = 1.0
 
 
 class SyncConfig(Strict):

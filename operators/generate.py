@@ -57,7 +57,7 @@ class Generate(Operator):
                 scratch.write_text(url + "/v1")
                 scratch.replace(folder / f"{self.context.node}.url")  # readers never see half a file
         self.counts = {"episodes": 0, "episode_errors": 0, "rejected_samples": 0, "trajectories": 0,
-                       "model_tokens": 0, "turns": 0, "weight_updates": 0}
+                       "model_tokens": 0, "turns": 0, "weight_updates": 0, "episode_timeouts": 0}
         self.last_error: str | None = None
 
     def _make_engine(self, model: str) -> Any:
@@ -93,12 +93,16 @@ class Generate(Operator):
                               args=dict(self.config.workflow_args), services=self.services)
         self.counts["episodes"] += 1
         try:
-            out = await self.workflow(ctx, sample)
+            out = await asyncio.wait_for(self.workflow(ctx, sample), self.config.episode_timeout_s)
             trajectories = [] if out is None else [out] if isinstance(out, Trajectory) else list(out)
             for j, t in enumerate(trajectories):
                 self._stamp(t, sample, step, sample_id, episode, j if len(trajectories) > 1 else None)
         except Exception as exc:  # an environment, agent or engine failure costs this episode only
             self.counts["episode_errors"] += 1
+            if isinstance(exc, asyncio.TimeoutError):
+                self.counts["episode_timeouts"] += 1
+                exc = TimeoutError(f"episode {episode} of {sample_id} ran past episode_timeout_s "
+                                   f"{self.config.episode_timeout_s}")
             self.last_error = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
             if self.counts["episode_errors"] >= self.config.max_episode_errors:
                 raise TooManyEpisodeErrors(

@@ -125,6 +125,29 @@ class BrokenOnSecondTurn:
         return "again", 0.5, self.turn >= 3
 
 
+class HangsOnSecondTurn(BrokenOnSecondTurn):
+    async def step(self, action):
+        self.turn += 1
+        if self.turn == 2 and self.fail:
+            await asyncio.sleep(3600)  # a simulator that never answers
+        return "again", 0.5, self.turn >= 3
+
+
+def test_environment_that_hangs_is_cancelled_and_counted(loop):
+    op = make(loop, group_size=2, workflow="test_generate_node:HangsOnSecondTurn", episode_timeout_s=1.0,
+              sampling={"max_new_tokens": 3})
+    try:
+        BrokenOnSecondTurn.instances = 0
+        group = loop.run_until_complete(op.generate({"fail_every": 2}, step=0, sample_id="0:0"))
+        assert len(group.trajectories) == 1
+        m = op.metrics()
+        assert m["generate/episode_timeouts"] == 1 and m["generate/episode_errors"] == 1
+        assert "episode_timeout_s" in op.last_error
+        assert op.engine.stats()["running"] == 0 and op.engine.stats()["waiting"] == 0
+    finally:
+        loop.run_until_complete(op.close())
+
+
 def test_environment_that_raises_mid_episode_is_isolated_and_counted(loop):
     op = make(loop, group_size=4, workflow="test_generate_node:BrokenOnSecondTurn", max_episode_errors=3,
               sampling={"max_new_tokens": 3})
