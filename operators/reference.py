@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
+import asyncio
+from typing import Any, ClassVar
 
+from flowrl.data.trajectory import Group
 from flowrl.operator import TRAJECTORIES, Operator, Resources
 from flowrl_operators.config import ReferenceConfig
 
@@ -16,3 +18,30 @@ class Reference(Operator):
     inputs: ClassVar = {"trajectories": TRAJECTORIES}
     outputs: ClassVar = {"trajectories": TRAJECTORIES}
     resources = Resources(cpus=0.25)
+
+    async def setup(self) -> None:
+        from flowrl_operators.training.trainer import Reference as Frozen
+        from flowrl_operators.training.trainer import TrainerConfig
+
+        config = TrainerConfig(micro_batch_tokens=self.config.micro_batch_tokens, seed=self.context.seed)
+        path = self.config.model or self.context.model["path"]
+        self.model = await asyncio.to_thread(Frozen, path, config)
+        # One forward at a time: records arrive concurrently, the model is shared.
+        self.lock = asyncio.Lock()
+
+    async def process(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        group: Group = inputs["trajectories"]
+        async with self.lock:
+            await asyncio.to_thread(self._score, group)
+        return {"trajectories": group}
+
+    def _score(self, group: Group) -> None:
+        from flowrl_operators.training.batch import pack, response_values
+
+        trajectories = [t for t in group.trajectories if t.response_ids]
+        if not trajectories:
+            return
+        batch = pack(trajectories, require_reward=False)
+        batch.reference_logprobs = self.model.compute_logprobs(batch)
+        for traj, logprobs in zip(trajectories, response_values(batch, "reference_logprobs", trajectories), strict=True):
+            traj.reference_logprobs = logprobs

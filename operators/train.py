@@ -1,11 +1,37 @@
-"""The train node: RL updates of the policy (FSDP2), publishing version v+1."""
+"""The train node: RL updates of the policy (FSDP2), publishing version v+1.
+
+One train step, in the order verl and AReaL use:
+
+    batch = pack(trajectories)                       # rewards placed on tokens
+    proximal logprobs  <- trainer (decoupled PPO / TIS / MIS only)
+    kl penalty in the reward (kl.apply_as: reward)
+    advantages         <- the configured estimator (GAE reads the critic's values)
+    for epoch: forward_backward(batch, policy_loss) then optimizer step
+
+The policy record it publishes is the new weights as buckets of (HF name, tensor) copied after
+the step, so the sync node can ship them while the next step already changes the live weights.
+"""
 
 from __future__ import annotations
 
-from typing import ClassVar
+import asyncio
+from pathlib import Path
+from typing import Any, ClassVar
 
-from flowrl.operator import POLICY, TRAJECTORIES, GraphFacts, Operator, Resources
-from flowrl_operators.config import TrainConfig
+from flowrl.data.trajectory import Group
+from flowrl.operator import POLICY, TRAJECTORIES, GraphFacts, Operator, Resources, TrainResult
+from flowrl_operators.config import OptimConfig, TrainConfig
+
+
+def trainer_config(optim: OptimConfig, micro_batch_tokens: int, max_nonfinite_steps: int, steps: int, seed: int):
+    """The Trainer's config from a node's YAML keys."""
+    from flowrl_operators.training.trainer import TrainerConfig
+
+    return TrainerConfig(
+        lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay, warmup_steps=optim.warmup_steps,
+        schedule=optim.schedule, total_steps=steps, grad_clip=optim.grad_clip,
+        micro_batch_tokens=micro_batch_tokens, max_nonfinite_steps=max_nonfinite_steps, seed=seed,
+    )
 
 
 class Train(Operator):
@@ -28,3 +54,68 @@ class Train(Operator):
                      "loss.decoupled: true or loss.correction: {kind: tis}, or opt out with "
                      "allow_uncorrected_off_policy: true")]
         return []
+
+    async def setup(self) -> None:
+        from flowrl_operators.training.advantages import advantage_config
+        from flowrl_operators.training.losses import check_compatible, loss_config, policy_loss
+        from flowrl_operators.training.trainer import Trainer
+
+        c: TrainConfig = self.config
+        self.loss = loss_config(c.loss)
+        self.advantage = advantage_config(c.advantage)
+        check_compatible(self.loss, self.advantage)
+        self.loss_fn = policy_loss(self.loss)
+        steps = int(self.context.run.get("steps", 1000)) if hasattr(self.context, "run") else 1000
+        config = trainer_config(c.optim, c.micro_batch_tokens, c.max_nonfinite_steps, max(steps, 1), self.context.seed)
+        self.trainer = await asyncio.to_thread(Trainer, self.context.model["path"], config)
+        self.steps_done = 0
+
+    async def train(self, groups: list[Group], *, step: int) -> TrainResult:
+        trajectories = [t for g in groups for t in g.trajectories]
+        if not trajectories:
+            return TrainResult(policy=None, metrics={"trajectories": 0.0})
+        return await asyncio.to_thread(self._train, trajectories)
+
+    def _train(self, trajectories: list) -> TrainResult:
+        from flowrl_operators.training.advantages import compute_advantages
+        from flowrl_operators.training.batch import pack
+        from flowrl_operators.training.losses import apply_kl_penalty, needs_proximal
+
+        supervised = self.loss.kind == "sft"
+        batch = pack(trajectories, require_reward=not supervised)
+        if needs_proximal(self.loss):
+            batch.proximal_logprobs = self.trainer.compute_logprobs(batch)
+        if not supervised:
+            apply_kl_penalty(batch, self.loss)
+            compute_advantages(batch, self.advantage)
+        metrics: dict[str, float] = {}
+        for _ in range(self.config.epochs):
+            metrics = self.trainer.forward_backward(batch, self.loss_fn)
+            metrics |= self.trainer.step()
+        self.steps_done += 1
+        rewards = [t.reward for t in trajectories if t.reward is not None]
+        if rewards:
+            metrics["reward_mean"] = sum(rewards) / len(rewards)
+        metrics["trajectories"] = float(len(trajectories))
+        # Copy now: the next step changes the live parameters while sync ships these.
+        policy = [[(name, tensor.detach().clone()) for name, tensor in bucket]
+                  for bucket in self.trainer.named_weights()]
+        return TrainResult(policy=policy, metrics=metrics)
+
+    def save(self, path: Path) -> None:
+        self.trainer.save(path / "trainer")
+
+    def load(self, path: Path) -> None:
+        self.trainer.load(path / "trainer")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"steps_done": self.steps_done}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.steps_done = state.get("steps_done", 0)
+
+    async def close(self) -> None:
+        trainer = getattr(self, "trainer", None)
+        if trainer is not None and self.steps_done and self.context.run_dir is not None:
+            # The final policy as a Hugging Face directory that from_pretrained loads.
+            await asyncio.to_thread(trainer.export_hf, Path(self.context.run_dir) / "export" / self.context.node)
