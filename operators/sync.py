@@ -13,7 +13,8 @@ class Sync(Operator):
     """Delivers a new policy version to the generate engines in weight buckets.
 
     `sync(policy, version=)` accepts what a train node publishes: a trainer (anything with
-    `named_weights(bucket_bytes)`), a torch module, a state dict, an iterable of buckets, or a weights
+    `named_weights(bucket_bytes)`), a torch module, a state dict, an iterable of buckets, None (the
+    step changed nothing: the version advances with no bytes), or a weights
     record the trainer already sent itself (passed through; that is how a broadcast leaves a Ray train
     actor's rank 0 without the weights travelling through this node). It returns the weights record
     that the generate node hands to `flowrl_operators.transport.apply`.
@@ -42,7 +43,8 @@ class Sync(Operator):
             return policy
         if not hasattr(self, "sender"):
             await self.setup()
-        buckets = weight_buckets(policy, int(self.config.bucket_mb * 2**20))
+        # None: the train step changed nothing (no data); the version still advances, with no bytes.
+        buckets = [] if policy is None else weight_buckets(policy, int(self.config.bucket_mb * 2**20))
         # Gathering and copying block: keep the stage's event loop free.
         return await asyncio.to_thread(self.sender.send, buckets, version)
 

@@ -210,3 +210,55 @@ def test_bad_records_and_configs_say_what_to_change():
         BroadcastSender(receivers=0)
     with pytest.raises(TypeError, match="named_weights"):
         list(weight_buckets(42, 1024))
+
+
+def test_broadcast_group_meets_torch_rendezvous_as_sglang_builds_it():
+    """A receiver built the way SGLang's `init_weights_update_group` builds its group (tcp://
+    rendezvous, a "<group_name>" store prefix, torch's own group construction) joins our sender's
+    group as rank 1 and receives its broadcast."""
+    import threading
+    from datetime import timedelta
+
+    from torch.distributed import distributed_c10d as c10d
+
+    from flowrl_operators.transport.broadcast import broadcast, connect
+
+    sender = BroadcastSender(receivers=1, timeout_s=30)
+    g = sender.group
+    received = {}
+
+    def sglang_side() -> None:
+        timeout = timedelta(seconds=30)
+        store, rank, world = next(c10d.rendezvous(f"tcp://{g.address}:{g.port}", 1, g.world_size, timeout=timeout))
+        group, _ = c10d._new_process_group_helper(world, rank, [], c10d.Backend("gloo"),
+                                                  c10d.PrefixStore(g.group_name, store),
+                                                  group_name=g.group_name, timeout=timeout)
+        c10d._world.pg_group_ranks[group] = {i: i for i in range(world)}
+        tensor = torch.zeros(6)
+        torch.distributed.broadcast(tensor, src=0, group=group)
+        received["tensor"] = tensor
+
+    thread = threading.Thread(target=sglang_side)
+    thread.start()
+    pg = connect(g, 0, sender.store)
+    broadcast(pg, torch.arange(6.0))
+    thread.join(30)
+    assert torch.equal(received["tensor"], torch.arange(6.0))
+
+
+@pytest.mark.parametrize(("transport", "layout"), LOCAL)
+def test_a_step_without_data_advances_the_version_only(transport, layout):
+    async def run():
+        node = Sync(config(transport, layout), OperatorContext(node="publish"))
+        await node.setup()
+        engine = EmbeddedEngine(MODEL, max_slots=2)
+        try:
+            old = engine_weights(engine)
+            metrics = await apply(engine, await node.sync(None, version=3), 3)
+            assert engine.version == 3 and metrics.bytes == 0
+            assert_bitwise(engine, old)
+        finally:
+            await engine.close()
+            await node.close()
+
+    asyncio.run(run())

@@ -4,12 +4,13 @@ The group. Rank 0 is the sender (train rank 0, or the sync node); engines are ra
 `rank_offset + i` (rank_offset 1; one rank per engine here, `tp_size` ranks per SGLang engine).
 Rendezvous: the sender hosts a TCP store at (address, port) when it is built (port 0 picks a free
 port); the weights record names it, and each receiver connects to it on its first record. Both ends
-build the backend (gloo on CPU, NCCL on GPU) over the store prefixed "<group_name>/<device>/",
-which is what `init_process_group(init_method="tcp://...")` and SGLang's
+build the backend (gloo on CPU, NCCL on GPU) over the store keys that SGLang's
 `init_weights_update_group(master_address, master_port, rank_offset, world_size, group_name,
-backend)` do, so an SGLang server can join the same group as ranks rank_offset... The backend is
-created directly (not as torch's default group), so a trainer that already has its FSDP group can
-host it too. Building it returns once all `world_size` ranks have joined; the group then lives on
+backend)` uses (a tcp:// rendezvous, then torch's group construction under a "<group_name>"
+prefix; tests/test_transport.py checks the two meet), so an SGLang server can join the same group
+as ranks rank_offset... The backend is created directly, not registered in torch's global group
+table, so a trainer that already has its FSDP group can host it, and sender and receiver can share
+a process (the in-process executor). Building it returns once all `world_size` ranks have joined; the group then lives on
 for every later version.
 
 The wire, per version: for each bucket a header (int64: kind, metadata length, data length,
@@ -81,8 +82,11 @@ def connect(group: BroadcastGroup, rank: int, store: dist.Store | None = None):
     if store is None:
         store = dist.TCPStore(group.address, group.port, group.world_size, is_master=False, timeout=timeout,
                               multi_tenant=True)
+    # The key layout of torch's group construction under SGLang's `init_custom_process_group`:
+    # "<name>" then "<name>/" then "<device>/" (one gloo backend, on "cpu/"; NCCL on "cuda/").
     device = "cuda" if group.backend == "nccl" else "cpu"
-    prefixed = dist.PrefixStore(f"{device}/", dist.PrefixStore(f"{group.group_name}/", store))
+    name = group.group_name
+    prefixed = dist.PrefixStore(f"{device}/", dist.PrefixStore(f"{name}/", dist.PrefixStore(name, store)))
     if group.backend == "gloo":
         return dist.ProcessGroupGloo(prefixed, rank, group.world_size, timeout)
     if group.backend == "nccl":
