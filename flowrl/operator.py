@@ -54,12 +54,39 @@ class GraphFacts(msgspec.Struct, frozen=True):
     partial_rollout_upstream: bool = False  # an upstream generate node continues across updates
 
 
+class TrainResult(msgspec.Struct, kw_only=True):
+    """What a train step returns: the new policy record (opaque; sent on the `policy` port) and
+    numbers for metrics.jsonl."""
+
+    policy: Any
+    metrics: dict[str, float] = {}
+
+
 class Operator:
     """Base class of every operator. Subclasses set the class attributes below.
 
     `process` is the transform shape (reward, reference, filters): it takes a dict of input port
     name to value and returns a dict of output port name to value. Long-running node kinds
     (generate, train, sync) implement the methods the runtime documents for their kind.
+
+    What the runtime calls, per kind (flowrl/runtime/stage.py is the caller):
+    - generate: `generate(sample, step=, sample_id=)` once per sample, many concurrently (up to
+      the config's `max_concurrency`); `update_weights(weights, version)` when a newer weights
+      record arrives, after the in-flight `generate` calls have returned; with config
+      `partial_rollout: true` instead `pause()`, `update_weights(...)`, `resume()` while they are
+      still in flight (they continue under the new weights).
+    - reward, reference, transform: `process({port: value}) -> {port: value}` once per record
+      (a Group), concurrently up to config `concurrency` (default 16). A port missing from the
+      result, or None, filters the record out on that port.
+    - train: `train(groups, step=)` once per step, one at a time, with the step's groups (up to
+      `data.batch_size`; fewer, even none, if some were rejected, filtered or dropped as stale);
+      returns a TrainResult. The runtime publishes policy version step + 1 with its `policy`.
+    - sync: `sync(policy, version=)` per policy record, returns the weights record that the
+      `kind: weights` edge delivers to generate's `update_weights`. Both records are opaque to
+      the runtime (a weight-transport handle, for example); under Ray they must pickle.
+    Checkpoints call `state_dict()` (pickled; keep it small) and `save(path)`, a directory of the
+    operator's own, for heavy state such as a sharded model; resume calls `load(path)`, then
+    `load_state_dict(state)`, after `setup()`.
     """
 
     kind: ClassVar[str] = "transform"
@@ -83,6 +110,38 @@ class Operator:
 
     async def process(self, inputs: dict[str, Any]) -> dict[str, Any]:
         raise NotImplementedError(f"{type(self).__name__} does not implement process()")
+
+    # -- generate kind ------------------------------------------------------------------------
+    async def generate(self, sample: dict[str, Any], *, step: int, sample_id: str) -> Any:
+        """One sample -> a `Group` (stamped with the policy version it was generated with), or None
+        to reject the sample."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement generate()")
+
+    async def update_weights(self, weights: Any, version: int) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not implement update_weights()")
+
+    async def pause(self) -> None:
+        """Partial rollout: stop between decode steps, keeping in-flight requests."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement pause() (needed by partial_rollout)")
+
+    async def resume(self) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not implement resume() (needed by partial_rollout)")
+
+    # -- train kind ---------------------------------------------------------------------------
+    async def train(self, groups: list[Any], *, step: int) -> TrainResult:
+        raise NotImplementedError(f"{type(self).__name__} does not implement train()")
+
+    # -- sync kind ----------------------------------------------------------------------------
+    async def sync(self, policy: Any, *, version: int) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} does not implement sync()")
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def save(self, path: Path) -> None:
+        """Write heavy state into the directory `path` (it exists)."""
+        del path
+
+    def load(self, path: Path) -> None:
+        del path
 
     def state_dict(self) -> dict[str, Any]:
         return {}

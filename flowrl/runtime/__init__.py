@@ -1,0 +1,57 @@
+"""The runtime: a compiled `Plan` runs as stages joined by channels.
+
+    from flowrl.runtime import run
+    result = run(plan, run_dir, executor="inprocess" | "ray", resume=False, progress=True, max_steps=None)
+
+Pieces (each file is short; read them in this order):
+- channel.py      Record (the envelope around an operator's value), Work, Channel (one edge's queue)
+- coordinator.py  channels, version clock, admission control, staleness, ledger; the rules are in
+                  its docstring
+- stage.py        one replica of one node: take work, call the operator, complete it (both executors)
+- inprocess.py    every stage an asyncio task in this process (debugging, tests)
+- ray_executor.py every stage replica a Ray actor, the coordinator an async actor
+- run.py          run(): run directory, checkpoint and resume, SIGINT, max_seconds
+- observe.py      trace.json, metrics.jsonl, TensorBoard;  progress.py  the live view
+- ledger.py       ledger.jsonl and check(run_dir)
+
+Operators implement the methods of their kind, documented on `flowrl.operator.Operator`.
+
+Run keys read from `plan.run`: `steps` (train steps, default 10), `executor` (inprocess | ray),
+`seed` (also `plan.seed`, handed to the data source and operators), `max_seconds` (stop with a
+checkpoint after this long), `max_restarts` (restarts of a dead generate actor under Ray,
+default 3). `data`: `source`, `batch_size`, `options` (see flowrl/data/source.py). Node config
+keys the runtime reads, when the operator's Config has them: `max_concurrency` (generate,
+default 64), `concurrency` (other transforms, default 16), `partial_rollout` (generate).
+`checkpoint_every` is not implemented yet: checkpoints are written at the end and on interrupt.
+
+Run directory layout (all written by the coordinator or by run()):
+
+    plan.json          the Plan (msgspec JSON); `load_plan(run_dir)` reads it for `--resume`
+    meta.json          {"name", "origin" (epoch seconds; trace timestamps count from it),
+                        "executor", "steps", "format": 1}
+    ledger.jsonl       one event per line, see ledger.py; `ledger.check(run_dir)` verifies it
+    trace.json         Chrome trace-event JSON, see observe.py (rewritten at the end/interrupt)
+    metrics.jsonl      one object per train step:
+                         step, version (published), node, time (s since origin), step_seconds,
+                         groups, samples_per_s, trajectories_per_s, reward (mean trajectory
+                         reward, or null), queues {edge label: records waiting},
+                         staleness {lag: count} (lag = train version - record version),
+                         dropped (this step), dropped_total, stale_kept_total, rejected_total,
+                         filtered_total, idle {node: fraction of the step's wall time it was idle},
+                         train {the train operator's metrics}
+    tensorboard/       the same numbers as TensorBoard scalars; staleness as a histogram
+    checkpoints/latest names the newest checkpoints/step-<version>/, which holds
+                       coordinator.pkl (channels with their waiting records, versions, sample
+                       cursor, samples to re-issue) and <node>/r<replica>/ (state.pkl with the
+                       operator's state_dict and loaded version, plus whatever Operator.save wrote)
+    train-*.jsonl, ... files operators write themselves (`OperatorContext.run_dir`)
+
+Edge labels are `EdgePlan.label` ("src.port -> dst.port"); samples are on "data -> <node>".
+Record ids: "<step>:<index>" for everything derived from sample <index> of <step> (one group per
+sample), "v<n>" for policy and weights records of version n.
+"""
+
+from flowrl.runtime.ledger import LedgerReport, check
+from flowrl.runtime.run import RunResult, StageFailed, latest_checkpoint, load_plan, run
+
+__all__ = ["LedgerReport", "RunResult", "StageFailed", "check", "latest_checkpoint", "load_plan", "run"]

@@ -1,0 +1,493 @@
+"""The coordinator: channels, version clock, admission control and the ledger, in one place.
+
+Stages never talk to each other; they call the coordinator's four stage-facing methods
+(`attach`, `take`, `complete`, `loaded`, plus `report` for trace events). In-process the
+stages call the object directly; under Ray it is an async actor and the stages call it through
+`RemoteCoordinator`, so the stage code is the same in both executors.
+
+Rules (see also flowrl/runtime/__init__.py):
+- Version clock: a train node at version v runs step v and publishes version v+1 with its
+  policy record. The clock is the lowest version of all train nodes.
+- Admission control: a generate replica starts (is handed samples of) step i only while
+  i <= v + budget, with v = min(the policy version it has loaded, the clock) (the clock alone
+  for a generate node without a weights input). `budget` is the smallest, over the data paths
+  from the generate node to a train node, of the sum of `max_staleness` of the path's async
+  edges (sync edges add 0). A generate node that reaches no train node is not limited.
+- Staleness: a consumer at version v (a train node's own version; the clock for other stages)
+  that takes a record from an async edge with version < v - limit (`Channel.limit`) applies the
+  edge's `on_stale`: `drop` (ledger `drop`, counted) or `keep` (delivered, counted).
+- Train steps: over a sync edge, step t takes exactly the records of step t, once the producer
+  has finished step t (sorted by id, so the batch is deterministic). Over an async edge, step t
+  takes the first `batch_size` fresh records in arrival order; if fewer can still come (the
+  producer has finished every step it may start before this step ends) it takes a short batch,
+  possibly empty.
+- A stage finishes step s when its inputs have finished step s and it holds no record of s;
+  a generate stage when every sample of s has been completed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+import time
+from typing import Any
+
+import networkx as nx
+
+from flowrl.data.source import batch_size, load_source
+from flowrl.graph.plan import EdgePlan, Plan
+from flowrl.runtime.channel import Channel, Record, Work
+from flowrl.runtime.ledger import Ledger
+from flowrl.runtime.observe import Observer
+
+
+def admission_budgets(plan: Plan) -> tuple[dict[str, int | None], dict[str, int | None]]:
+    """(budget per generate node, staleness limit per data edge label)."""
+    data = [e for e in plan.edges if e.kind == "data"]
+    graph = nx.DiGraph()
+    graph.add_nodes_from(plan.nodes)
+    for e in data:
+        k = e.max_staleness if e.mode == "async" else 0
+        # Parallel edges between two nodes: the tighter one bounds admission.
+        if not graph.has_edge(e.src, e.dst) or graph[e.src][e.dst]["k"] > k:
+            graph.add_edge(e.src, e.dst, k=k)
+    gens = [n for n, p in plan.nodes.items() if p.kind == "generate"]
+    trains = [n for n, p in plan.nodes.items() if p.kind == "train"]
+    budgets: dict[str, int | None] = {}
+    for g in gens:
+        lengths = nx.single_source_dijkstra_path_length(graph, g, weight="k")
+        reach = [lengths[t] for t in trains if t in lengths]
+        budgets[g] = min(reach) if reach else None
+    # Longest staleness sum from any generate node up to each node (a DAG, so one pass).
+    longest = {n: 0 for n in plan.nodes}
+    for n in nx.topological_sort(graph):
+        for e in data:
+            if e.src == n:
+                k = e.max_staleness if e.mode == "async" else 0
+                longest[e.dst] = max(longest[e.dst], longest[n] + k)
+    limits = {e.label: (longest[e.src] + e.max_staleness if e.mode == "async" else None) for e in data}
+    return budgets, limits
+
+
+class Coordinator:
+    def __init__(self, plan: Plan, run_dir: str | None, steps: int, stop_at: int | None = None,
+                 origin: float | None = None, state: bytes | None = None) -> None:
+        from pathlib import Path
+
+        self.plan = plan
+        self.steps = steps
+        self.stop_at = stop_at if stop_at is not None else steps
+        self.batch_size = batch_size(plan.data)
+        self.source = load_source(plan.data, plan.seed) if any(
+            n.kind == "generate" for n in plan.nodes.values()) else None
+        self.run_dir = Path(run_dir) if run_dir else None
+        self.origin = origin or time.time()
+        self.budget, limits = admission_budgets(plan)
+        self.ins = {n: [e for e in plan.edges if e.dst == n and e.kind == "data"] for n in plan.nodes}
+        self.outs = {n: [e for e in plan.edges if e.src == n] for n in plan.nodes}
+        self.weights_in = {n: next((e for e in plan.edges if e.dst == n and e.kind == "weights"), None)
+                           for n in plan.nodes}
+        self.channels = {e.label: Channel(e, limits[e.label]) for e in plan.edges if e.kind == "data"}
+        self.trains = [n for n, p in plan.nodes.items() if p.kind == "train"]
+        for t in self.trains:
+            if len(self.ins[t]) != 1:
+                raise ValueError(f"train node '{t}' needs exactly one data input edge, has {len(self.ins[t])}")
+        # How many steps ahead of a train node its producers may run (see _take_batch).
+        graph = nx.DiGraph([(e.src, e.dst) for e in plan.edges if e.kind == "data"])
+        self.horizon = {t: max((b for g, b in self.budget.items() if b is not None and g in graph
+                                and nx.has_path(graph, g, t)), default=0) for t in self.trains}
+        # State that a checkpoint keeps (see snapshot()).
+        self.versions = {t: 0 for t in self.trains}
+        self.latest_weights: dict[str, Record] = {}
+        self.cursor = {n: [0, 0] for n, p in plan.nodes.items() if p.kind == "generate"}
+        self.reissue: dict[str, list[Work]] = {n: [] for n in self.cursor}
+        self.ended: dict[str, set[int]] = {n: set() for n in plan.nodes}
+        self.counters = {"dropped": 0, "stale_kept": 0, "rejected": 0, "filtered": 0}
+        # Transient state.
+        self.held: dict[str, dict[str, tuple[int, Work]]] = {n: {} for n in plan.nodes}
+        self.buffers: dict[str, list[Record]] = {t: [] for t in self.trains}
+        self.loaded: dict[tuple[str, int], int] = {}
+        self.stopping: str | None = None  # done | interrupt | error
+        self.error: str | None = None
+        self._event: asyncio.Event | None = None
+        self.ledger = Ledger(self.run_dir / "ledger.jsonl" if self.run_dir else None)
+        self.observe = Observer(plan, self.run_dir, self.origin)
+        if state is not None:
+            self._restore(state)
+        self._check_done()
+
+    # ---- stage-facing API -------------------------------------------------------------------
+
+    async def attach(self, node: str, replica: int, version: int) -> None:
+        """A stage (re)starts: work its previous incarnation held is handed out again."""
+        self._release(node, replica)
+        if self.plan.nodes[node].kind == "generate":
+            self.loaded[(node, replica)] = version
+        self._notify()
+
+    async def take(self, node: str, replica: int) -> Work | None:
+        """The next unit of work for a stage; waits for one. None: the run is stopping."""
+        while True:
+            if self.stopping:
+                return None
+            work = self._try_take(node, replica)
+            if work is not None:
+                self._notify()  # it made room in a channel
+                return work
+            await self._wait()
+
+    async def complete(self, node: str, replica: int, work_id: str, outputs: dict[str, Any],
+                       version: int | None = None, metrics: dict[str, Any] | None = None,
+                       busy: float = 0.0) -> bool:
+        """A stage finished a unit of work: consume its inputs and emit its outputs, atomically.
+
+        Waits while an async output channel is full. False if the work no longer counts (the
+        run is stopping, or the work was handed to another replica meanwhile).
+        """
+        self.observe.busy[(node, replica)] = busy
+        while any(self.channels[e.label].full for e in self.outs[node]
+                  if e.kind == "data" and outputs.get(e.src_port) is not None):
+            if self.stopping or work_id not in self.held[node]:
+                return False
+            await self._wait()
+        if self.stopping == "error" or work_id not in self.held[node]:
+            return False
+        _, work = self.held[node].pop(work_id)
+        self._complete(node, work, outputs, version, metrics or {})
+        self._notify()
+        return True
+
+    async def loaded_weights(self, node: str, replica: int, version: int) -> None:
+        """A generate replica applied weights of `version`."""
+        self.loaded[(node, replica)] = version
+        edge = self.weights_in[node]
+        self.ledger.write("consume", edge.label if edge else node, f"v{version}@{replica}", version,
+                          version, weights=True)
+        self.observe.instant(node, replica, f"weights v{version}")
+        self._notify()
+
+    async def report(self, node: str, replica: int, events: list[dict[str, Any]], busy: float) -> None:
+        self.observe.busy[(node, replica)] = busy
+        self.observe.events.extend(events)
+
+    async def fail(self, node: str, replica: int, message: str) -> None:
+        if self.error is None:
+            self.error = f"node '{node}' (replica {replica}) failed:\n{message}"
+        self.stop("error")
+
+    # ---- driver-facing API ------------------------------------------------------------------
+
+    def stop(self, reason: str) -> None:
+        """reason: done | interrupt | error. An error overrides; otherwise the first reason holds."""
+        if self.stopping is None or reason == "error":
+            self.stopping = reason
+        self._notify()
+
+    async def wait_stopping(self) -> str:
+        while not self.stopping:
+            await self._wait()
+        return self.stopping
+
+    async def status(self) -> dict[str, Any]:
+        return {
+            "versions": dict(self.versions), "steps": self.steps, "stopping": self.stopping,
+            "error": self.error, "queues": {k: len(c) for k, c in self.channels.items()},
+            "last": self.observe.last_row, "counters": dict(self.counters),
+        }
+
+    async def snapshot(self) -> bytes:
+        """Everything needed to resume, taken after the stages have stopped: held work is handed
+        back to its channel or re-issue list first, so records waiting anywhere survive."""
+        for node in self.plan.nodes:
+            for replica in {r for r, _ in self.held[node].values()}:
+                self._release(node, replica)
+        for t in self.trains:
+            self._return_buffer(t)
+        self.flush()
+        return pickle.dumps({
+            "channels": {k: (list(c.records.values()), c.ended) for k, c in self.channels.items()},
+            "versions": self.versions, "latest_weights": self.latest_weights, "cursor": self.cursor,
+            "reissue": self.reissue, "ended": self.ended, "counters": self.counters,
+            "observe": self.observe.state(),
+        })
+
+    async def finish(self) -> dict[str, Any]:
+        """Close the ledger of a finished run: what is left anywhere is recorded as pending."""
+        for name, ch in self.channels.items():
+            for r in list(ch.records.values()):
+                self.ledger.write("pending", name, r.id, r.step, r.version)
+        for t in self.trains:
+            for r in self.buffers[t]:
+                self.ledger.write("pending", self.ins[t][0].label, r.id, r.step, r.version)
+        for node, held in self.held.items():
+            for _, work in held.values():
+                self._write_pending(node, work)
+        for node, works in self.reissue.items():
+            for work in works:
+                self._write_pending(node, work)
+        self.ledger.write("end", "", "", 0, 0)
+        self.flush()
+        self.observe.close()
+        return {"versions": dict(self.versions), "counters": dict(self.counters)}
+
+    def flush(self) -> None:
+        self.ledger.flush()
+        self.observe.flush()
+
+    def close(self) -> None:
+        """Write everything out without closing the ledger (an interrupted run resumes later)."""
+        self.ledger.flush()
+        self.observe.close()
+
+    # ---- internals --------------------------------------------------------------------------
+
+    async def _wait(self) -> None:
+        """Wait until the state changes (every waiter re-checks its own condition)."""
+        if self._event is None:
+            self._event = asyncio.Event()
+        await self._event.wait()
+
+    def _notify(self) -> None:
+        if self._event is not None:
+            self._event.set()
+            self._event = None
+
+    @property
+    def clock(self) -> int:
+        return min(self.versions.values()) if self.versions else 0
+
+    def _try_take(self, node: str, replica: int) -> Work | None:
+        kind = self.plan.nodes[node].kind
+        if kind == "generate":
+            return self._take_sample(node, replica)
+        if kind == "train":
+            return self._take_batch(node, replica)
+        if kind == "sync":
+            ch = self.channels[self.ins[node][0].label]
+            if not ch.records:
+                return None
+            record = ch.pop(next(iter(ch.records)))
+            return self._hold(node, replica, Work(record.id, "policy", record.step, record.version,
+                                                  record.value, {ch.edge.label: [record]}))
+        return self._take_record(node, replica)
+
+    def _hold(self, node: str, replica: int, work: Work) -> Work:
+        self.held[node][work.id] = (replica, work)
+        return work
+
+    def _take_sample(self, node: str, replica: int) -> Work | None:
+        edge = self.weights_in[node]
+        have = self.loaded.get((node, replica), 0)
+        if edge is not None and edge.label in self.latest_weights:
+            latest = self.latest_weights[edge.label]
+            if latest.version > have:
+                return Work(latest.id, "weights", latest.step, latest.version, latest.value)
+        version = min(have, self.clock) if edge is not None else self.clock
+        if self.reissue[node]:
+            work = self.reissue[node].pop(0)
+            work.version = version
+            self.ledger.write("reissue", f"data -> {node}", work.id, work.step, version, replica=replica)
+            return self._hold(node, replica, work)
+        step, index = self.cursor[node]
+        budget = self.budget[node]
+        if step >= self.steps or (budget is not None and step > version + budget):
+            return None
+        sample = self.source.sample(step, index)
+        self.cursor[node] = [step, index + 1] if index + 1 < self.batch_size else [step + 1, 0]
+        work = Work(f"{step}:{index}", "sample", step, version, sample)
+        self.ledger.write("issue", f"data -> {node}", work.id, step, version, admitted_version=version,
+                          budget=budget, replica=replica)
+        return self._hold(node, replica, work)
+
+    def _take_batch(self, node: str, replica: int) -> Work | None:
+        t = self.versions[node]
+        if t >= self.steps or self.held[node]:
+            return None
+        ch = self.channels[self.ins[node][0].label]
+        if ch.edge.mode == "sync":
+            if t not in ch.ended:
+                return None
+            records = [ch.pop(r.id) for r in ch.of_step(t)]
+        else:
+            buffer = self.buffers[node]
+            for rid in list(ch.records):
+                if len(buffer) >= self.batch_size:
+                    break
+                record = ch.pop(rid)
+                self._notify()  # room in the channel for a waiting producer
+                if self._deliverable(ch, record, t):
+                    buffer.append(record)
+            horizon = min(self.steps - 1, t + self.horizon[node])
+            if len(buffer) < self.batch_size and not all(s in ch.ended for s in range(horizon + 1)):
+                return None
+            records, self.buffers[node] = buffer, []
+        work = Work(f"v{t + 1}", "batch", t, t, [{ch.edge.dst_port: r.value} for r in records],
+                    {ch.edge.label: records}, at=t, lags=[t - r.version for r in records])
+        return self._hold(node, replica, work)
+
+    def _take_record(self, node: str, replica: int) -> Work | None:
+        edges = self.ins[node]
+        channels = [self.channels[e.label] for e in edges]
+        first = channels[0]
+        for rid in list(first.records):
+            # Group integrity across a join: take a record only when every input has its copy.
+            if rid not in first.records or not all(rid in c.records for c in channels[1:]):
+                continue
+            records = [c.pop(rid) for c in channels]
+            fresh = [self._deliverable(c, r, self.clock) for c, r in zip(channels, records, strict=True)]
+            if not all(fresh):
+                for c, r, ok in zip(channels, records, fresh, strict=True):
+                    if ok:
+                        self._drop(c, r, "unjoined")
+                continue
+            work = Work(rid, "record", records[0].step, min(r.version for r in records),
+                        {e.dst_port: r.value for e, r in zip(edges, records, strict=True)},
+                        {e.label: [r] for e, r in zip(edges, records, strict=True)}, at=self.clock)
+            return self._hold(node, replica, work)
+        return None
+
+    def _deliverable(self, ch: Channel, record: Record, version: int) -> bool:
+        """True if the record may be delivered: fresh, or stale on an `on_stale: keep` edge."""
+        if not ch.stale(record, version):
+            return True
+        if ch.edge.on_stale == "keep":
+            self.counters["stale_kept"] += 1
+            return True
+        self._drop(ch, record, "stale", consumer_version=version)
+        return False
+
+    def _drop(self, ch: Channel, record: Record, reason: str, **extra: Any) -> None:
+        self.counters["dropped"] += 1
+        self.observe.dropped += 1
+        self.ledger.write("drop", ch.edge.label, record.id, record.step, record.version, reason=reason, **extra)
+
+    def _complete(self, node: str, work: Work, outputs: dict[str, Any], version: int | None,
+                  metrics: dict[str, Any]) -> None:
+        kind = self.plan.nodes[node].kind
+        for label, records in work.records.items():
+            for r in records:
+                self.ledger.write("consume", label, r.id, r.step, r.version, consumer=node,
+                                  consumer_version=work.at)
+        if work.kind == "sample":
+            self.ledger.write("consume", f"data -> {node}", work.id, work.step, work.version)
+        if kind == "train":
+            out_version = work.step + 1
+            self.versions[node] = out_version
+            self.observe.train_step(node, work.step, out_version, work, metrics, self._queues(), self.counters)
+            self.observe.instant(node, 0, f"publish v{out_version}")
+            if out_version >= self.stop_at and out_version < self.steps:
+                self.stop("interrupt")
+        else:
+            out_version = version if version is not None and work.kind == "sample" else work.version
+        record_id = f"v{out_version}" if kind in ("train", "sync") else work.id
+        for port, value in outputs.items():
+            edges = [e for e in self.outs[node] if e.src_port == port]
+            if value is None:
+                self.counters["rejected" if kind == "generate" else "filtered"] += 1
+                continue
+            for edge in edges:
+                record = Record(record_id, work.step, out_version, value)
+                self._emit(edge, record)
+        if kind == "train":
+            self._end(node, work.step)
+        self._advance(node)
+        self._check_done()
+
+    def _emit(self, edge: EdgePlan, record: Record) -> None:
+        weights = edge.kind == "weights"
+        self.ledger.write("produce", edge.label, record.id, record.step, record.version,
+                          **({"weights": True} if weights else {}))
+        if weights:
+            self.latest_weights[edge.label] = record
+        else:
+            self.channels[edge.label].put(record)
+
+    def _end(self, node: str, step: int) -> None:
+        self.ended[node].add(step)
+        for edge in self.outs[node]:
+            if edge.kind == "data":
+                self.channels[edge.label].ended.add(step)
+                self._advance(edge.dst)
+
+    def _advance(self, node: str) -> None:
+        """End every step the node has finished (see the module docstring)."""
+        kind = self.plan.nodes[node].kind
+        if kind in ("train", "sync"):  # train ends a step when it completes it; sync feeds no data edge
+            return
+        if kind == "generate":
+            busy = {w.step for _, w in self.held[node].values()} | {w.step for w in self.reissue[node]}
+            for s in sorted(set(range(self.cursor[node][0])) - self.ended[node] - busy):
+                self._end(node, s)
+            return
+        channels = [self.channels[e.label] for e in self.ins[node]]
+        for s in sorted(set.intersection(*(c.ended for c in channels)) - self.ended[node]):
+            if self._holds_step(node, s):
+                continue
+            if any(c.has_step(s) for c in channels):
+                copies = [{r.id for r in c.of_step(s)} for c in channels]
+                if set.intersection(*copies):
+                    continue  # joinable records of s still wait to be taken
+                for c in channels:  # a join partner was filtered or dropped upstream
+                    for r in c.of_step(s):
+                        self._drop(c, c.pop(r.id), "unjoined")
+            self._end(node, s)
+
+    def _holds_step(self, node: str, step: int) -> bool:
+        return any(w.step == step for _, w in self.held[node].values())
+
+    def _check_done(self) -> None:
+        if self.trains:
+            done = all(v >= self.steps for v in self.versions.values())
+        else:
+            sinks = [n for n in self.plan.nodes if not any(e.kind == "data" for e in self.outs[n])]
+            done = all(len(self.ended[n]) >= self.steps for n in sinks)
+        if done and not self.stopping:
+            self.stop("done")
+
+    def _queues(self) -> dict[str, int]:
+        return {k: len(c) for k, c in self.channels.items()}
+
+    def _release(self, node: str, replica: int) -> None:
+        """Hand back the work a replica held (it died, or the run is being checkpointed)."""
+        for wid, (r, work) in list(self.held[node].items()):
+            if r != replica:
+                continue
+            del self.held[node][wid]
+            if work.kind == "sample":
+                self.reissue[node].append(work)
+            else:
+                for label, records in work.records.items():
+                    for record in reversed(records):
+                        self.channels[label].put(record, front=True)
+        if self.plan.nodes[node].kind == "train":
+            self._return_buffer(node)
+
+    def _return_buffer(self, node: str) -> None:
+        label = self.ins[node][0].label
+        for record in reversed(self.buffers[node]):
+            self.channels[label].put(record, front=True)
+        self.buffers[node] = []
+
+    def _write_pending(self, node: str, work: Work) -> None:
+        if work.kind == "sample":
+            self.ledger.write("pending", f"data -> {node}", work.id, work.step, work.version)
+        for label, records in work.records.items():
+            for r in records:
+                self.ledger.write("pending", label, r.id, r.step, r.version)
+
+    def _restore(self, blob: bytes) -> None:
+        state = pickle.loads(blob)
+        for label, (records, ended) in state["channels"].items():
+            ch = self.channels[label]
+            for r in records:
+                ch.put(r)
+            ch.ended = ended
+        self.versions = state["versions"]
+        self.latest_weights = state["latest_weights"]
+        self.cursor = state["cursor"]
+        self.reissue = state["reissue"]
+        self.ended = state["ended"]
+        self.counters = state["counters"]
+        self.observe.restore(state["observe"])
+        self.ledger.write("resume", "", "", min(self.versions.values(), default=0), self.clock)
+

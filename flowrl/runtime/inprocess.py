@@ -1,0 +1,74 @@
+"""The in-process executor: every stage is an asyncio task in the caller's process.
+
+For debugging (one process, breakpoints work) and fast tests. Operators that do blocking CPU
+work should hand it to a thread (`asyncio.to_thread`) so the other stages keep running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from pathlib import Path
+from typing import Any
+
+from flowrl.graph.plan import Plan
+from flowrl.runtime.coordinator import Coordinator
+from flowrl.runtime.stage import Stage
+
+
+class InProcessExecutor:
+    def __init__(self, plan: Plan, run_dir: Path | None, origin: float) -> None:
+        self.plan = plan
+        self.run_dir = run_dir
+        self.origin = origin
+        self.coord: Coordinator | None = None
+        self.stages: list[Stage] = []
+        self.tasks: dict[asyncio.Task, Stage] = {}
+
+    async def start(self, steps: int, stop_at: int | None, state: bytes | None, checkpoint: Path | None) -> None:
+        self.coord = Coordinator(self.plan, str(self.run_dir) if self.run_dir else None, steps, stop_at,
+                                 self.origin, state)
+        run_dir = str(self.run_dir) if self.run_dir else None
+        for name in self.plan.order + [n for n in self.plan.nodes if n not in self.plan.order]:
+            for replica in range(self.plan.nodes[name].resources.replicas):
+                stage = Stage(self.plan, name, replica, self.coord, run_dir, self.origin)
+                await stage.start(str(checkpoint / name / f"r{replica}") if checkpoint else None)
+                self.stages.append(stage)
+        self.tasks = {asyncio.get_running_loop().create_task(s.run()): s for s in self.stages}
+
+    async def call(self, method: str, *args: Any) -> Any:
+        result = getattr(self.coord, method)(*args)
+        return await result if inspect.isawaitable(result) else result
+
+    async def wait(self) -> str:
+        """Until the coordinator stops (done, interrupt, error) or a stage ends on its own."""
+        stopping = asyncio.get_running_loop().create_task(self.coord.wait_stopping())
+        await asyncio.wait([stopping, *self.tasks], return_when=asyncio.FIRST_COMPLETED)
+        if not stopping.done():
+            stopping.cancel()
+            self.coord.stop("error")
+        return self.coord.stopping
+
+    async def join(self, timeout: float) -> list[tuple[str, str]]:
+        """Let the stages return; cancel those that do not in time. Returns (node, traceback) failures."""
+        done, pending = await asyncio.wait(self.tasks, timeout=timeout)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        failures = []
+        for task in done:
+            error = task.exception() or task.result()
+            if error:
+                failures.append((self.tasks[task].node.name, str(error)))
+        return failures
+
+    async def save(self, directory: Path) -> None:
+        for stage in self.stages:
+            stage.save(str(directory / stage.node.name / f"r{stage.replica}"))
+
+    async def shutdown(self) -> None:
+        for stage in self.stages:
+            try:
+                await stage.close()
+            except Exception:  # closing is best effort; the run's own error matters more
+                pass

@@ -1,0 +1,142 @@
+"""Trace and metrics: where time went, per stage and per step.
+
+`trace.json` is Chrome trace-event JSON (`{"traceEvents": [...]}`, opens in Perfetto and
+chrome://tracing). One process row (`pid`) per node, named by a metadata event; `tid` is
+`replica * 100` for the stage's own loop (waits, weight updates, train steps) and
+`replica * 100 + slot` (slot >= 1) for work running concurrently on that replica. Events:
+`ph: "X"` spans named `wait` (blocked on input or admission), `generate` / `process` / `train` /
+`sync` (operator calls; args hold the record id, step and version), `drain` (a generate stage
+finishing in-flight work before a weight update), `update_weights`, and `step` (one train step,
+start to publish); `ph: "i"` instants `publish v<n>` and `weights v<n>`. Timestamps are microseconds since the run's origin (`meta.json`).
+
+`metrics.jsonl` has one JSON object per train step (see flowrl/runtime/__init__.py for the keys);
+the same numbers go to TensorBoard under `tensorboard/`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from flowrl.graph.plan import Plan
+
+
+def span(pid: int, tid: int, name: str, start: float, end: float, origin: float, **args: Any) -> dict[str, Any]:
+    return {"name": name, "ph": "X", "ts": round((start - origin) * 1e6, 1),
+            "dur": round(max(end - start, 0.0) * 1e6, 1), "pid": pid, "tid": tid, "args": args}
+
+
+def node_pids(plan: Plan) -> dict[str, int]:
+    order = list(plan.order) + [n for n in plan.nodes if n not in plan.order]
+    return {n: i + 1 for i, n in enumerate(order)}
+
+
+class Observer:
+    def __init__(self, plan: Plan, run_dir: Path | None, origin: float) -> None:
+        self.plan = plan
+        self.run_dir = run_dir
+        self.origin = origin
+        self.pids = node_pids(plan)
+        self.events: list[dict[str, Any]] = [
+            {"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": node}}
+            for node, pid in self.pids.items()
+        ]
+        self.busy: dict[tuple[str, int], float] = {}
+        self.dropped = 0
+        self.last_row: dict[str, Any] | None = None
+        self.rows: list[dict[str, Any]] = []
+        self._mark = {"time": time.time(), "busy": {}, "dropped": 0}
+        self._tb: Any = None
+
+    def instant(self, node: str, replica: int, name: str) -> None:
+        self.events.append({"name": name, "ph": "i", "s": "p", "ts": round((time.time() - self.origin) * 1e6, 1),
+                            "pid": self.pids[node], "tid": replica * 100})
+
+    def train_step(self, node: str, step: int, version: int, work: Any, metrics: dict[str, Any],
+                   queues: dict[str, int], counters: dict[str, int]) -> None:
+        now = time.time()
+        dt = max(now - self._mark["time"], 1e-9)
+        values = [v for item in work.value for v in item.values()]
+        trajectories = [t for v in values for t in getattr(v, "trajectories", [])]
+        rewards = [t.reward for t in trajectories if getattr(t, "reward", None) is not None]
+        lags = work.lags
+        staleness: dict[str, int] = {}
+        for lag in lags:
+            staleness[str(lag)] = staleness.get(str(lag), 0) + 1
+        idle = {}
+        for n, plan in self.plan.nodes.items():
+            keys = [k for k in self.busy if k[0] == n]
+            busy = sum(self.busy[k] - self._mark["busy"].get(k, 0.0) for k in keys)
+            idle[n] = round(min(1.0, max(0.0, 1.0 - busy / (dt * max(1, plan.resources.replicas)))), 4)
+        row = {
+            "step": step, "version": version, "node": node, "time": round(now - self.origin, 4),
+            "step_seconds": round(dt, 4), "groups": len(values), "samples_per_s": round(len(values) / dt, 3),
+            "trajectories_per_s": round(len(trajectories) / dt, 3),
+            "reward": (sum(rewards) / len(rewards)) if rewards else None,
+            "queues": queues, "staleness": staleness, "dropped": self.dropped - self._mark["dropped"],
+            "dropped_total": counters["dropped"], "stale_kept_total": counters["stale_kept"],
+            "rejected_total": counters["rejected"], "filtered_total": counters["filtered"],
+            "idle": idle, "train": metrics,
+        }
+        self._mark = {"time": now, "busy": dict(self.busy), "dropped": self.dropped}
+        self.rows.append(row)
+        self.last_row = row
+        self.events.append(span(self.pids[node], 0, "step", now - dt, now, self.origin, step=step))
+
+    def flush(self, trace: bool = False) -> None:
+        if self.run_dir is None:
+            self.rows.clear()
+            return
+        if self.rows:
+            with open(self.run_dir / "metrics.jsonl", "a") as f:
+                for row in self.rows:
+                    f.write(json.dumps(row) + "\n")
+            self._tensorboard(self.rows)
+            self.rows.clear()
+        if trace:
+            tmp = self.run_dir / "trace.json.tmp"
+            tmp.write_text(json.dumps({"traceEvents": self.events, "displayTimeUnit": "ms"}))
+            tmp.replace(self.run_dir / "trace.json")
+
+    def _tensorboard(self, rows: list[dict[str, Any]]) -> None:
+        if self._tb is None:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as e:  # metrics.jsonl still has everything
+                warnings.warn(f"TensorBoard logging disabled: {e}", stacklevel=2)
+                self._tb = False
+                return
+            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+        if self._tb is False:
+            return
+        for row in rows:
+            step = row["step"]
+            for key in ("samples_per_s", "trajectories_per_s", "reward", "dropped", "step_seconds"):
+                if row[key] is not None:
+                    self._tb.add_scalar(f"runtime/{key}", row[key], step)
+            for group in ("queues", "idle", "train"):
+                for key, value in row[group].items():
+                    if isinstance(value, (int, float)):
+                        self._tb.add_scalar(f"{group}/{key}", value, step)
+            lags = [int(lag) for lag, n in row["staleness"].items() for _ in range(n)]
+            if lags:
+                self._tb.add_histogram("runtime/staleness", np.asarray(lags), step, bins="auto")
+        self._tb.flush()
+
+    def close(self) -> None:
+        self.flush(trace=True)
+        if self._tb:
+            self._tb.close()
+            self._tb = None
+
+    def state(self) -> dict[str, Any]:
+        return {"events": self.events, "dropped": self.dropped}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self.events = state["events"]
+        self.dropped = state["dropped"]

@@ -1,0 +1,64 @@
+"""A live progress view for `flowrl run` (rich): step, policy version, samples/s, reward, queues."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+from rich.console import Group
+from rich.live import Live
+from rich.table import Table
+
+from flowrl.graph.plan import Plan
+
+REFRESH_S = 0.5
+
+
+class ProgressView:
+    def __init__(self, plan: Plan, executor: Any) -> None:
+        self.plan = plan
+        self.executor = executor
+        self.live = Live(self.render(None), refresh_per_second=4, transient=False)
+        self.task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self.live.start()
+        self.task = asyncio.get_running_loop().create_task(self._poll())
+
+    async def stop(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.task
+        with contextlib.suppress(Exception):  # a last look, if the coordinator still answers
+            self.live.update(self.render(await self.executor.call("status")))
+        self.live.stop()
+
+    async def _poll(self) -> None:
+        while True:
+            with contextlib.suppress(Exception):
+                self.live.update(self.render(await self.executor.call("status")))
+            await asyncio.sleep(REFRESH_S)
+
+    def render(self, status: dict[str, Any] | None) -> Group:
+        head = Table.grid(padding=(0, 2))
+        for _ in range(6):
+            head.add_column()
+        steps = self.plan.run.get("steps", "?")
+        if status is None:
+            head.add_row(f"[bold]{self.plan.name}[/]", "starting...", "", "", "", "")
+            return Group(head)
+        last = status["last"] or {}
+        version = min(status["versions"].values(), default=0)
+        reward = last.get("reward")
+        head.add_row(
+            f"[bold]{self.plan.name}[/]", f"step {version}/{steps}", f"policy v{version}",
+            f"{last.get('samples_per_s', 0):.2f} samples/s",
+            f"reward {reward:.3f}" if reward is not None else "reward -",
+            f"dropped {status['counters']['dropped']}",
+        )
+        queues = Table("edge", "queued", box=None, pad_edge=False)
+        for edge, depth in status["queues"].items():
+            queues.add_row(edge, str(depth))
+        return Group(head, queues)

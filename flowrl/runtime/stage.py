@@ -1,0 +1,235 @@
+"""A stage: one replica of one node. Pulls work from the coordinator, calls the operator, pushes
+the results back, and records busy and wait intervals. Both executors run this very code; only
+the `coord` object differs (the Coordinator itself, or a RemoteCoordinator for a Ray actor).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from flowrl import registry
+from flowrl.graph.plan import Plan
+from flowrl.operator import Operator, OperatorContext, TrainResult
+from flowrl.runtime.channel import Work
+from flowrl.runtime.observe import node_pids, span
+
+REPORT_EVERY_S = 1.0
+
+
+class Stage:
+    def __init__(self, plan: Plan, node: str, replica: int, coord: Any, run_dir: str | None,
+                 origin: float) -> None:
+        self.plan = plan
+        self.node = plan.nodes[node]
+        self.replica = replica
+        self.coord = coord
+        self.run_dir = Path(run_dir) if run_dir else None
+        self.origin = origin
+        self.pid = node_pids(plan)[node]
+        self.op: Operator | None = None
+        self.version = 0  # policy version of the weights a generate stage has loaded
+        self.tasks: set[asyncio.Task] = set()
+        self.slots: set[int] = set()
+        self.events: list[dict[str, Any]] = []
+        self.busy = 0.0
+        self._busy_since: float | None = None
+        self._in_flight = 0
+        self._failure: str | None = None
+        self._reported = time.time()
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self, checkpoint: str | None = None) -> None:
+        """Build and set up the operator; restore it from a checkpoint directory if given."""
+        cls = registry.resolve(self.node.op)
+        config = msgspec.convert(self.node.config, cls.Config)
+        context = OperatorContext(
+            node=self.node.name, run_dir=self.run_dir, seed=self.plan.seed, model=self.plan.model,
+            data=self.plan.data, rank=self.replica, world_size=self.node.resources.replicas,
+        )
+        self.op = cls(config, context)
+        await self.op.setup()
+        if checkpoint is not None:
+            path = Path(checkpoint)
+            self.op.load(path)
+            state = pickle.loads((path / "state.pkl").read_bytes())
+            self.op.load_state_dict(state["op"])
+            self.version = state["version"]
+        await self.coord.attach(self.node.name, self.replica, self.version)
+
+    async def run(self) -> str | None:
+        """Work until the coordinator says stop. Returns None, or the traceback of a failure."""
+        try:
+            loop = {"generate": self._generate_loop, "train": self._train_loop, "sync": self._sync_loop}
+            await loop.get(self.node.kind, self._transform_loop)()
+        except Exception:
+            self._failure = self._failure or traceback.format_exc()
+            await self.coord.fail(self.node.name, self.replica, self._failure)
+        finally:
+            for task in self.tasks:
+                task.cancel()
+            await asyncio.gather(*self.tasks, return_exceptions=True)
+            await self._report()
+        return self._failure
+
+    def save(self, path: str) -> None:
+        """Checkpoint the operator into the directory `path`."""
+        directory = Path(path)
+        directory.mkdir(parents=True, exist_ok=True)
+        self.op.save(directory)
+        state = {"op": self.op.state_dict(), "version": self.version}
+        (directory / "state.pkl").write_bytes(pickle.dumps(state))
+
+    async def close(self) -> None:
+        if self.op is not None:
+            await self.op.close()
+
+    # ---- loops per node kind -------------------------------------------------------------------
+
+    async def _generate_loop(self) -> None:
+        limit = getattr(self.op.config, "max_concurrency", 64)
+        partial = getattr(self.op.config, "partial_rollout", False)
+        port = next(iter(self.node.outputs))
+        while True:
+            await self._wait_for_room(limit)
+            work = await self._take()
+            if work is None:
+                return
+            if work.kind == "weights":
+                await self._update_weights(work, partial)
+            else:
+                self._spawn(self._generate_one(work, port))
+
+    async def _generate_one(self, work: Work, port: str) -> None:
+        version = self.version
+        group = await self._timed(self.op.generate(work.value, step=work.step, sample_id=work.id),
+                                  "generate", work)
+        await self.coord.complete(self.node.name, self.replica, work.id, {port: group}, version=version,
+                                  busy=self.busy)
+
+    async def _update_weights(self, work: Work, partial: bool) -> None:
+        if partial:
+            start = time.time()
+            await self.op.pause()
+            await self.op.update_weights(work.value, work.version)
+            await self.op.resume()
+        else:
+            if self.tasks:  # finish the in-flight generations under the weights they started with
+                start = time.time()
+                await asyncio.wait(set(self.tasks))
+                self.events.append(span(self.pid, self.replica * 100, "drain", start, time.time(), self.origin))
+                self._raise_failure()
+            start = time.time()
+            await self.op.update_weights(work.value, work.version)
+        self.version = work.version
+        self.events.append(span(self.pid, self.replica * 100, "update_weights", start, time.time(), self.origin,
+                                version=work.version, partial=partial))
+        await self.coord.loaded_weights(self.node.name, self.replica, work.version)
+
+    async def _transform_loop(self) -> None:
+        limit = getattr(self.op.config, "concurrency", 16)
+        while True:
+            await self._wait_for_room(limit)
+            work = await self._take()
+            if work is None:
+                return
+            self._spawn(self._process_one(work))
+
+    async def _process_one(self, work: Work) -> None:
+        outputs = await self._timed(self.op.process(work.value), "process", work)
+        outputs = {port: (outputs or {}).get(port) for port in self.node.outputs}
+        await self.coord.complete(self.node.name, self.replica, work.id, outputs, busy=self.busy)
+
+    async def _train_loop(self) -> None:
+        port = next(iter(self.node.outputs))
+        while True:
+            work = await self._take()
+            if work is None:
+                return
+            groups = [next(iter(item.values())) for item in work.value]
+            result = await self._timed(self.op.train(groups, step=work.step), "train", work, tid=0)
+            if not isinstance(result, TrainResult):
+                raise TypeError(f"{type(self.op).__name__}.train() returned {type(result).__name__}, "
+                                "expected flowrl.operator.TrainResult")
+            await self.coord.complete(self.node.name, self.replica, work.id, {port: result.policy},
+                                      metrics=dict(result.metrics), busy=self.busy)
+
+    async def _sync_loop(self) -> None:
+        port = next(iter(self.node.outputs))
+        while True:
+            work = await self._take()
+            if work is None:
+                return
+            weights = await self._timed(self.op.sync(work.value, version=work.version), "sync", work, tid=0)
+            await self.coord.complete(self.node.name, self.replica, work.id, {port: weights}, busy=self.busy)
+
+    # ---- helpers -----------------------------------------------------------------------------
+
+    async def _take(self) -> Work | None:
+        self._raise_failure()
+        start = time.time()
+        work = await self.coord.take(self.node.name, self.replica)
+        end = time.time()
+        if end - start > 1e-3:  # waits shorter than a millisecond only clutter the trace
+            self.events.append(span(self.pid, self.replica * 100, "wait", start, end, self.origin))
+        if end - self._reported > REPORT_EVERY_S:
+            await self._report()
+        self._raise_failure()
+        return work
+
+    async def _wait_for_room(self, limit: int) -> None:
+        while len(self.tasks) >= limit:
+            await asyncio.wait(set(self.tasks), return_when=asyncio.FIRST_COMPLETED)
+            self._raise_failure()
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task) -> None:
+        self.tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None and self._failure is None:
+            exc = task.exception()
+            self._failure = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+            # Wake the loop, which may be waiting in take(): the coordinator stops everyone.
+            asyncio.get_running_loop().create_task(self.coord.fail(self.node.name, self.replica, self._failure))
+
+    def _raise_failure(self) -> None:
+        if self._failure is not None:
+            raise _Failed(self._failure)
+
+    async def _timed(self, coro: Any, name: str, work: Work, tid: int | None = None) -> Any:
+        slot = 0 if tid == 0 else min(set(range(1, len(self.slots) + 2)) - self.slots)
+        self.slots.add(slot)
+        if self._in_flight == 0:
+            self._busy_since = time.time()
+        self._in_flight += 1
+        start = time.time()
+        try:
+            return await coro
+        finally:
+            end = time.time()
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self.busy += end - self._busy_since
+            self.slots.discard(slot)
+            self.events.append(span(self.pid, self.replica * 100 + slot, name, start, end, self.origin,
+                                    id=work.id, step=work.step, version=work.version))
+
+    async def _report(self) -> None:
+        events, self.events = self.events, []
+        self._reported = time.time()
+        busy = self.busy + (time.time() - self._busy_since if self._in_flight else 0.0)
+        await self.coord.report(self.node.name, self.replica, events, busy)
+
+
+class _Failed(Exception):
+    """An operator call failed in a task; its traceback is already recorded."""
