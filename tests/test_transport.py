@@ -262,3 +262,25 @@ def test_a_step_without_data_advances_the_version_only(transport, layout):
             await node.close()
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("snapshot", [False, True])
+def test_inprocess_record_aliases_the_sender_unless_snapshot(snapshot):
+    """Documented trade-off: references are free but follow later changes; a snapshot does not."""
+    trained = policy(seed=7)
+    sent = {k: v.clone() for k, v in trained.state_dict().items()}
+
+    async def run():
+        node = Sync(config("inprocess", snapshot=snapshot), OperatorContext(node="publish"))
+        engine = EmbeddedEngine(MODEL, max_slots=2)
+        try:
+            record = await node.sync(trained, version=1)
+            with torch.no_grad():
+                for p in trained.parameters():
+                    p.add_(1.0)  # the trainer steps before the engine applied version 1
+            await apply(engine, record, 1)
+            assert_bitwise(engine, sent if snapshot else dict(trained.state_dict()))
+        finally:
+            await engine.close()
+
+    asyncio.run(run())
