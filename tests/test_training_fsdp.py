@@ -19,7 +19,7 @@ from flowrl.data.trajectory import Trajectory
 from flowrl_operators.training.advantages import AdvantageConfig, compute_advantages
 from flowrl_operators.training.batch import pack, shard
 from flowrl_operators.training.losses import LossConfig, policy_loss
-from flowrl_operators.training.trainer import Trainer, TrainerConfig
+from flowrl_operators.training.trainer import Critic, Trainer, TrainerConfig
 
 MODEL = "builtin:tiny-qwen2"
 CONFIG = TrainerConfig(lr=1e-3, warmup_steps=2, schedule="cosine", total_steps=10, micro_batch_tokens=40, seed=3)
@@ -96,6 +96,10 @@ def worker(rank: int, world: int, port: int, out: str) -> None:
         mine.behaviour_logprobs = resumed.compute_logprobs(mine)  # on-policy: ratio 1, nothing clipped
         result["logprobs_one_row"] = mine.behaviour_logprobs
         result["one_row"] = resumed.forward_backward(mine, policy_loss(LOSS)) | resumed.step()
+
+        # The critic shards the same way; its fresh value head is the same in every process.
+        critic = Critic(MODEL, CONFIG)
+        result["values"] = critic.compute_values(step_batch(0))
         if rank == 0:
             torch.save(result, f"{out}/rank0.pt")
         dist.barrier()
@@ -167,6 +171,12 @@ def test_a_rank_without_rows_still_trains(two_ranks):
     assert result["rows_on_rank1"] == 0
     assert result["one_row"]["skipped"] == 0.0 and result["one_row"]["grad_norm"] > 0
     assert result["logprobs_one_row"].shape[0] == 1 and (result["logprobs_one_row"] < 0).any()
+
+
+def test_sharded_critic_values_equal_one_rank(two_ranks):
+    _, result = two_ranks
+    torch.testing.assert_close(result["values"], Critic(MODEL, CONFIG).compute_values(step_batch(0)), atol=1e-6, rtol=0)
+    assert result["values"].abs().sum() > 0
 
 
 def test_nan_on_one_rank_is_skipped_on_both(two_ranks):
