@@ -15,14 +15,7 @@ from flowrl_operators.config import EngineConfig
 from flowrl_operators.engine.base import GenerateRequest, SamplingParams
 from flowrl_operators.engine.embedded import EmbeddedEngine
 from flowrl_operators.engine.server import start_server
-from flowrl_operators.engine.sglang import (
-    ServerError,
-    SGLangEngine,
-    free_port,
-    parse_answer,
-    sampling_params,
-    token_versions,
-)
+from flowrl_operators.engine.sglang import SGLangEngine, parse_answer, sampling_params, token_versions
 from flowrl_operators.engine.sglang_launch import (
     ServerProcess,
     launch_servers,
@@ -30,6 +23,7 @@ from flowrl_operators.engine.sglang_launch import (
     server_command,
     wait_healthy,
 )
+from flowrl_operators.engine.sglang_weights import PushedRecord, ServerError, SGLangSender, free_port
 from flowrl_operators.models import load_hf_model, resolve_model
 
 torch.set_num_threads(1)
@@ -176,13 +170,34 @@ def test_server_process_and_broadcast_weight_sync(model, tmp_path):
         finally:
             await adapter.close()
 
+    async def adopted(url, record):
+        adapter = SGLangEngine(url)
+        try:
+            await adapter.adopt(record)
+            stale = PushedRecord(record.version + 1, record.urls)
+            with pytest.raises(ServerError, match="expected 10"):
+                await adapter.adopt(stale)
+            return adapter.version, await adapter.generate(GenerateRequest(request_id="c", input_ids=[5, 17],
+                                                                           sampling=GREEDY))
+        finally:
+            await adapter.close()
+
     try:
         url = server.start(timeout_s=120)
         result, version = asyncio.run(body(url))
+        # Trainer side: this process is rank 0 of a fresh group and pushes the old weights back.
+        sender = SGLangSender(url, weight_sync="distributed")
+        try:
+            record = sender.send([load_hf_model(folder).named_parameters()], 9)
+        finally:
+            sender.close()
+        adopted_version, back = asyncio.run(adopted(url, record))
     finally:
         server.stop()
     assert result.versions == [7] * 12 and version == 8
     assert result.output_ids == asyncio.run(reference_greedy(folder, new, [5, 17]))
+    assert adopted_version == 9 and back.versions == [9] * 12
+    assert back.output_ids == asyncio.run(reference_greedy(folder, None, [5, 17]))
 
 
 def test_health_wait_fails_early_with_the_log(tmp_path):

@@ -18,7 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from flowrl_operators.engine.sglang import ServerError, SGLangEngine, free_port
+from flowrl_operators.engine.sglang import SGLangEngine
+from flowrl_operators.engine.sglang_weights import ServerError, free_port
 
 # --- launching servers ---------------------------------------------------------------------------------
 
