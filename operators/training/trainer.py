@@ -321,8 +321,8 @@ class Trainer:
         """The whole model as full CPU tensors on rank 0 (`{}` elsewhere); collective."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        if not self.sharded:
-            return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+        if not self.sharded:  # a copy, so that it stays a snapshot while training goes on
+            return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return get_model_state_dict(self.model, options=options)
 
