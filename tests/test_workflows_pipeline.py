@@ -161,3 +161,22 @@ def test_dynamic_sampling_between_reward_and_train(tmp_path):
         groups.setdefault(row["id"].split("/")[0], []).append(row["reward"])
     assert all(len(set(rewards)) > 1 for rewards in groups.values())  # only informative groups
     assert result.counters["filtered"] == 8 - len(groups)  # 2 steps x 4 samples
+
+
+def agent_plan(tmp_path: Path, executor: str = "inprocess"):
+    """The guess-the-number graph with the episodes played by an openai-client agent (test_proxy)."""
+    spec = tmp_path / "agent.yaml"
+    spec.write_text(SPEC.read_text().replace("workflow: builtin:guess_number", "workflow: agent").replace(
+        "workflow_args: {max_turns: 3}", "workflow_args: {agent: test_proxy:guess_agent, turns: 2}"))
+    return compile_file(str(spec), ["nodes.learner.op=test_workflows_pipeline:Learner",
+                                    f"run.executor={executor}"]).plan
+
+
+def test_agent_graph_through_the_proxy(tmp_path):
+    SEEN.clear()
+    result = run(agent_plan(tmp_path), run_dir=tmp_path / "run", progress=False)
+    assert result.status == "done" and result.steps == 2
+    for s in SEEN:
+        assert len(s["rows"]) == 4
+        for row in s["rows"]:
+            assert 1 <= row["turns"] <= 2 and row["versions"] == [s["step"]] and row["reward"] in (0.0, 1.0)
