@@ -182,3 +182,27 @@ def test_tool_calls_are_parsed_into_openai_shape():
     assert calls == [{"id": "call_0", "type": "function",
                       "function": {"name": "calc", "arguments": '{"expression": "2*3"}'}}]
     assert parse_tool_calls("plain answer") == []
+
+
+def test_render_splices_the_engines_ids_for_replies_it_sent():
+    """A reply whose ids do not survive decode + re-encode (special tokens inside, no end-of-turn
+    token) is spliced back as the engine's ids, so the next prompt extends the last one exactly."""
+    from flowrl_operators.engine.base import SamplingParams
+    from flowrl_operators.models import load_tokenizer
+    from flowrl_operators.workflows.proxy import Proxy, Session
+
+    tok = load_tokenizer(MODEL)
+    proxy = Proxy(engine=None, tokenizer=tok)
+    first = [{"role": "user", "content": "guess"}]
+    prompt = proxy.render(first, None, None)
+    eot, unk = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|unk|>")
+    session = Session("s", SamplingParams(), 0)
+    for output in ([tok.convert_tokens_to_ids("7"), unk, eot], [tok.convert_tokens_to_ids("9"), unk]):
+        text = tok.decode(output, skip_special_tokens=True)
+        session.replies[text] = output
+        conversation = first + [{"role": "assistant", "content": text}, {"role": "user", "content": "higher"}]
+        follow = proxy.render(conversation, None, session)
+        assert chat_ids(tok, conversation) != follow  # the text round trip would have lost the ids
+        closing = "\n" if output[-1] == eot else "<|im_end|>\n"
+        assert follow == prompt + output + tok.encode(
+            f"{closing}<|im_start|>user\nhigher<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
