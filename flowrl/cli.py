@@ -71,21 +71,19 @@ def cmd_operators(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from flowrl.runtime import run
+    from flowrl import launch
 
+    progress = not args.quiet
     if args.resume:
-        run_dir = Path(args.resume)
-        file, overrides = str(run_dir / "spec.yaml"), args.overrides
+        results = launch.resume(Path(args.resume), progress=progress)
+    elif args.file:
+        results = launch.start(args.file, args.overrides, Path(args.run_dir) if args.run_dir else None,
+                               args.executor, progress)
     else:
-        if not args.file:
-            raise SystemExit("flowrl run: give a pipeline file, or --resume RUN_DIR")
-        run_dir = Path(args.run_dir) if args.run_dir else None
-        file, overrides = args.file, args.overrides
-    compiled = _compile(file, overrides)
-    result = run(compiled.plan, run_dir=run_dir, executor=args.executor or compiled.plan.run["executor"],
-                 resume=bool(args.resume), progress=not args.quiet, spec_text=Path(file).read_text(),
-                 overrides=overrides)
-    return 0 if result.ok else 1
+        raise SystemExit("flowrl run: give a pipeline file, or --resume RUN_DIR")
+    for result in results:
+        print(f"{result.run_dir}: {result.status} after {result.steps} steps in {result.seconds:.1f}s")
+    return 0 if results and results[-1].status == "done" else 1
 
 
 def main(argv: list[str] | None = None) -> int:

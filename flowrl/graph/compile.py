@@ -35,8 +35,11 @@ class Compiled:
 
 def compile_file(file: str, overrides: list[str] | None = None) -> Compiled:
     """Load, validate and compile a spec file. Raises SpecError with every problem found."""
+    from flowrl.spec.phases import expand
+
     loaded = load(file, overrides)
-    return compile_spec(loaded)
+    compiled = [compile_spec(phase_loaded) for _, phase_loaded in expand(loaded)]
+    return compiled[0]
 
 
 def compile_spec(loaded: LoadedSpec) -> Compiled:

@@ -1,0 +1,73 @@
+"""`flowrl run`: a spec file -> its phases run one after another in a run directory.
+
+The run directory keeps what resume needs: `spec.yaml` (the file as given) and `launch.json`
+(the command-line overrides and executor). A phase is done when its directory holds
+`phase.json`; `resume()` skips done phases and resumes the first unfinished one from its latest
+checkpoint (or starts it, if it has none).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from flowrl.graph.compile import compile_spec
+from flowrl.spec.load import LoadedSpec, load
+from flowrl.spec.phases import expand, phase_dir
+
+
+def default_run_dir(name: str) -> Path:
+    return Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def start(file: str, overrides: list[str], run_dir: Path | None = None, executor: str | None = None,
+          progress: bool = True) -> list:
+    """Run every phase of `file` from scratch; returns the phases' RunResults."""
+    loaded = load(file, overrides)
+    for _, phase_loaded in expand(loaded):  # every phase must compile before anything runs
+        compile_spec(phase_loaded)
+    run_dir = Path(run_dir or loaded.spec.run.run_dir or default_run_dir(loaded.spec.name))
+    if (run_dir / "launch.json").exists():
+        raise FileExistsError(f"{run_dir} already holds a run; resume it with --resume or choose another directory")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "spec.yaml").write_text(Path(file).read_text())
+    (run_dir / "launch.json").write_text(json.dumps({"file": file, "overrides": overrides, "executor": executor}))
+    return _run_phases(loaded, run_dir, executor, progress)
+
+
+def resume(run_dir: Path, progress: bool = True) -> list:
+    """Continue an interrupted `start()` from its run directory."""
+    launch = json.loads((run_dir / "launch.json").read_text())
+    loaded = load(str(run_dir / "spec.yaml"), launch["overrides"])
+    return _run_phases(loaded, run_dir, launch["executor"], progress, resuming=True)
+
+
+def _run_phases(loaded: LoadedSpec, run_dir: Path, executor: str | None, progress: bool,
+                resuming: bool = False) -> list:
+    from flowrl.runtime import latest_checkpoint, run
+
+    results = []
+    model_path: str | None = None
+    phases = expand(loaded)
+    single = not loaded.spec.phases
+    for index in range(len(phases)):
+        phase, phase_loaded = expand(loaded, model_path, index)[0]
+        directory = run_dir if single else phase_dir(run_dir, index, phase)
+        marker = directory / "phase.json"
+        if marker.exists():  # finished before an interruption
+            model_path = json.loads(marker.read_text()).get("export") or model_path
+            continue
+        plan = compile_spec(phase_loaded).plan
+        again = resuming and latest_checkpoint(directory) is not None if directory.exists() else False
+        result = run(plan, run_dir=directory, executor=executor, resume=again, progress=progress)
+        results.append(result)
+        # A phase bounded by seconds ends by running out of time: that is its normal end.
+        timed_out = phase.seconds is not None and result.seconds >= phase.seconds
+        if result.status != "done" and not timed_out:
+            break  # interrupted: resume() continues here
+        exports = [directory / "export" / n for n, node in plan.nodes.items() if node.kind == "train"]
+        export = next((str(p) for p in exports if (p / "config.json").exists()), None)
+        marker.write_text(json.dumps({"status": "done", "export": export, "seconds": result.seconds}))
+        model_path = export or model_path
+    return results
