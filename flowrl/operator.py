@@ -80,7 +80,8 @@ class Operator:
       result, or None, filters the record out on that port.
     - train: `train(groups, step=)` once per step, one at a time, with the step's groups (up to
       `data.batch_size`; fewer, even none, if some were rejected, filtered or dropped as stale);
-      returns a TrainResult. The runtime publishes policy version step + 1 with its `policy`.
+      returns a TrainResult. The runtime publishes policy version step + 1 with its `policy`
+      (None is allowed, e.g. nothing to train on: the record still goes out and carries the version).
     - sync: `sync(policy, version=)` per policy record, returns the weights record that the
       `kind: weights` edge delivers to generate's `update_weights`. Both records are opaque to
       the runtime (a weight-transport handle, for example); under Ray they must pickle.

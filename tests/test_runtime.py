@@ -177,7 +177,12 @@ def test_trace_is_chrome_trace_json_and_metrics_have_a_row_per_step(tmp_path):
     for r in rows:
         assert r["groups"] == 2 and r["samples_per_s"] > 0 and 0 <= r["idle"]["rollout"] <= 1
         assert sum(r["staleness"].values()) == 2 and r["train"]["loss"] == pytest.approx(1 / (r["step"] + 1))
-    assert any((tmp_path / "tensorboard").iterdir())
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = EventAccumulator(str(tmp_path / "tensorboard"))
+    board.Reload()
+    assert [e.step for e in board.Scalars("runtime/samples_per_s")] == [0, 1, 2]
+    assert "runtime/staleness" in board.Tags()["histograms"]
 
 
 def test_max_steps_then_resume_continues_with_records_waiting_in_channels(tmp_path):

@@ -28,6 +28,7 @@ Rules (see also flowrl/runtime/__init__.py):
 from __future__ import annotations
 
 import asyncio
+import inspect
 import pickle
 import time
 from typing import Any
@@ -176,6 +177,12 @@ class Coordinator:
         self.stop("error")
 
     # ---- driver-facing API ------------------------------------------------------------------
+
+    async def request(self, method: str, *args: Any) -> Any:
+        """The executors' single entry for driver calls, so that under Ray even the plain methods
+        run on the actor's event loop."""
+        result = getattr(self, method)(*args)
+        return await result if inspect.isawaitable(result) else result
 
     def stop(self, reason: str) -> None:
         """reason: done | interrupt | error. An error overrides; otherwise the first reason holds."""
@@ -382,7 +389,7 @@ class Coordinator:
         record_id = f"v{out_version}" if kind in ("train", "sync") else work.id
         for port, value in outputs.items():
             edges = [e for e in self.outs[node] if e.src_port == port]
-            if value is None:
+            if value is None and kind not in ("train", "sync"):  # policy/weights records always go: they carry the version
                 self.counters["rejected" if kind == "generate" else "filtered"] += 1
                 continue
             for edge in edges:

@@ -7,7 +7,6 @@ work should hand it to a thread (`asyncio.to_thread`) so the other stages keep r
 from __future__ import annotations
 
 import asyncio
-import inspect
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +36,7 @@ class InProcessExecutor:
         self.tasks = {asyncio.get_running_loop().create_task(s.run()): s for s in self.stages}
 
     async def call(self, method: str, *args: Any) -> Any:
-        result = getattr(self.coord, method)(*args)
-        return await result if inspect.isawaitable(result) else result
+        return await self.coord.request(method, *args)
 
     async def wait(self) -> str:
         """Until the coordinator stops (done, interrupt, error) or a stage ends on its own."""

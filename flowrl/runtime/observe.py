@@ -21,8 +21,6 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from flowrl.graph.plan import Plan
 
 
@@ -104,28 +102,37 @@ class Observer:
             tmp.replace(self.run_dir / "trace.json")
 
     def _tensorboard(self, rows: list[dict[str, Any]]) -> None:
+        # TensorBoard's own event writer: torch.utils.tensorboard would import torch (seconds)
+        # into the coordinator, which otherwise never needs it.
         if self._tb is None:
             try:
-                from torch.utils.tensorboard import SummaryWriter
+                from tensorboard.summary.writer.event_file_writer import EventFileWriter
             except ImportError as e:  # metrics.jsonl still has everything
                 warnings.warn(f"TensorBoard logging disabled: {e}", stacklevel=2)
                 self._tb = False
                 return
-            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+            self._tb = EventFileWriter(str(self.run_dir / "tensorboard"))
         if self._tb is False:
             return
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.compat.proto.summary_pb2 import HistogramProto, Summary
+
         for row in rows:
-            step = row["step"]
-            for key in ("samples_per_s", "trajectories_per_s", "reward", "dropped", "step_seconds"):
-                if row[key] is not None:
-                    self._tb.add_scalar(f"runtime/{key}", row[key], step)
-            for group in ("queues", "idle", "train"):
-                for key, value in row[group].items():
-                    if isinstance(value, (int, float)):
-                        self._tb.add_scalar(f"{group}/{key}", value, step)
-            lags = [int(lag) for lag, n in row["staleness"].items() for _ in range(n)]
-            if lags:
-                self._tb.add_histogram("runtime/staleness", np.asarray(lags), step, bins="auto")
+            values = [Summary.Value(tag=f"runtime/{key}", simple_value=row[key])
+                      for key in ("samples_per_s", "trajectories_per_s", "reward", "dropped", "step_seconds")
+                      if row[key] is not None]
+            values += [Summary.Value(tag=f"{group}/{key}", simple_value=value)
+                       for group in ("queues", "idle", "train") for key, value in row[group].items()
+                       if isinstance(value, (int, float))]
+            if row["staleness"]:
+                lags = {int(k): n for k, n in row["staleness"].items()}
+                top = max(lags)
+                histo = HistogramProto(
+                    min=min(lags), max=top, num=sum(lags.values()), sum=sum(k * n for k, n in lags.items()),
+                    sum_squares=sum(k * k * n for k, n in lags.items()),
+                    bucket_limit=[k + 0.5 for k in range(top + 1)], bucket=[lags.get(k, 0) for k in range(top + 1)])
+                values.append(Summary.Value(tag="runtime/staleness", histo=histo))
+            self._tb.add_event(Event(wall_time=self.origin + row["time"], step=row["step"], summary=Summary(value=values)))
         self._tb.flush()
 
     def close(self) -> None:

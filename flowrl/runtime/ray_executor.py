@@ -1,0 +1,180 @@
+"""The Ray executor: each stage replica is a Ray actor running the same Stage code as in-process;
+the coordinator is an async actor the stages call through `RemoteCoordinator`.
+
+Placement: one placement group (strategy PACK) with a bundle per stage replica, sized from the
+node's resources (fractional CPUs, so a 2-core machine hosts a whole pipeline). A generate actor
+that dies is restarted by Ray (`plan.run["max_restarts"]`, default 3); on restart it attaches to
+the coordinator again, which re-issues the samples the dead actor had in flight (ledger
+`reissue`), and it receives the latest weights before new work. Any other actor's death, or a
+generate actor out of restarts, stops the run like an operator exception.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from flowrl.graph.plan import Plan
+from flowrl.runtime.coordinator import Coordinator
+from flowrl.runtime.stage import Stage
+
+
+class RemoteCoordinator:
+    """Makes `await coord.method(...)` call the coordinator actor."""
+
+    def __init__(self, handle: Any) -> None:
+        self._handle = handle
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._handle, name)
+
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            return await method.remote(*args, **kwargs)
+
+        return call
+
+
+class StageActor:
+    def __init__(self, plan: Plan, node: str, replica: int, coord: Any, run_dir: str | None, origin: float) -> None:
+        self.stage = Stage(plan, node, replica, RemoteCoordinator(coord), run_dir, origin)
+
+    async def start(self, checkpoint: str | None) -> int:
+        await self.stage.start(checkpoint)
+        return os.getpid()
+
+    async def run(self) -> str | None:
+        return await self.stage.run()
+
+    def save(self, path: str) -> None:
+        self.stage.save(path)
+
+    async def close(self) -> None:
+        await self.stage.close()
+
+
+class RayExecutor:
+    def __init__(self, plan: Plan, run_dir: Path | None, origin: float) -> None:
+        self.plan = plan
+        self.run_dir = str(run_dir) if run_dir else None
+        self.origin = origin
+        self.owns_ray = False
+        self.coord: Any = None
+        self.actors: dict[tuple[str, int], Any] = {}
+        self.pids: dict[tuple[str, int], int] = {}
+        self.tasks: dict[asyncio.Task, tuple[str, int]] = {}
+        self.pg: Any = None
+        self.max_restarts = int(plan.run.get("max_restarts", 3))
+
+    async def start(self, steps: int, stop_at: int | None, state: bytes | None, checkpoint: Path | None) -> None:
+        if not ray.is_initialized():
+            os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+            ray.init(include_dashboard=False)
+            self.owns_ray = True
+        self.coord = ray.remote(Coordinator).options(num_cpus=0).remote(
+            self.plan, self.run_dir, steps, stop_at, self.origin, state)
+        names = self.plan.order + [n for n in self.plan.nodes if n not in self.plan.order]
+        replicas = [(name, r) for name in names for r in range(self.plan.nodes[name].resources.replicas)]
+        self.pg = placement_group([_bundle(self.plan.nodes[name].resources) for name, _ in replicas], strategy="PACK")
+        await self.pg.ready()
+        for index, (name, r) in enumerate(replicas):
+            res = self.plan.nodes[name].resources
+            self.actors[(name, r)] = ray.remote(StageActor).options(
+                num_cpus=res.cpus, num_gpus=res.gpus,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=index),
+                max_restarts=self.max_restarts if self.plan.nodes[name].kind == "generate" else 0,
+                max_task_retries=0,  # a call that killed its actor must not be retried (it would again)
+            ).remote(self.plan, name, r, self.coord, self.run_dir, self.origin)
+        pids = await asyncio.gather(*(
+            actor.start.remote(str(checkpoint / name / f"r{r}") if checkpoint else None)
+            for (name, r), actor in self.actors.items()))
+        self.pids = dict(zip(self.actors, pids, strict=True))
+        self.tasks = {asyncio.get_running_loop().create_task(self._supervise(key)): key for key in self.actors}
+
+    async def _supervise(self, key: tuple[str, int]) -> str | None:
+        """Run a stage actor; restart a dead generate actor (Ray restarts the process)."""
+        name, replica = key
+        actor, restarts, starting = self.actors[key], 0, False
+        while True:
+            try:
+                if starting:
+                    # The restarted actor sets up again and attaches to the coordinator, which
+                    # re-issues the samples the dead one held.
+                    self.pids[key] = await actor.start.remote(None)
+                    starting = False
+                return await actor.run.remote()
+            except ActorUnavailableError:  # still restarting: ask again shortly
+                await asyncio.sleep(0.2)
+                starting = True
+            except RayActorError as e:
+                if (await self.call("status"))["stopping"]:
+                    return None
+                if self.plan.nodes[name].kind != "generate" or restarts >= self.max_restarts:
+                    message = f"node '{name}' (replica {replica}): its actor died ({restarts} restarts):\n{e}"
+                    await self.call("fail", name, replica, message)
+                    return message
+                restarts += 1
+                starting = True
+
+    async def call(self, method: str, *args: Any) -> Any:
+        return await self.coord.request.remote(method, *args)
+
+    async def wait(self) -> str:
+        stopping = asyncio.get_running_loop().create_task(self.call("wait_stopping"))
+        await asyncio.wait([stopping, *self.tasks], return_when=asyncio.FIRST_COMPLETED)
+        if not stopping.done():
+            stopping.cancel()
+            await self.call("stop", "error")
+        return (await self.call("status"))["stopping"]
+
+    async def join(self, timeout: float) -> list[tuple[str, str]]:
+        done, pending = await asyncio.wait(self.tasks, timeout=timeout)
+        for task in pending:
+            ray.kill(self.actors[self.tasks[task]], no_restart=True)
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        failures = []
+        for task in done:
+            error = task.exception() or task.result()
+            if error:
+                failures.append((self.tasks[task][0], str(error)))
+        return failures
+
+    async def save(self, directory: Path) -> None:
+        await asyncio.gather(*(actor.save.remote(str(directory / name / f"r{r}"))
+                               for (name, r), actor in self.actors.items()))
+
+    async def shutdown(self) -> None:
+        closing = [asyncio.ensure_future(_quiet(actor.close.remote())) for actor in self.actors.values()]
+        if closing:
+            await asyncio.wait(closing, timeout=10)
+        for actor in self.actors.values():
+            ray.kill(actor, no_restart=True)
+        if self.coord is not None:
+            ray.kill(self.coord, no_restart=True)
+        if self.pg is not None:
+            remove_placement_group(self.pg)
+        if self.owns_ray:
+            ray.shutdown()
+
+
+def _bundle(resources: Any) -> dict[str, float]:
+    if resources.cpus <= 0:
+        raise ValueError("Ray rejects a bundle of 0 CPUs: give every node resources.cpus > 0 (fractions are fine)")
+    bundle = {"CPU": resources.cpus}
+    if resources.gpus:
+        bundle["GPU"] = resources.gpus
+    return bundle
+
+
+async def _quiet(ref: Any) -> None:
+    try:
+        await ref
+    except Exception:  # closing a dead actor: nothing left to release
+        pass
