@@ -196,18 +196,31 @@ def load(file: str | FsPath, overrides: list[str] | None = None) -> LoadedSpec:
 
 
 def _apply_overrides(raw: dict[str, Any], overrides: list[str], loc: Locator) -> dict[str, Any]:
+    """Set each `dotted.key=value` (list items by index: `phases.0.seconds=10`), then interpolate."""
     for item in overrides:
-        key, eq, _ = item.partition("=")
+        key, eq, text = item.partition("=")
+        where = f"command-line override '{item}'"
         if not eq or not key:
-            raise SpecError([Diagnostic(f"command-line override '{item}'", 0, 0, "", "expected key=value")])
-        loc.overrides[tuple(int(p) if p.isdigit() else p for p in key.split("."))] = item
+            raise SpecError([Diagnostic(where, 0, 0, "", "expected key=value")])
+        path = tuple(int(p) if p.isdigit() else p for p in key.split("."))
+        try:
+            value = yaml.load(text, Loader=_Loader) if text else ""
+        except yaml.YAMLError:
+            value = text
+        node: Any = raw
+        try:
+            for part in path[:-1]:
+                node = node.setdefault(part, {}) if isinstance(node, dict) else node[part]
+            if isinstance(node, list) and not isinstance(path[-1], int):
+                raise TypeError("a list")
+            node[path[-1]] = value
+        except (IndexError, KeyError, TypeError, AttributeError):
+            raise SpecError([Diagnostic(where, 0, 0, format_path(path), "no such key or list item to set")]) from None
+        loc.overrides[path] = item
     try:
-        conf = OmegaConf.create(raw)
-        if overrides:
-            conf = OmegaConf.merge(conf, OmegaConf.from_dotlist(overrides))
         # Interpolation only: omegaconf's built-in resolvers read config and environment values;
         # we register none that evaluates code.
-        return OmegaConf.to_container(conf, resolve=True)  # type: ignore[return-value]
+        return OmegaConf.to_container(OmegaConf.create(raw), resolve=True)  # type: ignore[return-value]
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", "") or ""
         path = tuple(int(p) if p.isdigit() else p for p in re.split(r"\.|\[|\]", str(key)) if p)
