@@ -23,7 +23,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 def cmd_inspect(args: argparse.Namespace) -> int:
     target = Path(args.target)
     if target.is_dir():
-        from flowrl.runtime.report import render_run
+        from flowrl.report import render_run
 
         text = render_run(target, args.format)
     else:
@@ -31,7 +31,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
         plan = _compile(args.target, args.overrides).plan
         text = render(plan, args.format, color=args.output is None and sys.stdout.isatty())
-    if args.output:
+    if isinstance(text, bytes):  # png
+        if not args.output:
+            raise SystemExit("flowrl inspect --format png writes a file: add -o OUT.png")
+        Path(args.output).write_bytes(text)
+    elif args.output:
         Path(args.output).write_text(text)
     else:
         sys.stdout.write(text)

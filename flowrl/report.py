@@ -1,0 +1,216 @@
+"""`flowrl inspect RUN_DIR`: what a run did — reward curves, the timeline of every stage, the
+staleness histogram — as text, a self-contained html page (SVG), json, or png (the html
+screenshotted by headless Chromium).
+
+A run directory is either one run (metrics.jsonl, trace.json, ...) or a phased run whose phases
+are runs under `phases/<i>-<name>/`; phases are drawn one after another.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import shutil
+import subprocess
+import tempfile
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from flowrl.graph.render import page
+
+COLORS = {"generate": "#2e86de", "process": "#27ae60", "train": "#c0392b", "sync": "#8e44ad",
+          "update_weights": "#e67e22", "drain": "#95a5a6", "wait": "#ecf0f1", "step": None}
+
+
+@dataclass
+class Phase:
+    name: str
+    directory: Path
+    meta: dict[str, Any]
+    rows: list[dict[str, Any]]
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+
+def load_run(run_dir: Path) -> list[Phase]:
+    dirs = sorted((run_dir / "phases").glob("*"), key=lambda p: int(p.name.split("-")[0])) \
+        if (run_dir / "phases").is_dir() else [run_dir]
+    phases = []
+    for d in dirs:
+        if not (d / "meta.json").exists():
+            continue
+        rows = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines() if line.strip()] \
+            if (d / "metrics.jsonl").exists() else []
+        trace = json.loads((d / "trace.json").read_text()) if (d / "trace.json").exists() else {}
+        events = trace.get("traceEvents", []) if isinstance(trace, dict) else trace
+        name = d.name.split("-", 1)[1] if d != run_dir else "main"
+        phases.append(Phase(name, d, json.loads((d / "meta.json").read_text()), rows, events))
+    if not phases:
+        raise FileNotFoundError(f"{run_dir} is not a run directory (no meta.json, nor phases/*/meta.json)")
+    return phases
+
+
+def summary(phase: Phase) -> dict[str, Any]:
+    rows = phase.rows
+    rewards = [r["reward"] for r in rows if r.get("reward") is not None]
+    evals = [(r["step"], r["eval_reward"]) for r in rows if r.get("eval_reward") is not None]
+    staleness: Counter[str] = Counter()
+    for r in rows:
+        staleness.update({k: int(v) for k, v in (r.get("staleness") or {}).items()})
+    last = rows[-1] if rows else {}
+    return {
+        "phase": phase.name, "name": phase.meta.get("name"), "steps": len(rows),
+        "seconds": round(last.get("time", 0.0), 1), "first_reward": rewards[0] if rewards else None,
+        "last_reward": rewards[-1] if rewards else None, "best_eval_reward": max((v for _, v in evals), default=None),
+        "last_eval_reward": evals[-1][1] if evals else None,
+        "samples_per_s": round(sum(r.get("samples_per_s", 0) for r in rows) / max(len(rows), 1), 2),
+        "dropped_total": last.get("dropped_total", 0), "staleness": dict(sorted(staleness.items(), key=lambda kv: int(kv[0]))),
+        "idle": last.get("idle", {}),
+    }
+
+
+def render_run(run_dir: Path, fmt: str = "text") -> str | bytes:
+    phases = load_run(Path(run_dir))
+    if fmt == "json":
+        return json.dumps([summary(p) | {"metrics": p.rows} for p in phases], indent=1) + "\n"
+    if fmt == "html":
+        return render_html(phases)
+    if fmt == "png":
+        return render_png(render_html(phases))
+    if fmt == "text":
+        return render_text(phases)
+    raise ValueError(f"format '{fmt}' is for pipeline files; a run directory renders as text, html, json or png")
+
+
+def _fmt(value: Any) -> str:
+    return "-" if value is None else (f"{value:.3f}" if isinstance(value, float) else str(value))
+
+
+def render_text(phases: list[Phase]) -> str:
+    lines = []
+    for p in phases:
+        s = summary(p)
+        lines.append(f"{s['name']} · phase {p.name}: {s['steps']} steps in {s['seconds']} s, "
+                     f"{s['samples_per_s']} samples/s, dropped {s['dropped_total']}")
+        lines.append(f"  reward {_fmt(s['first_reward'])} -> {_fmt(s['last_reward'])}; "
+                     f"eval reward last {_fmt(s['last_eval_reward'])}, best {_fmt(s['best_eval_reward'])}")
+        lines.append("  staleness (lag: groups): " + (", ".join(f"{k}: {v}" for k, v in s["staleness"].items()) or "-"))
+        lines.append("  idle fraction at the last step: " + (", ".join(f"{k} {v:.2f}" for k, v in s["idle"].items()) or "-"))
+        lines.append(f"  {'step':>5} {'time_s':>8} {'reward':>8} {'eval':>8} {'samples/s':>10}")
+        for r in p.rows:
+            lines.append(f"  {r['step']:>5} {r.get('time', 0):>8.1f} {_fmt(r.get('reward')):>8} "
+                         f"{_fmt(r.get('eval_reward')):>8} {r.get('samples_per_s', 0):>10.1f}")
+    return "\n".join(lines) + "\n"
+
+
+def _polyline(points: list[tuple[float, float]], x0: float, x1: float, y0: float, y1: float,
+              w: int, h: int, color: str, pad: int = 40) -> str:
+    if not points:
+        return ""
+    sx = (w - 2 * pad) / max(x1 - x0, 1e-9)
+    sy = (h - 2 * pad) / max(y1 - y0, 1e-9)
+    coords = " ".join(f"{pad + (x - x0) * sx:.1f},{h - pad - (y - y0) * sy:.1f}" for x, y in points)
+    dots = "".join(f'<circle cx="{pad + (x - x0) * sx:.1f}" cy="{h - pad - (y - y0) * sy:.1f}" r="2.5" fill="{color}"/>'
+                   for x, y in points)
+    return f'<polyline points="{coords}" fill="none" stroke="{color}" stroke-width="2"/>{dots}'
+
+
+def reward_chart(phases: list[Phase], w: int = 900, h: int = 300) -> str:
+    """Reward (training batches) and eval reward against wall time, phases end to end."""
+    train, evals, bounds, offset = [], [], [], 0.0
+    for p in phases:
+        for r in p.rows:
+            t = offset + r.get("time", 0.0)
+            if r.get("reward") is not None:
+                train.append((t, r["reward"]))
+            if r.get("eval_reward") is not None:
+                evals.append((t, r["eval_reward"]))
+        offset += p.rows[-1].get("time", 0.0) if p.rows else 0.0
+        bounds.append((offset, p.name))
+    x1 = max(offset, 1.0)
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {w} {h}" width="100%" style="max-width:{w}px" font-size="11" font-family="Helvetica, Arial">',
+           f'<rect x="40" y="40" width="{w - 80}" height="{h - 80}" fill="#fafafa" stroke="#ccc"/>']
+    for frac in (0.0, 0.5, 1.0):
+        y = h - 40 - frac * (h - 80)
+        out.append(f'<text x="34" y="{y + 4}" text-anchor="end">{frac:.1f}</text>')
+    for end, name in bounds:
+        x = 40 + end / x1 * (w - 80)
+        out.append(f'<line x1="{x:.1f}" y1="40" x2="{x:.1f}" y2="{h - 40}" stroke="#bbb" stroke-dasharray="4 3"/>'
+                   f'<text x="{x - 4:.1f}" y="52" text-anchor="end" fill="#777">{html.escape(name)}</text>')
+    out.append(_polyline(train, 0, x1, 0, 1, w, h, "#2e86de"))
+    out.append(_polyline(evals, 0, x1, 0, 1, w, h, "#c0392b"))
+    out.append(f'<text x="{w / 2}" y="{h - 10}" text-anchor="middle">seconds since start</text>'
+               f'<text x="50" y="30" fill="#2e86de">reward (training batches)</text>'
+               f'<text x="260" y="30" fill="#c0392b">eval reward (greedy, held out)</text></svg>')
+    return "".join(out)
+
+
+def timeline_chart(phase: Phase, w: int = 900) -> str:
+    """One lane per stage: busy spans coloured by kind, waits pale, weight updates marked."""
+    names = {e["pid"]: e["args"]["name"] for e in phase.events if e.get("ph") == "M"}
+    spans = [e for e in phase.events if e.get("ph") == "X" and COLORS.get(e["name"], "#7f8c8d")]
+    instants = [e for e in phase.events if e.get("ph") == "i"]
+    end = max((e["ts"] + e.get("dur", 0) for e in spans + instants), default=1.0) or 1.0
+    lane, label_w = 34, 90
+    h = lane * len(names) + 40
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {w} {h}" width="100%" style="max-width:{w}px" font-size="11" font-family="Helvetica, Arial">']
+    scale = (w - label_w - 10) / end
+    for i, (pid, name) in enumerate(sorted(names.items())):
+        y = 10 + i * lane
+        out.append(f'<text x="4" y="{y + lane / 2 + 4}">{html.escape(name)}</text>'
+                   f'<rect x="{label_w}" y="{y}" width="{w - label_w - 10}" height="{lane - 6}" fill="#fff" stroke="#eee"/>')
+        for e in (s for s in spans if s["pid"] == pid):
+            x, width = label_w + e["ts"] * scale, max(e.get("dur", 0) * scale, 0.5)
+            out.append(f'<rect class="span {e["name"]}" x="{x:.1f}" y="{y + 2}" width="{width:.1f}" height="{lane - 10}" '
+                       f'fill="{COLORS.get(e["name"], "#7f8c8d")}" opacity="0.8"><title>{html.escape(e["name"])}</title></rect>')
+        for e in (s for s in instants if s["pid"] == pid):
+            x = label_w + e["ts"] * scale
+            out.append(f'<line x1="{x:.1f}" y1="{y}" x2="{x:.1f}" y2="{y + lane - 6}" stroke="#e67e22" stroke-width="1.5">'
+                       f'<title>{html.escape(e["name"])}</title></line>')
+    legend = " ".join(f'<tspan fill="{c}">■ {k}</tspan>' for k, c in COLORS.items() if c)
+    out.append(f'<text x="{label_w}" y="{h - 8}">{legend}  <tspan fill="#e67e22">| publish / weights</tspan> · {end / 1e6:.1f} s</text></svg>')
+    return "".join(out)
+
+
+def staleness_chart(phase: Phase, w: int = 420, h: int = 200) -> str:
+    counts = summary(phase)["staleness"]
+    if not counts:
+        return "<p>no staleness recorded</p>"
+    top = max(counts.values())
+    bar = (w - 60) / max(len(counts), 1)
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {w} {h}" width="{w}" font-size="11" font-family="Helvetica, Arial">']
+    for i, (lag, n) in enumerate(counts.items()):
+        bh = (h - 50) * n / top
+        x = 40 + i * bar
+        out.append(f'<rect x="{x + 4:.1f}" y="{h - 30 - bh:.1f}" width="{bar - 8:.1f}" height="{bh:.1f}" fill="#d35400"/>'
+                   f'<text x="{x + bar / 2:.1f}" y="{h - 16}" text-anchor="middle">{lag}</text>'
+                   f'<text x="{x + bar / 2:.1f}" y="{h - 34 - bh:.1f}" text-anchor="middle">{n}</text>')
+    out.append(f'<text x="{w / 2}" y="{h - 2}" text-anchor="middle">lag = train version − record version (groups)</text></svg>')
+    return "".join(out)
+
+
+def render_html(phases: list[Phase]) -> str:
+    title = phases[0].meta.get("name", "run")
+    body = [f"<h1>{html.escape(title)}</h1><h2>Reward</h2>{reward_chart(phases)}"]
+    for p in phases:
+        s = summary(p)
+        body.append(f"<h2>Phase {html.escape(p.name)}: {s['steps']} steps, {s['seconds']} s</h2>"
+                    f"<p>reward {_fmt(s['first_reward'])} → {_fmt(s['last_reward'])}; eval reward best "
+                    f"{_fmt(s['best_eval_reward'])}; {s['samples_per_s']} samples/s; dropped {s['dropped_total']}</p>"
+                    f"<h3>Timeline</h3>{timeline_chart(p)}<h3>Staleness</h3>{staleness_chart(p)}")
+    return page(f"flowrl run · {title}", "".join(body))
+
+
+def render_png(page_html: str) -> bytes:
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        raise SystemExit("flowrl inspect --format png needs headless Chromium (Debian: apt-get install chromium); "
+                         "use --format html instead")
+    with tempfile.TemporaryDirectory() as tmp:
+        src, out = Path(tmp) / "run.html", Path(tmp) / "run.png"
+        src.write_text(page_html)
+        subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                        "--window-size=1000,1400", f"--screenshot={out}", src.as_uri()],
+                       check=True, capture_output=True, timeout=120)
+        return out.read_bytes()
