@@ -68,3 +68,18 @@ def test_ray_operator_exception_names_the_node(tmp_path):
     with pytest.raises(StageFailed, match=r"(?s)node 'score'.*ZeroDivisionError: toy reward failed on 1:0"):
         run(plan, tmp_path, executor="ray", progress=False)
     assert time.time() - start < 30
+
+
+def test_no_stage_process_outlives_a_failed_run(tmp_path):
+    plan = ops.grpo("sync", steps=20, batch_size=2, reward={"fail_on": "2:0"})
+    with pytest.raises(StageFailed):
+        run(plan, tmp_path, executor="ray", progress=False)
+    pid = train_log(tmp_path)[0]["pid"]  # the train actor's process
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    pytest.fail(f"train actor process {pid} still alive after the run failed")
