@@ -41,10 +41,13 @@ class Learner(Operator):
     resources = Resources(cpus=0.1)
 
     async def setup(self) -> None:
-        from flowrl_operators.models import load_hf_model
+        from safetensors.torch import load_file
+
+        from flowrl_operators.models import resolve_model
 
         torch.set_num_threads(1)
-        self.model = load_hf_model(self.context.model["path"])
+        # The checkpoint's tensors as a state dict (no transformers import: actors start faster).
+        self.weights = load_file(resolve_model(self.context.model["path"]) / "model.safetensors")
 
     async def train(self, groups: list[Group], *, step: int) -> TrainResult:
         rows = []
@@ -54,11 +57,19 @@ class Learner(Operator):
                 rows.append({"id": t.id, "versions": sorted(set(t.versions)), "turns": len(t.turns),
                              "reward": t.reward, "masked": sum(t.loss_mask), "n": len(t.response_ids)})
         SEEN.append({"step": step, "rows": rows})
-        with torch.no_grad():
-            for p in self.model.parameters():
-                p.add_(0.01 * (step + 1))
+        if self.context.run_dir is not None:  # for runs in other processes (Ray executor)
+            with open(Path(self.context.run_dir) / "learner.jsonl", "a") as f:
+                for group in groups:
+                    for t in group.trajectories:
+                        f.write(json.dumps({"step": step, "id": t.id, "prompt_ids": t.prompt_ids,
+                                            "response_ids": t.response_ids, "loss_mask": t.loss_mask,
+                                            "logprobs": t.behaviour_logprobs, "versions": t.versions,
+                                            "turns": [[u.start, u.end] for u in t.turns], "reward": t.reward,
+                                            "pid": os.getpid()}) + "\n")
+        for tensor in self.weights.values():
+            tensor.add_(0.01 * (step + 1))
         rewards = [r["reward"] for r in rows]
-        return TrainResult(policy=self.model, metrics={"groups": float(len(groups)),
+        return TrainResult(policy=self.weights, metrics={"groups": float(len(groups)),
                                                        "reward": sum(rewards) / max(1, len(rewards))})
 
 
