@@ -73,7 +73,8 @@ def test_contract(kind, check, weights):
         engine, cleanup = await open_engine(kind, folder)
         try:
             target = Target(engine=engine, reference=reference, old=old, new=new,
-                            vocab=reference.config.vocab_size,
+                            vocab=reference.config.vocab_size, check_vocab=kind != "url",
+                            max_context=reference.config.max_position_embeddings,
                             tolerance=2e-3 if DTYPE == "float32" and kind != "url" else 5e-2,
                             retract_exact=os.environ.get("FLOWRL_CONTRACT_RETRACT_EXACT", "1") == "1")
             await asyncio.wait_for(check(target), timeout=120)

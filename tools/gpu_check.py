@@ -51,7 +51,7 @@ def fsdp_trainer(folder, lr: float, token_budget: int):
     """
     from flowrl_operators.training.trainer import Trainer, TrainerConfig, lr_factor
 
-    trainer = Trainer(folder, TrainerConfig(lr=lr, token_budget=token_budget, grad_clip=1.0))
+    trainer = Trainer(folder, TrainerConfig(lr=lr, micro_batch_tokens=token_budget, grad_clip=1.0))
     trainer.sharded = True
     trainer._shard()  # private: see the docstring (ask the training helper for a config switch)
     config = trainer.config
@@ -71,7 +71,7 @@ def reward(answer: str, target: str) -> float:
     return sum(a == b for a, b in zip(answer, target, strict=False)) / max(len(target), len(answer), 1)
 
 
-def sync(trainer, engine, version: int, bucket_mb: float, dtype) -> tuple[float, float]:
+def sync(loop, trainer, engine, version: int, bucket_mb: float, dtype) -> tuple[float, float]:
     """Stream the trainer's weights into the engine in buckets; returns (bytes, seconds)."""
     total = 0
     start = time.perf_counter()
@@ -82,7 +82,7 @@ def sync(trainer, engine, version: int, bucket_mb: float, dtype) -> tuple[float,
             total += sum(t.numel() * t.element_size() for _, t in bucket)
             yield bucket
 
-    asyncio.get_event_loop().run_until_complete(engine.update_weights(buckets(), version))
+    loop.run_until_complete(engine.update_weights(buckets(), version))
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     return total, time.perf_counter() - start
@@ -141,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     trainer = fsdp_trainer(folder, args.lr, token_budget=16384)
     params = sum(p.numel() for p in trainer.model.parameters())
     summary["parameters_m"] = round(params / 1e6, 1)
+    summary["fsdp2"] = type(next(trainer.model.parameters())).__name__ == "DTensor"
+    if not summary["fsdp2"]:
+        summary["failures"].append("the trainer's parameters are not DTensors: FSDP2 did not shard the model")
     log(f"FSDP2 trainer on {device}: {params / 1e6:.1f}M parameters, bf16={trainer.bf16}, "
         f"{time.perf_counter() - t:.1f} s")
     engine_dtype = "bfloat16" if device == "cuda" else "float32"
@@ -152,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # 1. A bucketed weight sync from the (sharded) trainer into the engine, before any training, so
     #    both sides start from the same weights (the engine loaded the checkpoint in its own dtype).
-    nbytes, seconds = sync(trainer, engine, 0, args.bucket_mb, wire_dtype)
+    nbytes, seconds = sync(loop, trainer, engine, 0, args.bucket_mb, wire_dtype)
     summary["sync_gb_per_s"] = round(nbytes / seconds / 1e9, 2)
     summary["sync_gb"] = round(nbytes / 1e9, 3)
     log(f"bucketed weight sync: {nbytes / 1e9:.3f} GB in {seconds:.2f} s = {nbytes / seconds / 1e9:.2f} GB/s")
@@ -172,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
             ids = tokenizer.encode(prompt, add_special_tokens=False)
             for j in range(args.group):
                 requests.append((i, ids, GenerateRequest(request_id=f"{step}/{i}/{j}", input_ids=ids,
-                                                         sampling=sampling.__copy__())))
+                                                         sampling=sampling)))
         t = time.perf_counter()
         results = loop.run_until_complete(asyncio.gather(*(engine.generate(r) for _, _, r in requests)))
         generate_s = time.perf_counter() - t
@@ -198,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.synchronize()
         record["step_s"] = round(time.perf_counter() - t, 3)
         record["loss_finite"] = math.isfinite(metrics["loss"]) and metrics["skipped"] == 0.0
-        nbytes, seconds = sync(trainer, engine, step + 1, args.bucket_mb, wire_dtype)
+        nbytes, seconds = sync(loop, trainer, engine, step + 1, args.bucket_mb, wire_dtype)
         record["sync_gb_per_s"] = round(nbytes / seconds / 1e9, 2)
         record["engine_version"] = engine.version
         if not record["loss_finite"]:

@@ -16,7 +16,7 @@ cd "$(dirname "$0")/.."
 REPO=$PWD
 PY=${PYTHON:-python3}
 WHEELS=tools/gpu_wheels
-NEEDED="msgspec omegaconf antlr4-python3-runtime aiohttp multidict yarl propcache frozenlist aiosignal aiohappyeyeballs attrs"
+NEEDED="msgspec omegaconf antlr4-python3-runtime PyYAML aiohttp multidict yarl propcache frozenlist aiosignal aiohappyeyeballs attrs typing_extensions idna"
 START=$(date +%s)
 elapsed() { echo $(( $(date +%s) - START )); }
 say() { echo "[gpu_check.sh +$(elapsed)s] $*"; }
