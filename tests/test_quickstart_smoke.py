@@ -1,0 +1,80 @@
+"""A few steps of the quickstart through `flowrl run` (both phases), then `flowrl inspect RUN_DIR`.
+
+Catches a broken pipeline in CI: the warm-up phase exports a policy, the GRPO phase starts from
+it, every record is accounted for in the ledgers, and the run directory renders.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from flowrl.cli import main
+from flowrl.runtime import check
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOKE = ["phases.0.steps=2", "phases.0.seconds=null", "phases.1.steps=2", "phases.1.seconds=null",
+         "data.batch_size=4", "nodes.rollout.group_size=4", "data.eval.every=1", "data.eval.samples=4"]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("quickstart") / "run"
+    code = main(["run", str(ROOT / "pipelines/quickstart.yaml"), *SMOKE, "--run-dir", str(out), "--quiet"])
+    assert code == 0
+    return out
+
+
+def test_both_phases_finish_and_chain(run_dir: Path) -> None:
+    warmup, grpo = run_dir / "phases/0-warmup", run_dir / "phases/1-grpo"
+    first = json.loads((warmup / "phase.json").read_text())
+    second = json.loads((grpo / "phase.json").read_text())
+    assert first["status"] == second["status"] == "done"
+    assert first["export"] == str(warmup / "export/learner")
+    # The GRPO phase starts from the policy the warm-up exported.
+    assert json.loads((grpo / "plan.json").read_text())["model"]["path"] == first["export"]
+    for phase in (warmup, grpo):
+        rows = [json.loads(line) for line in (phase / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in rows] == [0, 1]
+        report = check(phase)
+        assert report.clean and report.ended and report.produced > 0, report
+
+
+def test_exported_policy_loads(run_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    export = run_dir / "phases/1-grpo/export/learner"
+    model = AutoModelForCausalLM.from_pretrained(export, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(export, local_files_only=True)
+    assert model.config.vocab_size >= len(tokenizer)
+
+
+def test_resume_of_a_finished_run_runs_nothing(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    before = (run_dir / "phases/1-grpo/metrics.jsonl").read_text()
+    assert main(["run", "--resume", str(run_dir), "--quiet"]) == 1  # nothing left to run
+    assert (run_dir / "phases/1-grpo/metrics.jsonl").read_text() == before
+
+
+@pytest.mark.parametrize("fmt", ["text", "json", "html"])
+def test_inspect_run_dir(run_dir: Path, fmt: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["inspect", str(run_dir), "--format", fmt]) == 0
+    out = capsys.readouterr().out
+    if fmt == "text":
+        assert "quickstart · phase warmup: 2 steps" in out and "quickstart · phase grpo: 2 steps" in out
+    elif fmt == "json":
+        phases = json.loads(out)
+        assert [p["phase"] for p in phases] == ["warmup", "grpo"] and len(phases[1]["metrics"]) == 2
+    else:
+        assert out.startswith("<!doctype html>") and "<svg" in out and "<script" not in out
+        for lane in ("rollout", "score", "learner", "publish"):
+            assert f">{lane}</text>" in out  # one timeline lane per stage
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="chromium is not installed")
+def test_inspect_run_dir_png(run_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run.png"
+    assert main(["inspect", str(run_dir), "--format", "png", "-o", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
