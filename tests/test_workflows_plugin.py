@@ -4,6 +4,7 @@ environment, a data source and a registered reward operator) installs with pip a
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -14,13 +15,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PLUGIN = Path(__file__).parent / "plugins" / "countdown"
-
-
-def train_is_implemented() -> bool:
-    from flowrl.operator import Operator
-    from flowrl_operators.train import Train
-
-    return Train.train is not Operator.train
 
 
 @pytest.fixture(scope="module")
@@ -35,9 +29,7 @@ def site(tmp_path_factory) -> Path:
 
 
 def flowrl(site: Path | None, *args: str) -> subprocess.CompletedProcess[str]:
-    paths = [str(site)] if site else []
-    paths.append(str(Path(__file__).parent))  # the stand-in learner, while the train node is unwired
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "PYTHONPATH": str(site) if site else "", "HF_HUB_OFFLINE": "1"}
     return subprocess.run([sys.executable, "-m", "flowrl.cli", *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300)
 
@@ -50,3 +42,15 @@ def test_plugin_operator_is_registered_and_validates(site):
     assert flowrl(site, "validate", spec).returncode == 0
     missing = flowrl(None, "validate", spec)
     assert missing.returncode == 1 and "unknown operator 'countdown_score'" in missing.stderr
+
+
+def test_plugin_trains_through_flowrl_run(site, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = flowrl(site, "run", str(PLUGIN / "countdown.yaml"), "--run-dir", str(run_dir), "--quiet")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if r.get("node") == "learner"]
+    assert [r["step"] for r in steps] == [0, 1]
+    for r in steps:  # the shipped train node updated the policy on the plugin's trajectories
+        assert r["groups"] == 2 and r["reward"] is not None
+        assert r["train"]["tokens"] > 0 and r["train"]["grad_norm"] > 0 and r["train"]["trajectories"] == 4
