@@ -118,6 +118,32 @@ def test_guess_number_graph_end_to_end(tmp_path):
     assert [r["step"] for r in rows if "step" in r][-2:] == [0, 1]
 
 
+from flowrl_operators.train import Train  # noqa: E402
+
+
+class RecordingTrain(Train):
+    """The shipped train node, noting the loss-masked tokens of each batch it trains on."""
+
+    async def train(self, groups: list[Group], *, step: int) -> TrainResult:
+        SEEN.append({"step": step, "model_tokens": sum(sum(t.loss_mask) for g in groups for t in g.trajectories),
+                     "all_tokens": sum(len(t.response_ids) for g in groups for t in g.trajectories)})
+        return await super().train(groups, step=step)
+
+
+def test_guess_number_graph_trains_with_the_train_node(tmp_path):
+    SEEN.clear()
+    plan = compile_file(str(SPEC), ["nodes.learner.op=test_workflows_pipeline:RecordingTrain"]).plan
+    result = run(plan, run_dir=tmp_path / "run", progress=False)
+    assert result.status == "done" and result.steps == 2
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in rows if r.get("node") == "learner"]
+    assert len(trained) == 2
+    for row, seen in zip(trained, SEEN, strict=True):
+        # The trainer's loss covered exactly the model's tokens, none of the environment's.
+        assert row["train"]["tokens"] == seen["model_tokens"] < seen["all_tokens"]
+        assert row["train"]["grad_norm"] > 0
+
+
 def test_failures_are_isolated_and_counted(tmp_path):
     """The run finishes although an environment, a reward function and a hanging reward fail."""
     from flowrl.runtime.inprocess import InProcessExecutor
