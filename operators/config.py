@@ -149,10 +149,11 @@ class SyncConfig(Strict):
     snapshot: bool = False
     # broadcast: the engines that join the group (ranks 1..receivers; rank 0 sends), where the
     # sender hosts its TCP store (port 0 = any free port), gloo on CPU / NCCL on GPU, and whether
-    # each bucket travels as one flat buffer or tensor by tensor.
+    # each bucket travels tensor by tensor (no packing copy; measured faster on CPU) or packed
+    # into one flat buffer (fewer collectives).
     receivers: PositiveInt = 1
     address: str = "127.0.0.1"
     port: Annotated[int, Meta(ge=0, le=65535)] = 0
     backend: Literal["auto", "gloo", "nccl"] = "auto"
-    layout: Literal["flat", "per_tensor"] = "flat"
+    layout: Literal["per_tensor", "flat"] = "per_tensor"
     timeout_s: Annotated[float, Meta(gt=0)] = 600.0

@@ -10,13 +10,15 @@ backend)` uses (a tcp:// rendezvous, then torch's group construction under a "<g
 prefix; tests/test_transport.py checks the two meet), so an SGLang server can join the same group
 as ranks rank_offset... The backend is created directly, not registered in torch's global group
 table, so a trainer that already has its FSDP group can host it, and sender and receiver can share
-a process (the in-process executor). Building it returns once all `world_size` ranks have joined; the group then lives on
-for every later version.
+a process (the in-process executor). Building it returns once all `world_size` ranks have joined;
+the group then lives on for every later version.
 
 The wire, per version: for each bucket a header (int64: kind, metadata length, data length,
-version), the bucket's metadata (names, dtypes, shapes; msgpack), then its bytes, either as one
-flat uint8 buffer (layout "flat": one broadcast per bucket) or tensor by tensor (layout
-"per_tensor", the shape SGLang's `update_weights_from_distributed` receives). An END header closes
+version), the bucket's metadata (names, dtypes, shapes; msgpack), then its bytes, either tensor by
+tensor (layout "per_tensor", the default: no packing copy, and the shape SGLang's
+`update_weights_from_distributed` receives) or packed into one flat uint8 buffer (layout "flat":
+one broadcast per bucket; the sender packs bucket k+1 while bucket k is on the wire). Receivers
+land both in reused buffers. An END header closes
 the version; an ABORT header tells the engines the sender failed mid-way (they raise and keep their
 old weights). A receiver whose engine rejects a bucket still drains the rest of the version, so
 the group stays in step. If the group itself breaks (a peer died), the sender starts a new group
@@ -25,11 +27,12 @@ under a new name for the next version and receivers join that.
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import itertools
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -96,10 +99,15 @@ def connect(group: BroadcastGroup, rank: int, store: dist.Store | None = None):
     raise ValueError(f"broadcast backend {group.backend!r} is not gloo or nccl")
 
 
-def broadcast(pg, tensor: torch.Tensor) -> None:
+def broadcast(pg, tensor: torch.Tensor, wait: bool = True):
+    """Broadcast `tensor` from rank 0 of `pg`; with wait=False, return the handle to wait on."""
     options = dist.BroadcastOptions()
     options.rootRank = 0
-    pg.broadcast([tensor], options).wait()
+    work = pg.broadcast([tensor], options)
+    if wait:
+        work.wait()
+        return None
+    return work
 
 
 class BroadcastSender:
@@ -109,7 +117,7 @@ class BroadcastSender:
     transport = "broadcast"
 
     def __init__(self, receivers: int = 1, address: str = "127.0.0.1", port: int = 0, backend: str = "auto",
-                 group_name: str = "flowrl-weights", layout: Layout = "flat", timeout_s: float = 600.0) -> None:
+                 group_name: str = "flowrl-weights", layout: Layout = "per_tensor", timeout_s: float = 600.0) -> None:
         if receivers < 1:
             raise ValueError(f"a broadcast needs at least one receiving engine, got receivers={receivers}")
         if backend == "auto":
@@ -122,7 +130,11 @@ class BroadcastSender:
         self._incarnation = itertools.count()
         self.group = self._new_group()
         self._pg = None
-        self._flat = torch.empty(0, dtype=torch.uint8, device=self.group.device)
+        # Two flat buffers: bucket k+1 is packed into one while bucket k is still on the wire from the
+        # other (gloo and NCCL run the broadcast asynchronously; `_inflight` holds its handle).
+        self._flat = [torch.empty(0, dtype=torch.uint8, device=self.group.device) for _ in range(2)]
+        self._inflight: list = [None, None]
+        self._slot = 0
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None  # why the last transfer failed, if it did
         self.seconds = 0.0  # duration of the last transfer
@@ -169,17 +181,25 @@ class BroadcastSender:
                     bucket = next(iterator, None)  # may gather from FSDP shards, and may raise
                 except Exception as exc:  # the source failed, the group is fine: engines drop the version
                     self.error = exc
+                    self._drain()
                     self._header(ABORT, 0, 0, version)
                     return
                 if bucket is None:
+                    self._drain()
                     self._header(END, 0, 0, version)
                     return
                 self._send_bucket(bucket, version)
         except Exception as exc:  # the group failed (a receiver died, a timeout): never reuse it
             self.error = exc
-            self._pg, self.group = None, self._new_group()
+            self._pg, self.group, self._inflight = None, self._new_group(), [None, None]
         finally:
             self.seconds = time.perf_counter() - start
+
+    def _drain(self) -> None:
+        for slot, work in enumerate(self._inflight):
+            if work is not None:
+                work.wait()
+                self._inflight[slot] = None
 
     def _header(self, kind: int, meta_len: int, data_len: int, version: int) -> None:
         broadcast(self._pg, torch.tensor([kind, meta_len, data_len, version], dtype=torch.int64,
@@ -189,20 +209,28 @@ class BroadcastSender:
         device = self.group.device
         metas = [TensorMeta.of(name, t) for name, t in bucket]
         meta = msgspec.msgpack.encode([[m.name, m.dtype, list(m.shape)] for m in metas])
-        size = sum(aligned(m.nbytes) for m in metas) if self.layout == "flat" else bucket_nbytes(bucket)
+        if self.layout == "per_tensor":  # no packing copy: each tensor goes from where it lies
+            self._header(BUCKET, len(meta), bucket_nbytes(bucket), version)
+            broadcast(self._pg, torch.frombuffer(bytearray(meta), dtype=torch.uint8).to(device))
+            tensors = [t.detach().to(device).contiguous() for _, t in bucket]
+            for work in [broadcast(self._pg, t, wait=False) for t in tensors]:
+                work.wait()
+            return
+        # Pack first (overlapping the previous bucket's broadcast), then announce and send.
+        slot, self._slot = self._slot, 1 - self._slot
+        if self._inflight[slot] is not None:
+            self._inflight[slot].wait()
+            self._inflight[slot] = None
+        size = sum(aligned(m.nbytes) for m in metas)
+        if self._flat[slot].numel() < size:
+            self._flat[slot] = torch.empty(size, dtype=torch.uint8, device=device)
+        flat, offset = self._flat[slot], 0
+        for (_, t), m in zip(bucket, metas, strict=True):
+            flat[offset:offset + m.nbytes].copy_(as_bytes(t))
+            offset += aligned(m.nbytes)
         self._header(BUCKET, len(meta), size, version)
         broadcast(self._pg, torch.frombuffer(bytearray(meta), dtype=torch.uint8).to(device))
-        if self.layout == "per_tensor":
-            for _, t in bucket:
-                broadcast(self._pg, t.detach().to(device).contiguous())
-            return
-        if self._flat.numel() < size:
-            self._flat = torch.empty(size, dtype=torch.uint8, device=device)
-        offset = 0
-        for (_, t), m in zip(bucket, metas, strict=True):
-            self._flat[offset:offset + m.nbytes].copy_(as_bytes(t))
-            offset += aligned(m.nbytes)
-        broadcast(self._pg, self._flat[:size])
+        self._inflight[slot] = broadcast(self._pg, flat[:size], wait=False)
 
 
 _joined: dict[tuple[str, int, str, int], object] = {}
@@ -211,11 +239,12 @@ _joining: dict[tuple[str, int, str, int], threading.Lock] = {}
 
 
 class BroadcastStream(Stream):
-    """Rank `rank` of the record's group. Buckets of the flat layout are views of one receive buffer,
-    valid until the next bucket is asked for (engines copy a bucket before taking the next)."""
+    """Rank `rank` of the record's group. It receives one bucket ahead: while the engine copies
+    bucket k, bucket k+1 arrives. Buckets are views of two alternating receive buffers, so a bucket stays valid until the engine asks for the one after it (engines copy a
+    bucket before taking the next)."""
 
     transport = "broadcast"
-    _buffers: dict[tuple[torch.device, int], torch.Tensor] = {}  # per device and rank, reused
+    _buffers: dict[tuple[torch.device, int, int], torch.Tensor] = {}  # per device, rank, slot; reused
 
     def __init__(self, record: BroadcastRecord, rank: int) -> None:
         super().__init__()
@@ -225,6 +254,8 @@ class BroadcastStream(Stream):
         self.record, self.rank = record, rank
         self._ended = False
         self._problem: TransferError | None = None
+        self._slot = 0  # which of the two receive buffers the next flat bucket lands in
+        self._pending: asyncio.Future | None = None  # the bucket being received ahead
 
     def _group(self):
         g = self.record.group
@@ -256,17 +287,24 @@ class BroadcastStream(Stream):
                 raise TransferError(f"the sender of weights version {version} failed mid-way; the version is dropped")
             raw = self._receive(pg, (meta_len,), torch.uint8).cpu().numpy().tobytes()
             metas = [TensorMeta(n, d, tuple(s)) for n, d, s in msgspec.msgpack.decode(raw)]
+            # Either layout lands in a reused receive buffer (fresh memory would page-fault).
+            size = sum(aligned(m.nbytes) for m in metas)
+            key = (g.device, self.rank, self._slot)
+            self._slot = 1 - self._slot
+            buffer = self._buffers.get(key)
+            if buffer is None or buffer.numel() < size:
+                buffer = self._buffers[key] = torch.empty(size, dtype=torch.uint8, device=g.device)
+            bucket, offset = [], 0
+            for m in metas:
+                bucket.append((m.name, from_bytes(buffer[offset:offset + m.nbytes], m)))
+                offset += aligned(m.nbytes)
             if self.record.layout == "per_tensor":
-                bucket = [(m.name, self._receive(pg, m.shape, m.torch_dtype)) for m in metas]
+                for work in [broadcast(pg, t, wait=False) for _, t in bucket]:
+                    work.wait()
             else:
-                buffer = self._buffers.get((g.device, self.rank))
-                if buffer is None or buffer.numel() < data_len:
-                    buffer = self._buffers[(g.device, self.rank)] = torch.empty(data_len, dtype=torch.uint8, device=g.device)
+                if data_len != size:
+                    raise TransferError(f"bucket of {data_len} bytes does not match its metadata ({size} bytes)")
                 self._receive(pg, (data_len,), torch.uint8, buffer[:data_len])
-                bucket, offset = [], 0
-                for m in metas:
-                    bucket.append((m.name, from_bytes(buffer[offset:offset + m.nbytes], m)))
-                    offset += aligned(m.nbytes)
         except TransferError:
             raise
         except Exception as exc:  # the group broke (a peer died, a timeout): forget it
@@ -280,6 +318,23 @@ class BroadcastStream(Stream):
         if self._problem is not None:
             raise self._problem
         return bucket
+
+    async def _iterate(self) -> AsyncIterator[Bucket]:
+        self._pending = asyncio.ensure_future(asyncio.to_thread(self._next))
+        while True:
+            bucket = await self._pending
+            if bucket is None:
+                break
+            self._pending = asyncio.ensure_future(asyncio.to_thread(self._next))
+            self.buckets += 1
+            self.bytes += bucket_nbytes(bucket)
+            yield bucket
+        self.done_at = time.perf_counter()
+
+    async def close(self) -> None:
+        if self._pending is not None:  # a receive still running in its thread: let it land first
+            await asyncio.gather(self._pending, return_exceptions=True)
+        await super().close()
 
     def _finish(self) -> None:
         while not self._ended:
