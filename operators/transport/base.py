@@ -9,6 +9,8 @@ receiving end (in the generate node) turns the record back into buckets, which
 
 from __future__ import annotations
 
+import asyncio
+import math
 import time
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -50,7 +52,7 @@ class TensorMeta:
 
     @property
     def nbytes(self) -> int:
-        return _numel(self.shape) * torch.empty((), dtype=self.torch_dtype).element_size()
+        return math.prod(self.shape) * torch.empty((), dtype=self.torch_dtype).element_size()
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -101,8 +103,6 @@ class Stream:
         return self._iterate()
 
     async def _iterate(self) -> AsyncIterator[Bucket]:
-        import asyncio
-
         while (bucket := await asyncio.to_thread(self._next)) is not None:
             self.buckets += 1
             self.bytes += bucket_nbytes(bucket)
@@ -110,20 +110,11 @@ class Stream:
         self.done_at = time.perf_counter()
 
     async def close(self) -> None:
-        import asyncio
-
         await asyncio.to_thread(self._finish)
 
 
 def bucket_nbytes(bucket: Bucket) -> int:
     return sum(t.numel() * t.element_size() for _, t in bucket)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def aligned(n: int) -> int:
