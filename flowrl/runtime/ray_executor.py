@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import ray
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -42,8 +43,11 @@ class RemoteCoordinator:
 
 
 class StageActor:
-    def __init__(self, plan: Plan, node: str, replica: int, coord: Any, run_dir: str | None, origin: float) -> None:
-        self.stage = Stage(plan, node, replica, RemoteCoordinator(coord), run_dir, origin)
+    def __init__(self, plan: bytes, node: str, replica: int, coord: Any, run_dir: str | None, origin: float) -> None:
+        # The plan travels as msgspec JSON: small arguments are inlined in the actor's creation
+        # task, so a restart never depends on an object-store copy.
+        self.stage = Stage(msgspec.json.decode(plan, type=Plan), node, replica, RemoteCoordinator(coord),
+                           run_dir, origin)
 
     async def start(self, checkpoint: str | None) -> int:
         await self.stage.start(checkpoint)
@@ -90,7 +94,7 @@ class RayExecutor:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=index),
                 max_restarts=self.max_restarts if self.plan.nodes[name].kind == "generate" else 0,
                 max_task_retries=0,  # a call that killed its actor must not be retried (it would again)
-            ).remote(self.plan, name, r, self.coord, self.run_dir, self.origin)
+            ).remote(msgspec.json.encode(self.plan), name, r, self.coord, self.run_dir, self.origin)
         pids = await asyncio.gather(*(
             actor.start.remote(str(checkpoint / name / f"r{r}") if checkpoint else None)
             for (name, r), actor in self.actors.items()))
