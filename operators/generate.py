@@ -53,9 +53,13 @@ class Generate(Operator):
             if self.context.run_dir is not None:
                 folder = Path(self.context.run_dir) / "endpoints"
                 folder.mkdir(parents=True, exist_ok=True)
-                scratch = folder / f".{self.context.node}.{self.context.rank}.tmp"
-                scratch.write_text(url + "/v1")
-                scratch.replace(folder / f"{self.context.node}.url")  # readers never see half a file
+                names = [f"{self.context.node}-r{self.context.rank}.url"]
+                if self.context.rank == 0:
+                    names.append(f"{self.context.node}.url")  # what a judge's `node:` reads
+                for name in names:
+                    scratch = folder / f".{name}.tmp"
+                    scratch.write_text(url + "/v1")
+                    scratch.replace(folder / name)  # readers never see half a file
         self.counts = {"episodes": 0, "episode_errors": 0, "rejected_samples": 0, "trajectories": 0,
                        "model_tokens": 0, "turns": 0, "weight_updates": 0, "episode_timeouts": 0}
         self.last_error: str | None = None

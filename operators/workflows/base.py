@@ -13,6 +13,7 @@ import functools
 import hashlib
 import inspect
 import random
+import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -74,7 +75,8 @@ class WorkflowContext:
         if sampling.temperature > 0 and sampling.seed is None:
             sampling = msgspec.structs.replace(
                 sampling, seed=derive_seed(self.seed, self.sample_id, self.episode, self.calls))
-        request_id = f"{self.sample_id}/{self.episode}/{self.calls}"
+        # Unique even if the same sample runs twice at once (e.g. a greedy evaluation episode).
+        request_id = f"{self.sample_id}/{self.episode}/{self.calls}-{uuid.uuid4().hex[:8]}"
         merged = GenerateResult(request_id=request_id)
         prefix = list(input_ids)
         for attempt in range(1000):
