@@ -34,6 +34,11 @@ class EngineConfig(Strict):
     threads: PositiveInt = 1  # torch threads per engine process
     max_batch: PositiveInt = 32  # slots of the KV cache: requests decoded together
     server_args: dict[str, Any] = {}  # forwarded to sglang.launch_server
+    # How the SGLang adapter delivers weights to its servers: tensor (HTTP; CUDA IPC on real SGLang,
+    # colocated only), distributed (the adapter broadcasts: NCCL on GPU, gloo on CPU), disk
+    # (a checkpoint folder); auto = tensor for flowrl's server, distributed for SGLang.
+    weight_sync: Literal["auto", "tensor", "distributed", "disk"] = "auto"
+    launch_timeout_s: Annotated[float, Meta(gt=0)] = 900.0  # engine: sglang, until /health answers
 
 
 class GenerateConfig(Strict):

@@ -201,6 +201,7 @@ def make_engine(config: Any, model_path: str, *, dtype: str = "float32", seed: i
         return SGLangEngine(config.url, weight_sync=sync, model_path=model_path)
     from flowrl_operators.models import resolve_model
 
-    launched = launch_servers(str(resolve_model(model_path)), config.engines, config.server_args)
+    launched = launch_servers(str(resolve_model(model_path)), config.engines, config.server_args,
+                              timeout_s=getattr(config, "launch_timeout_s", 900.0))
     return SGLangEngine([u for u, _ in launched], weight_sync=sync, model_path=model_path,
                         owned=[h for _, h in launched])
