@@ -236,7 +236,7 @@ def pipelines(draw):
     return ops.plan(nodes, edges, steps=steps, batch_size=batch)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(plan=pipelines())
 def test_property_nothing_lost_no_record_too_old_no_step_beyond_budget(tmp_path_factory, plan):
     run_dir = tmp_path_factory.mktemp("prop")

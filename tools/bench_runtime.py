@@ -253,7 +253,7 @@ def measure(args: argparse.Namespace, configs: list[tuple[str, str, int]], repea
 def main() -> None:
     global UNITS_PER_MS, WORK
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()

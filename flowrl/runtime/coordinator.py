@@ -1,7 +1,7 @@
 """The coordinator: channels, version clock, admission control and the ledger, in one place.
 
-Stages never talk to each other; they call the coordinator's four stage-facing methods
-(`attach`, `take`, `complete`, `loaded`, plus `report` for trace events). In-process the
+Stages never talk to each other; they call the coordinator's stage-facing methods (`attach`,
+`take`, `complete`, `loaded_weights`, `report` for trace events, `fail`). In-process the
 stages call the object directly; under Ray it is an async actor and the stages call it through
 `RemoteCoordinator`, so the stage code is the same in both executors.
 
@@ -31,6 +31,7 @@ import asyncio
 import inspect
 import pickle
 import time
+from pathlib import Path
 from typing import Any
 
 import networkx as nx
@@ -73,8 +74,6 @@ def admission_budgets(plan: Plan) -> tuple[dict[str, int | None], dict[str, int 
 class Coordinator:
     def __init__(self, plan: Plan, run_dir: str | None, steps: int, stop_at: int | None = None,
                  origin: float | None = None, state: bytes | None = None) -> None:
-        from pathlib import Path
-
         self.plan = plan
         self.steps = steps
         self.stop_at = stop_at if stop_at is not None else steps
@@ -131,7 +130,12 @@ class Coordinator:
         while True:
             if self.stopping:
                 return None
+            dropped = self.counters["dropped"]
             work = self._try_take(node, replica)
+            if self.counters["dropped"] != dropped:  # a stale drop made room and may have finished a step
+                self._advance(node)
+                self._check_done()
+                self._notify()
             if work is not None:
                 self._notify()  # it made room in a channel
                 return work
