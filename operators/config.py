@@ -147,7 +147,8 @@ class CriticConfig(Strict):
 
 
 class SyncConfig(Strict):
-    transport: Literal["inprocess", "object_store", "broadcast"] = "object_store"
+    # auto: in-process when the pipeline runs in one process, the Ray object store under Ray.
+    transport: Literal["auto", "inprocess", "object_store", "broadcast"] = "auto"
     bucket_mb: Annotated[float, Meta(gt=0)] = 64.0
     # inprocess: copy the tensors at send time instead of handing over references (needed when the
     # trainer may step again before the engines applied the version, e.g. behind async edges).

@@ -49,6 +49,10 @@ WeightsRecord = InProcessRecord | ObjectStoreRecord | BroadcastRecord
 def make_sender(config: Any) -> WeightSender:
     """The sending end a sync node's config (`SyncConfig`) asks for."""
     transport = config.transport
+    if transport == "auto":
+        import ray
+
+        transport = "object_store" if ray.is_initialized() else "inprocess"
     if transport == "inprocess":
         return InProcessSender(snapshot=getattr(config, "snapshot", False))
     if transport == "object_store":
