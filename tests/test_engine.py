@@ -105,6 +105,47 @@ def test_greedy_does_not_depend_on_batch_composition(checkpoints):
     assert max(abs(a - b) for a, b in zip(alone.logprobs, crowded.logprobs, strict=True)) < 1e-5
 
 
+async def wait_for_tokens(engine: EmbeddedEngine, rid: str, count: int) -> None:
+    while (snap := engine.snapshot(rid)) is None or len(snap.output_ids) < count:
+        await asyncio.sleep(0.001)
+
+
+def test_output_does_not_depend_on_what_else_is_in_flight(checkpoints):
+    """Staggered arrivals: requests prefilled in the step where others decode in higher slots, and
+    requests that arrive mid-decode, give the same tokens and logprobs as when each runs alone."""
+    seeded = SamplingParams(temperature=1.0, max_new_tokens=12, ignore_eos=True, seed=7)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
+    long_run = SamplingParams(temperature=1.0, max_new_tokens=80, ignore_eos=True, seed=3)
+    late = {f"d{i}": request(f"d{i}", p, greedy if i % 2 else seeded)
+            for i, p in enumerate(prompts(4, seed=9))}
+    early = {"long0": request("long0", [8, 9, 10, 11], long_run),
+             "long1": request("long1", [12, 13], SamplingParams(temperature=0.0, max_new_tokens=80,
+                                                                   ignore_eos=True))}
+
+    async def run():
+        engine = EmbeddedEngine(checkpoints["tiny-qwen2"], max_slots=8)
+        try:
+            alone = {rid: await engine.generate(r) for rid, r in {**early, **late}.items()}
+            # Two one-token requests take slots 0 and 1 and finish at their prefill; the long ones
+            # keep decoding in slots 2 and 3 while the late ones arrive one by one into the low slots.
+            shorts = [asyncio.ensure_future(engine.generate(request(
+                f"s{i}", [5, 6, 7], SamplingParams(max_new_tokens=1)))) for i in range(2)]
+            running = {rid: asyncio.ensure_future(engine.generate(r)) for rid, r in early.items()}
+            await asyncio.gather(*shorts)
+            for i, (rid, r) in enumerate(late.items()):
+                await wait_for_tokens(engine, "long0", 3 + 4 * i)
+                running[rid] = asyncio.ensure_future(engine.generate(r))
+            return alone, dict(zip(running, await asyncio.gather(*running.values()), strict=True))
+        finally:
+            await engine.close()
+
+    alone, crowded = asyncio.run(run())
+    for rid, result in crowded.items():
+        assert result.output_ids == alone[rid].output_ids, rid
+        gap = max(abs(a - b) for a, b in zip(alone[rid].logprobs, result.logprobs, strict=True))
+        assert gap < 1e-5, (rid, gap)
+
+
 def test_sampled_logprobs_match_teacher_forced_hf(checkpoints):
     hf = load_hf_model(checkpoints["tiny-qwen3"])
     plain = SamplingParams(temperature=1.0, max_new_tokens=32, ignore_eos=True)

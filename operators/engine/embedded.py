@@ -2,11 +2,13 @@
 
 How it runs. Requests wait in a queue; a scheduler task on the asyncio loop repeats *steps*. Each
 step (1) gives waiting requests free KV-cache slots, (2) prefills every request that has no KV yet
-(one forward per request, which also samples its next token), and (3) decodes one token for every
-other running request in a single batched forward over slots 0..hi. A request that finishes frees
-its slot at once and the next step refills it (continuous batching). New requests take the lowest
-free slot, so the decoded block of slots stays short. Steps run on one dedicated worker thread so
-the event loop (and the HTTP server) stays responsive; everything that changes the engine's state
+(one right-padded forward, which also samples each one's next token), and (3) decodes one token for
+every other running request in a single batched forward over slots 0..hi. Rows of that block that
+are not decoding (free slots, slots prefilled in this step) write only the cache's scratch position,
+so no request's KV is ever written by another request's work. A request that finishes frees its
+slot at once and the next step refills it (continuous batching). New requests take the lowest free
+slot, so the decoded block of slots stays short. Steps run on one dedicated worker thread so the
+event loop (and the HTTP server) stays responsive; everything that changes the engine's state
 (pause, abort, weight update) waits for the step lock and so happens *between* steps.
 
 Logprobs. Each output token's logprob is taken from the distribution it was sampled from:
@@ -384,16 +386,17 @@ class EmbeddedEngine:
                     except Exception as exc:
                         seq.error, seq.finish_reason = f"prefill failed: {exc!r}", "abort"
         if decode:
-            # One token per row over slots 0..hi; free slots in between feed a dummy token at position
-            # 0 of their own (unowned) slot, and their logits are ignored.
+            # One token per row over slots 0..hi (a slice: no gather of the cache). Rows not decoding
+            # (free slots, or slots prefilled just above) feed a dummy token at the cache's scratch
+            # position, which no request ever attends to; their logits are ignored.
             hi = max(seq.slot for seq in decode) + 1
-            tokens, start = [0] * hi, [0] * hi
+            tokens, start = [0] * hi, [self.cache.scratch] * hi
             for seq in decode:
                 tokens[seq.slot], start[seq.slot] = seq.tokens[-1], len(seq.tokens) - 1
             logits = self.model(
                 torch.tensor(tokens, device=self.device)[:, None],
                 torch.tensor(start, device=self.device),
-                self.cache, slice(0, hi), max(start) + 1,
+                self.cache, slice(0, hi), max(len(seq.tokens) for seq in decode),
             )
             rows = torch.tensor([seq.slot for seq in decode], device=self.device)
             self._emit(decode, logits[rows])

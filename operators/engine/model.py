@@ -6,10 +6,12 @@ three families differ only in details read from the config: Qwen2 has biases on 
 RMSNorm on each query/key head, Llama has neither (unless `attention_bias`).
 
 KV cache: one tensor per layer for keys and one for values, shaped
-[slots, kv_heads, max_context, head_dim]. A request owns one slot; the key and value of its token at
-position p live at [slot, :, p]. `forward` runs a rectangular block of rows: row b feeds S tokens
+[slots, kv_heads, max_context + 1, head_dim]. A request owns one slot; the key and value of its token
+at position p live at [slot, :, p]. `forward` runs a rectangular block of rows: row b feeds S tokens
 starting at position `start[b]` and attends to its own positions 0..start[b]+i. Decoding is S = 1
-over the rows 0..B-1; prefilling one request is B = 1 over its slot.
+over the rows 0..B-1; prefilling one request is B = 1 over its slot. The extra column, position
+`KVCache.scratch` (= max_context), is written by rows that only fill out a rectangular block and is
+never attended to, so filler work cannot touch any request's KV.
 """
 
 from __future__ import annotations
@@ -179,14 +181,19 @@ def check_config(config) -> None:
 
 
 class KVCache:
-    """Per-layer key/value tensors [slots, kv_heads, max_context, head_dim], plus the RoPE tables."""
+    """Per-layer key/value tensors [slots, kv_heads, max_context + 1, head_dim], plus the RoPE tables.
+
+    Positions 0..max_context-1 hold requests' tokens; position `scratch` (= max_context) is a dump
+    for filler rows (a free or just-prefilled slot inside a decoded block of rows). Requests never
+    reach it (they stop at max_context tokens) and so never attend to it.
+    """
 
     def __init__(self, config, slots: int, max_context: int, dtype: torch.dtype, device: torch.device) -> None:
-        shape = (slots, config.num_key_value_heads, max_context, head_dim_of(config))
+        shape = (slots, config.num_key_value_heads, max_context + 1, head_dim_of(config))
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
-        self.cos, self.sin = rope_tables(config, max_context, device)
-        self.slots, self.max_context = slots, max_context
+        self.cos, self.sin = rope_tables(config, max_context + 1, device)
+        self.slots, self.max_context, self.scratch = slots, max_context, max_context
 
 
 def rope_tables(config, max_context: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
