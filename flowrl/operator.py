@@ -82,6 +82,10 @@ class Operator:
       `data.batch_size`; fewer, even none, if some were rejected, filtered or dropped as stale);
       returns a TrainResult. The runtime publishes policy version step + 1 with its `policy`
       (None is allowed, e.g. nothing to train on: the record still goes out and carries the version).
+      With `resources.replicas: N`, the N replicas are the ranks of one model: each gets the same
+      groups (shard them by `context.rank`), the policy and metrics of rank 0 are published, and
+      under Ray each rank finds MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE set for
+      `torch.distributed.init_process_group(init_method="env://")` in `setup()`.
     - sync: `sync(policy, version=)` per policy record, returns the weights record that the
       `kind: weights` edge delivers to generate's `update_weights`. Both records are opaque to
       the runtime (a weight-transport handle, for example); under Ray they must pickle.

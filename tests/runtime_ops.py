@@ -179,7 +179,8 @@ class ToyTrain(Operator):
         self.checksum = hashlib.sha256((self.checksum + json.dumps(batch, sort_keys=True)).encode()).hexdigest()
         if self.context.run_dir is not None:
             row = {"step": step, "ids": [g.id for g in groups], "versions": [g.oldest_version for g in groups],
-                   "checksum": self.checksum, "pid": os.getpid()}
+                   "checksum": self.checksum, "pid": os.getpid(), "rank": self.context.rank,
+                   "world_size": os.environ.get("WORLD_SIZE")}
             with open(self.context.run_dir / f"train-{self.context.node}.jsonl", "a") as f:
                 f.write(json.dumps(row) + "\n")
         rewards = [t.reward for g in groups for t in g.trajectories if t.reward is not None]
@@ -241,11 +242,11 @@ def plan(nodes: list[NodePlan], edges: list[EdgePlan], steps: int = 4, batch_siz
 
 
 def grpo(mode: str = "sync", k: int = 0, steps: int = 4, batch_size: int = 4, gen: dict | None = None,
-         reward: dict | None = None, train: dict | None = None, **edge_options: Any) -> Plan:
+         reward: dict | None = None, train: dict | None = None, train_ranks: int = 1, **edge_options: Any) -> Plan:
     """generate -> reward -> train -> sync -> generate (weights): the shape of DESIGN.md's example."""
     return plan(
         [node("rollout", "gen", **(gen or {})), node("score", "reward", **(reward or {})),
-         node("learner", "train", **(train or {})), node("publish", "sync")],
+         node("learner", "train", replicas=train_ranks, **(train or {})), node("publish", "sync")],
         [edge("rollout", "score"), edge("score", "learner", mode, k, **edge_options),
          edge("learner", "publish", dst_port="policy"), edge("publish", "rollout", dst_port="weights")],
         steps=steps, batch_size=batch_size)

@@ -15,8 +15,9 @@ from flowrl.runtime.coordinator import admission_budgets
 from flowrl.runtime.run import StageFailed, run
 
 
-def train_log(run_dir, node="learner"):
-    return [json.loads(line) for line in (run_dir / f"train-{node}.jsonl").read_text().splitlines()]
+def train_log(run_dir, node="learner", rank=0):
+    rows = [json.loads(line) for line in (run_dir / f"train-{node}.jsonl").read_text().splitlines()]
+    return [r for r in rows if r["rank"] == rank]
 
 
 def assert_clean(run_dir):
@@ -142,6 +143,17 @@ def test_without_partial_rollout_weights_wait_for_in_flight_work(tmp_path):
     assert len(updates) == 3 and not any(e["args"]["partial"] for e in updates)
     for u in updates:  # no generation overlaps a weight update
         assert not any(g["ts"] < u["ts"] + u["dur"] and u["ts"] < g["ts"] + g["dur"] for g in gens), u
+
+
+def test_train_replicas_are_ranks_of_one_step(tmp_path):
+    plan = ops.grpo("async", 1, steps=4, batch_size=4, gen={"delay": 0.01}, train={"delay": 0.02}, train_ranks=2)
+    result = run(plan, tmp_path, progress=False)
+    assert result.status == "done" and result.versions == {"learner": 4}  # one version per step, not per rank
+    ranks = [train_log(tmp_path, rank=r) for r in (0, 1)]
+    assert [r["step"] for r in ranks[0]] == [r["step"] for r in ranks[1]] == [0, 1, 2, 3]
+    for a, b in zip(*ranks, strict=True):
+        assert a["ids"] == b["ids"] and a["checksum"] == b["checksum"]  # every rank saw the same batch
+    assert_clean(tmp_path)
 
 
 def test_operator_exception_stops_the_run_with_node_name_and_traceback(tmp_path):

@@ -29,8 +29,9 @@ def ray_session():
         ray.shutdown()
 
 
-def train_log(run_dir):
-    return [json.loads(line) for line in (run_dir / "train-learner.jsonl").read_text().splitlines()]
+def train_log(run_dir, rank=0):
+    rows = [json.loads(line) for line in (run_dir / "train-learner.jsonl").read_text().splitlines()]
+    return [r for r in rows if r["rank"] == rank]
 
 
 def test_ray_and_inprocess_produce_the_same_records(tmp_path):
@@ -49,7 +50,8 @@ def test_ray_and_inprocess_produce_the_same_records(tmp_path):
 
 
 def test_killed_generate_actor_is_restarted_and_its_samples_reissued(tmp_path):
-    plan = ops.grpo("async", 1, steps=4, batch_size=4, gen={"delay": 0.05, "die_on": "1:2"})
+    # The trainer is a group of two ranks here too: each is an actor with the rendezvous env.
+    plan = ops.grpo("async", 1, steps=4, batch_size=4, gen={"delay": 0.05, "die_on": "1:2"}, train_ranks=2)
     result = run(plan, tmp_path, executor="ray", progress=False)
     assert result.status == "done" and result.steps == 4
     assert (tmp_path / "died-1:2").exists()
@@ -60,6 +62,10 @@ def test_killed_generate_actor_is_restarted_and_its_samples_reissued(tmp_path):
     assert report.ended and report.clean, report.problems
     seen = [i for r in train_log(tmp_path) for i in r["ids"]]
     assert sorted(seen) == sorted(f"{s}:{i}" for s in range(4) for i in range(4))  # none lost, none twice
+    ranks = [train_log(tmp_path, rank=r) for r in (0, 1)]
+    assert [r["ids"] for r in ranks[0]] == [r["ids"] for r in ranks[1]]
+    assert {r["world_size"] for r in ranks[0] + ranks[1]} == {"2"}
+    assert {r["pid"] for r in ranks[0]}.isdisjoint({r["pid"] for r in ranks[1]})
 
 
 def test_ray_operator_exception_names_the_node_and_leaves_no_process(tmp_path):

@@ -106,6 +106,11 @@ class Coordinator:
         # Transient state.
         self.held: dict[str, dict[str, tuple[int, Work]]] = {n: {} for n in plan.nodes}
         self.buffers: dict[str, list[Record]] = {t: [] for t in self.trains}
+        # Train groups: every rank takes the same batch; the step completes when all have.
+        self.group_size = {t: plan.nodes[t].resources.replicas for t in self.trains}
+        self.group_taken: dict[str, set[int]] = {t: set() for t in self.trains}
+        self.group_done: dict[str, dict[int, tuple[dict[str, Any], dict[str, Any] | None]]] = {
+            t: {} for t in self.trains}
         self.loaded: dict[tuple[str, int], int] = {}
         self.stopping: str | None = None  # done | interrupt | error
         self.error: str | None = None
@@ -157,6 +162,15 @@ class Coordinator:
             await self._wait()
         if self.stopping == "error" or work_id not in self.held[node]:
             return False
+        if self.plan.nodes[node].kind == "train" and self.group_size[node] > 1:
+            # A train group (ranks of one sharded model) finishes a step when every rank has;
+            # rank 0 holds the full policy and reports the metrics.
+            self.group_done[node][replica] = (outputs, metrics)
+            if len(self.group_done[node]) < self.group_size[node]:
+                return True
+            outputs, metrics = self.group_done[node][0]
+        if self.plan.nodes[node].kind == "train":
+            self.group_done[node], self.group_taken[node] = {}, set()
         _, work = self.held[node].pop(work_id)
         self._complete(node, work, outputs, version, metrics or {})
         self._notify()
@@ -312,8 +326,18 @@ class Coordinator:
 
     def _take_batch(self, node: str, replica: int) -> Work | None:
         t = self.versions[node]
-        if t >= self.steps or self.held[node]:
+        if t >= self.steps or replica in self.group_taken[node]:
             return None
+        if self.held[node]:  # the group's batch for step t, formed when its first rank asked
+            self.group_taken[node].add(replica)
+            return next(iter(self.held[node].values()))[1]
+        work = self._form_batch(node, t)
+        if work is not None:
+            self.group_taken[node].add(replica)
+        return work
+
+    def _form_batch(self, node: str, t: int) -> Work | None:
+        replica = 0
         ch = self.channels[self.ins[node][0].label]
         if ch.edge.mode == "sync":
             if t not in ch.ended:
@@ -460,8 +484,9 @@ class Coordinator:
 
     def _release(self, node: str, replica: int) -> None:
         """Hand back the work a replica held (it died, or the run is being checkpointed)."""
+        group = self.plan.nodes[node].kind == "train"  # a train group's batch is shared by all ranks
         for wid, (r, work) in list(self.held[node].items()):
-            if r != replica:
+            if r != replica and not group:
                 continue
             del self.held[node][wid]
             if work.kind == "sample":
@@ -472,6 +497,7 @@ class Coordinator:
                         self.channels[label].put(record, front=True)
         if self.plan.nodes[node].kind == "train":
             self._return_buffer(node)
+            self.group_taken[node], self.group_done[node] = set(), {}
 
     def _return_buffer(self, node: str) -> None:
         label = self.ins[node][0].label

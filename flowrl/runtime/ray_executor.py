@@ -7,12 +7,20 @@ that dies is restarted by Ray (`plan.run["max_restarts"]`, default 3); on restar
 the coordinator again, which re-issues the samples the dead actor had in flight (ledger
 `reissue`), and it receives the latest weights before new work. Any other actor's death, or a
 generate actor out of restarts, stops the run like an operator exception.
+
+A node with `resources.replicas: N > 1` gets N actors. Each gets the environment of
+torch.distributed's `env://` rendezvous (MASTER_ADDR and MASTER_PORT at replica 0's host, RANK,
+WORLD_SIZE, LOCAL_RANK) before its operator's setup(), and all replicas set up concurrently, so
+an operator may call `init_process_group(init_method="env://")` there. Replicas of a train node
+form one group: every rank gets the same batch and the step completes when all ranks have
+(see the coordinator).
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -49,9 +57,16 @@ class StageActor:
         self.stage = Stage(msgspec.json.decode(plan, type=Plan), node, replica, RemoteCoordinator(coord),
                            run_dir, origin)
 
-    async def start(self, checkpoint: str | None) -> int:
+    async def start(self, checkpoint: str | None, env: dict[str, str] | None = None) -> int:
+        os.environ.update(env or {})
         await self.stage.start(checkpoint)
         return os.getpid()
+
+    def address(self) -> tuple[str, int]:
+        """This host's address and a free port: the rendezvous of a replica group."""
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            return ray.util.get_node_ip_address(), sock.getsockname()[1]
 
     async def run(self) -> str | None:
         return await self.stage.run()
@@ -95,8 +110,17 @@ class RayExecutor:
                 max_restarts=self.max_restarts if self.plan.nodes[name].kind == "generate" else 0,
                 max_task_retries=0,  # a call that killed its actor must not be retried (it would again)
             ).remote(msgspec.json.encode(self.plan), name, r, self.coord, self.run_dir, self.origin)
+        env = {}
+        for name in names:
+            size = self.plan.nodes[name].resources.replicas
+            if size > 1:  # torch.distributed's env:// rendezvous, at replica 0's host
+                host, port = await self.actors[(name, 0)].address.remote()
+                for r in range(size):
+                    env[(name, r)] = {"MASTER_ADDR": host, "MASTER_PORT": str(port), "RANK": str(r),
+                                      "WORLD_SIZE": str(size), "LOCAL_RANK": str(r)}
+        # Started together: the ranks of a group meet in their operators' setup().
         pids = await asyncio.gather(*(
-            actor.start.remote(str(checkpoint / name / f"r{r}") if checkpoint else None)
+            actor.start.remote(str(checkpoint / name / f"r{r}") if checkpoint else None, env.get((name, r)))
             for (name, r), actor in self.actors.items()))
         self.pids = dict(zip(self.actors, pids, strict=True))
         self.tasks = {asyncio.get_running_loop().create_task(self._supervise(key)): key for key in self.actors}
