@@ -31,6 +31,7 @@ class Phase:
     meta: dict[str, Any]
     rows: list[dict[str, Any]]
     events: list[dict[str, Any]] = field(default_factory=list)
+    evals: list[dict[str, Any]] = field(default_factory=list)  # eval.jsonl: version, eval_reward, time
 
 
 def load_run(run_dir: Path) -> list[Phase]:
@@ -44,8 +45,10 @@ def load_run(run_dir: Path) -> list[Phase]:
             if (d / "metrics.jsonl").exists() else []
         trace = json.loads((d / "trace.json").read_text()) if (d / "trace.json").exists() else {}
         events = trace.get("traceEvents", []) if isinstance(trace, dict) else trace
+        evals = [json.loads(line) for line in (d / "eval.jsonl").read_text().splitlines() if line.strip()] \
+            if (d / "eval.jsonl").exists() else []
         name = d.name.split("-", 1)[1] if d != run_dir else "main"
-        phases.append(Phase(name, d, json.loads((d / "meta.json").read_text()), rows, events))
+        phases.append(Phase(name, d, json.loads((d / "meta.json").read_text()), rows, events, evals))
     if not phases:
         raise FileNotFoundError(f"{run_dir} is not a run directory (no meta.json, nor phases/*/meta.json)")
     return phases
@@ -54,7 +57,7 @@ def load_run(run_dir: Path) -> list[Phase]:
 def summary(phase: Phase) -> dict[str, Any]:
     rows = phase.rows
     rewards = [r["reward"] for r in rows if r.get("reward") is not None]
-    evals = [(r["step"], r["eval_reward"]) for r in rows if r.get("eval_reward") is not None]
+    evals = [(e["version"], e["eval_reward"]) for e in phase.evals]
     staleness: Counter[str] = Counter()
     for r in rows:
         staleness.update({k: int(v) for k, v in (r.get("staleness") or {}).items()})
@@ -73,7 +76,7 @@ def summary(phase: Phase) -> dict[str, Any]:
 def render_run(run_dir: Path, fmt: str = "text") -> str | bytes:
     phases = load_run(Path(run_dir))
     if fmt == "json":
-        return json.dumps([summary(p) | {"metrics": p.rows} for p in phases], indent=1) + "\n"
+        return json.dumps([summary(p) | {"metrics": p.rows, "evals": p.evals} for p in phases], indent=1) + "\n"
     if fmt == "html":
         return render_html(phases)
     if fmt == "png":
@@ -97,10 +100,11 @@ def render_text(phases: list[Phase]) -> str:
                      f"eval reward last {_fmt(s['last_eval_reward'])}, best {_fmt(s['best_eval_reward'])}")
         lines.append("  staleness (lag: groups): " + (", ".join(f"{k}: {v}" for k, v in s["staleness"].items()) or "-"))
         lines.append("  idle fraction at the last step: " + (", ".join(f"{k} {v:.2f}" for k, v in s["idle"].items()) or "-"))
+        evals = {e["version"]: e["eval_reward"] for e in p.evals}
         lines.append(f"  {'step':>5} {'time_s':>8} {'reward':>8} {'eval':>8} {'samples/s':>10}")
-        for r in p.rows:
+        for r in p.rows:  # eval of the policy this step published (version step + 1)
             lines.append(f"  {r['step']:>5} {r.get('time', 0):>8.1f} {_fmt(r.get('reward')):>8} "
-                         f"{_fmt(r.get('eval_reward')):>8} {r.get('samples_per_s', 0):>10.1f}")
+                         f"{_fmt(evals.get(r['step'] + 1)):>8} {r.get('samples_per_s', 0):>10.1f}")
     return "\n".join(lines) + "\n"
 
 
@@ -124,8 +128,7 @@ def reward_chart(phases: list[Phase], w: int = 900, h: int = 300) -> str:
             t = offset + r.get("time", 0.0)
             if r.get("reward") is not None:
                 train.append((t, r["reward"]))
-            if r.get("eval_reward") is not None:
-                evals.append((t, r["eval_reward"]))
+        evals.extend((offset + e["time"], e["eval_reward"]) for e in p.evals)
         offset += p.rows[-1].get("time", 0.0) if p.rows else 0.0
         bounds.append((offset, p.name))
     x1 = max(offset, 1.0)

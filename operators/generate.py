@@ -63,6 +63,13 @@ class Generate(Operator):
         self.counts = {"episodes": 0, "episode_errors": 0, "rejected_samples": 0, "trajectories": 0,
                        "model_tokens": 0, "turns": 0, "weight_updates": 0, "episode_timeouts": 0}
         self.last_error: str | None = None
+        # Periodic greedy evaluation (data.eval), on replica 0 only.
+        self.evaluator = None
+        if self.context.data.get("eval") and self.context.rank == 0:
+            from flowrl_operators.evaluate import Evaluator
+
+            self.evaluator = Evaluator(self.context.data, self.context.seed, self.context.run_dir)
+            await self.evaluate(self.engine.version)
 
     def _make_engine(self, model: str) -> Any:
         """The embedded engine in this process, or the SGLang adapter (servers at `engine.url`, or
@@ -135,21 +142,34 @@ class Generate(Operator):
         self.counts["weight_updates"] += 1
         if isinstance(weights, list | tuple):
             await self.engine.update_weights(weights, version)
-            return
-        from flowrl_operators.transport import apply
+        else:
+            from flowrl_operators.transport import apply
 
-        synced = await apply(self.engine, weights, version, replica=self.context.rank)
-        self.last_sync = synced.as_dict()
+            synced = await apply(self.engine, weights, version, replica=self.context.rank)
+            self.last_sync = synced.as_dict()
+        await self.evaluate(version)
 
     async def pause(self) -> None:
+        self.paused = True
         await self.engine.pause(self.config.pause_mode)
 
     async def resume(self) -> None:
+        self.paused = False
         await self.engine.resume()
+        await self.evaluate(self.engine.version)
+
+    async def evaluate(self, version: int) -> dict[str, float] | None:
+        """Greedy evaluation on held-out samples when `version` is due (see flowrl_operators.evaluate);
+        a paused engine (partial rollout) evaluates at resume."""
+        if self.evaluator is None or getattr(self, "paused", False) or not self.evaluator.due(version):
+            return None
+        self.last_eval = await self.evaluator.run(self, version)
+        return self.last_eval
 
     def metrics(self) -> dict[str, float]:
         """Cumulative counters since setup (episodes, episode_errors, rejected_samples, ...)."""
-        return {f"generate/{k}": float(v) for k, v in self.counts.items()} | getattr(self, "last_sync", {})
+        evaluation = {"eval/reward": self.last_eval["eval_reward"]} if getattr(self, "last_eval", None) else {}
+        return {f"generate/{k}": float(v) for k, v in self.counts.items()} | getattr(self, "last_sync", {}) | evaluation
 
     async def close(self) -> None:
         proxy = getattr(self, "services", {}).get("proxy")
