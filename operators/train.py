@@ -78,16 +78,18 @@ class Train(Operator):
 
     def _train(self, trajectories: list) -> TrainResult:
         from flowrl_operators.training.advantages import compute_advantages
-        from flowrl_operators.training.batch import pack
+        from flowrl_operators.training.batch import pack, shard
         from flowrl_operators.training.losses import apply_kl_penalty, needs_proximal
 
         supervised = self.loss.kind == "sft"
         batch = pack(trajectories, require_reward=not supervised)
-        if needs_proximal(self.loss):
-            batch.proximal_logprobs = self.trainer.compute_logprobs(batch)
-        if not supervised:
+        if not supervised:  # on the whole batch: group statistics need every member of a group
             apply_kl_penalty(batch, self.loss)
             compute_advantages(batch, self.advantage)
+        # Every rank of a replicated train node gets the same groups and trains on its share of rows.
+        batch = shard(batch, self.trainer.rank, self.trainer.world_size)
+        if needs_proximal(self.loss):
+            batch.proximal_logprobs = self.trainer.compute_logprobs(batch)
         metrics: dict[str, float] = {}
         for _ in range(self.config.epochs):
             metrics = self.trainer.forward_backward(batch, self.loss_fn)
