@@ -260,3 +260,14 @@ def test_property_nothing_lost_no_record_too_old_no_step_beyond_budget(tmp_path_
     assert [r["step"] for r in rows] == list(range(plan.run["steps"]))
     seen = [i for r in rows for i in r["ids"]]
     assert len(seen) == len(set(seen))
+
+
+def test_max_seconds_ends_the_run_cleanly(tmp_path):
+    plan = ops.grpo("sync", steps=10_000, batch_size=2, gen={"delay": 0.01})
+    plan.run["max_seconds"] = 1.0
+    start = time.time()
+    result = run(plan, tmp_path, progress=False)
+    assert time.time() - start < 10
+    assert result.status == "done" and result.stopped_by == "max_seconds" and 0 < result.steps < 10_000
+    assert result.checkpoint is not None
+    assert_clean(tmp_path)  # a finished run: its ledger is closed and balanced

@@ -112,7 +112,7 @@ class Coordinator:
         self.group_done: dict[str, dict[int, tuple[dict[str, Any], dict[str, Any] | None]]] = {
             t: {} for t in self.trains}
         self.loaded: dict[tuple[str, int], int] = {}
-        self.stopping: str | None = None  # done | interrupt | error
+        self.stopping: str | None = None  # done | time (max_seconds) | interrupt | error
         self.error: str | None = None
         self._event: asyncio.Event | None = None
         self.ledger = Ledger(self.run_dir / "ledger.jsonl" if self.run_dir else None)
@@ -203,7 +203,7 @@ class Coordinator:
         return await result if inspect.isawaitable(result) else result
 
     def stop(self, reason: str) -> None:
-        """reason: done | interrupt | error. An error overrides; otherwise the first reason holds."""
+        """reason: done | time | interrupt | error. An error overrides; otherwise the first holds."""
         if self.stopping is None or reason == "error":
             self.stopping = reason
         self._notify()

@@ -15,7 +15,8 @@ import msgspec
 
 from flowrl.graph.plan import Plan
 
-JOIN_TIMEOUT_S = {"done": 10.0, "error": 5.0, "interrupt": 600.0}
+# How long stages may take to return once stopped: a train step in progress is allowed to finish.
+JOIN_TIMEOUT_S = {"done": 10.0, "error": 5.0, "interrupt": 600.0, "time": 600.0}
 
 
 class StageFailed(RuntimeError):
@@ -24,7 +25,7 @@ class StageFailed(RuntimeError):
 
 @dataclass
 class RunResult:
-    status: str  # done | interrupted
+    status: str  # done (all steps, or run.max_seconds spent) | interrupted (SIGINT, max_steps): resumable
     run_dir: Path | None
     steps: int  # train steps completed (the policy version)
     versions: dict[str, int]
@@ -32,6 +33,7 @@ class RunResult:
     seconds: float
     checkpoint: Path | None = None
     last: dict[str, Any] | None = field(default=None)  # the last metrics row
+    stopped_by: str = "steps"  # steps | max_seconds | interrupt (SIGINT or max_steps)
 
 
 def run(plan: Plan, run_dir: Path | str | None = None, executor: str | None = None, resume: bool = False,
@@ -95,16 +97,17 @@ async def _run(plan: Plan, run_dir: Path | None, executor: str | None, resume: b
         saved = None
         if run_dir is not None:
             saved = await _checkpoint(ex, run_dir, status["versions"])
-        if reason == "done":
+        if reason in ("done", "time"):
             await ex.call("finish")
         else:
             await ex.call("close")
     finally:
         await ex.shutdown()
     return RunResult(
-        status="done" if reason == "done" else "interrupted", run_dir=run_dir,
+        status="interrupted" if reason == "interrupt" else "done", run_dir=run_dir,
         steps=min(status["versions"].values(), default=0), versions=status["versions"],
         counters=status["counters"], seconds=time.time() - started, checkpoint=saved, last=status["last"],
+        stopped_by={"done": "steps", "time": "max_seconds"}.get(reason, "interrupt"),
     )
 
 
@@ -121,7 +124,8 @@ def _executor(name: str, plan: Plan, run_dir: Path | None, origin: float) -> Any
 
 
 async def _supervise(ex: Any, plan: Plan, progress: bool) -> str:
-    """Wait for the run to stop; SIGINT and run.max_seconds ask it to stop with a checkpoint."""
+    """Wait for the run to stop. SIGINT stops it resumably; run.max_seconds ends it (a finished run,
+    as a phase bounded by seconds needs), both with a checkpoint."""
     loop = asyncio.get_running_loop()
 
     def interrupt() -> None:
@@ -136,7 +140,7 @@ async def _supervise(ex: Any, plan: Plan, progress: bool) -> str:
         pass
     timer = None
     if plan.run.get("max_seconds"):
-        timer = loop.call_later(float(plan.run["max_seconds"]), lambda: loop.create_task(ex.call("stop", "interrupt")))
+        timer = loop.call_later(float(plan.run["max_seconds"]), lambda: loop.create_task(ex.call("stop", "time")))
     view = None
     if progress:
         from flowrl.runtime.progress import ProgressView
