@@ -19,7 +19,9 @@ Operators implement the methods of their kind, documented on `flowrl.operator.Op
 Run keys read from `plan.run`: `steps` (train steps, default 10), `executor` (inprocess | ray),
 `seed` (also `plan.seed`, handed to the data source and operators), `max_seconds` (end the run,
 with a checkpoint, after this long: status "done", stopped_by "max_seconds"), `max_restarts` (restarts of a dead generate actor under Ray,
-default 3). `data`: `source`, `batch_size`, `options` (see flowrl/data/source.py). Node config
+default 3). `data`: `source`, `batch_size`, `options` (see flowrl/data/source.py). Node
+`resources` place the stage (Ray: one actor per replica; `replicas: N` of a train node are the
+ranks of one sharded model, see flowrl/runtime/ray_executor.py). Node config
 keys the runtime reads, when the operator's Config has them: `max_concurrency` (generate,
 default 64), `concurrency` (other transforms, default 16), `partial_rollout` (generate).
 `checkpoint_every` is not implemented yet: checkpoints are written at the end and on interrupt.
