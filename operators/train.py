@@ -34,6 +34,23 @@ def trainer_config(optim: OptimConfig, micro_batch_tokens: int, max_nonfinite_st
     )
 
 
+def _join_train_group(rank: int, world_size: int) -> None:
+    """The ranks of a replicated train node form one torch.distributed group (FSDP2 shards over it);
+    the Ray executor sets MASTER_ADDR / MASTER_PORT for the rendezvous."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    if "MASTER_ADDR" not in os.environ:
+        raise RuntimeError(f"a train node with replicas: {world_size} needs run.executor: ray, which gives "
+                           "its ranks a rendezvous; use replicas: 1 with the in-process executor")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size)
+
+
 class Train(Operator):
     """Updates the policy with an RL loss (FSDP2); publishes policy version v+1."""
 
@@ -61,6 +78,8 @@ class Train(Operator):
         from flowrl_operators.training.trainer import Trainer
 
         c: TrainConfig = self.config
+        if self.context.world_size > 1:
+            _join_train_group(self.context.rank, self.context.world_size)
         self.loss = loss_config(c.loss)
         self.advantage = advantage_config(c.advantage)
         check_compatible(self.loss, self.advantage)
