@@ -148,6 +148,11 @@ class Operator:
     def load(self, path: Path) -> None:
         del path
 
+    def metrics(self) -> dict[str, float]:
+        """Cumulative counters (errors, timeouts, drops, ...), summed over replicas into each
+        metrics.jsonl row under `operators.<node>`."""
+        return {}
+
     def state_dict(self) -> dict[str, Any]:
         return {}
 

@@ -144,9 +144,12 @@ def test_guess_number_graph_trains_with_the_train_node(tmp_path):
         assert row["train"]["grad_norm"] > 0
 
 
-def test_failures_are_isolated_and_counted(tmp_path):
+def test_failures_are_isolated_and_counted(tmp_path, monkeypatch):
     """The run finishes although an environment, a reward function and a hanging reward fail."""
+    from flowrl.runtime import stage
     from flowrl.runtime.inprocess import InProcessExecutor
+
+    monkeypatch.setattr(stage, "REPORT_EVERY_S", 0.0)  # stages report their counters before every wait
 
     FlakyGuess.created = 0
     plan = compiled(tmp_path, "nodes.rollout.workflow=test_workflows_pipeline:FlakyGuess",
@@ -179,6 +182,11 @@ def test_failures_are_isolated_and_counted(tmp_path):
     assert score["reward/exceptions"] == raised and score["reward/timeouts"] == hung
     assert score["reward/zeroed"] == raised + hung == score["reward/errors"]
     assert score["reward/calls"] == 6
+    # The same counts reach metrics.jsonl (operators.<node>) with the step that trained on them.
+    last = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()][-1]
+    assert last["operators"]["rollout"]["generate/episode_errors"] == 2
+    for key in ("reward/exceptions", "reward/timeouts", "reward/errors", "reward/calls"):
+        assert last["operators"]["score"][key] == score[key]
 
 
 def test_dynamic_sampling_between_reward_and_train(tmp_path):

@@ -185,9 +185,12 @@ class Coordinator:
         self.observe.instant(node, replica, f"weights v{version}")
         self._notify()
 
-    async def report(self, node: str, replica: int, events: list[dict[str, Any]], busy: float) -> None:
+    async def report(self, node: str, replica: int, events: list[dict[str, Any]], busy: float,
+                     metrics: dict[str, float] | None = None) -> None:
         self.observe.busy[(node, replica)] = busy
         self.observe.events.extend(events)
+        if metrics:
+            self.observe.operators[(node, replica)] = metrics
 
     async def fail(self, node: str, replica: int, message: str) -> None:
         if self.error is None:

@@ -45,6 +45,8 @@ class Observer:
             for node, pid in self.pids.items()
         ]
         self.busy: dict[tuple[str, int], float] = {}
+        # Operators' cumulative counters as last reported, per (node, replica).
+        self.operators: dict[tuple[str, int], dict[str, float]] = {}
         self.dropped = 0
         self.last_row: dict[str, Any] | None = None
         self.rows: list[dict[str, Any]] = []
@@ -79,12 +81,20 @@ class Observer:
             "queues": queues, "staleness": staleness, "dropped": self.dropped - self._mark["dropped"],
             "dropped_total": counters["dropped"], "stale_kept_total": counters["stale_kept"],
             "rejected_total": counters["rejected"], "filtered_total": counters["filtered"],
-            "idle": idle, "train": metrics,
+            "idle": idle, "train": metrics, "operators": self._operator_totals(),
         }
         self._mark = {"time": now, "busy": dict(self.busy), "dropped": self.dropped}
         self.rows.append(row)
         self.last_row = row
         self.events.append(span(self.pids[node], 0, "step", now - dt, now, self.origin, step=step))
+
+    def _operator_totals(self) -> dict[str, dict[str, float]]:
+        totals: dict[str, dict[str, float]] = {}
+        for (node, _), values in sorted(self.operators.items()):
+            mine = totals.setdefault(node, {})
+            for key, value in values.items():
+                mine[key] = mine.get(key, 0.0) + float(value)
+        return totals
 
     def flush(self, trace: bool = False) -> None:
         if self.run_dir is None:
@@ -124,6 +134,8 @@ class Observer:
             values += [Summary.Value(tag=f"{group}/{key}", simple_value=value)
                        for group in ("queues", "idle", "train") for key, value in row[group].items()
                        if isinstance(value, (int, float))]
+            values += [Summary.Value(tag=f"{node}/{key}", simple_value=value)
+                       for node, counters in row["operators"].items() for key, value in counters.items()]
             if row["staleness"]:
                 lags = {int(k): n for k, n in row["staleness"].items()}
                 top = max(lags)

@@ -174,13 +174,13 @@ class Stage:
 
     async def _take(self) -> Work | None:
         self._raise_failure()
+        if time.time() - self._reported > REPORT_EVERY_S:  # before waiting: counters are current
+            await self._report()
         start = time.time()
         work = await self.coord.take(self.node.name, self.replica)
         end = time.time()
         if end - start > 1e-3:  # waits shorter than a millisecond only clutter the trace
             self.events.append(span(self.pid, self.replica * 100, "wait", start, end, self.origin))
-        if end - self._reported > REPORT_EVERY_S:
-            await self._report()
         self._raise_failure()
         return work
 
@@ -223,12 +223,16 @@ class Stage:
             self.slots.discard(slot)
             self.events.append(span(self.pid, self.replica * 100 + slot, name, start, end, self.origin,
                                     id=work.id, step=work.step, version=work.version))
+            if end - self._reported > REPORT_EVERY_S:
+                await self._report()
 
     async def _report(self) -> None:
         events, self.events = self.events, []
         self._reported = time.time()
         busy = self.busy + (time.time() - self._busy_since if self._in_flight else 0.0)
-        await self.coord.report(self.node.name, self.replica, events, busy)
+        op = getattr(self, "op", None)
+        metrics = op.metrics() if op is not None else {}
+        await self.coord.report(self.node.name, self.replica, events, busy, metrics)
 
 
 class _Failed(Exception):
