@@ -1,6 +1,6 @@
 """End to end: the quickstart, synchronous and asynchronous, with the same seed and budget.
 
-    python tools/bench_e2e.py [--seed 0] [--warmup-seconds 45] [--grpo-seconds 270] [--target 0.9]
+    python tools/bench_e2e.py [--seed 0] [--warmup-steps 60] [--grpo-seconds 270] [--target 0.9]
 
 Runs `pipelines/quickstart.yaml` and `pipelines/quickstart_async.yaml` one after the other (never
 together: they would share the two cores) through `flowrl run`, then reads each GRPO phase's
@@ -25,7 +25,7 @@ PIPELINES = {"sync": "pipelines/quickstart.yaml", "async": "pipelines/quickstart
 
 
 def run(pipeline: str, run_dir: Path, args: argparse.Namespace) -> dict:
-    overrides = [f"run.seed={args.seed}", f"phases.0.seconds={args.warmup_seconds}",
+    overrides = [f"run.seed={args.seed}", f"phases.0.steps={args.warmup_steps}",
                  f"phases.1.seconds={args.grpo_seconds}", f"data.eval.every={args.eval_every}"]
     started = time.time()
     subprocess.run([sys.executable, "-m", "flowrl.cli", "run", str(ROOT / pipeline), *overrides,
@@ -48,7 +48,7 @@ def run(pipeline: str, run_dir: Path, args: argparse.Namespace) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--warmup-seconds", type=float, default=45)
+    parser.add_argument("--warmup-steps", type=int, default=60)
     parser.add_argument("--grpo-seconds", type=float, default=270)
     parser.add_argument("--eval-every", type=int, default=5)
     parser.add_argument("--target", type=float, default=0.9)

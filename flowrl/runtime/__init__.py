@@ -24,7 +24,7 @@ default 3). `data`: `source`, `batch_size`, `options` (see flowrl/data/source.py
 ranks of one sharded model, see flowrl/runtime/ray_executor.py). Node config
 keys the runtime reads, when the operator's Config has them: `max_concurrency` (generate,
 default 64), `concurrency` (other transforms, default 16), `partial_rollout` (generate).
-`checkpoint_every` is not implemented yet: checkpoints are written at the end and on interrupt.
+Checkpoints are written at the end, on interrupt (SIGINT) and at `max_steps`.
 
 Run directory layout (all written by the coordinator or by run()):
 

@@ -53,7 +53,7 @@ class RunSpec(Strict):
     steps: PositiveInt = 10
     executor: Literal["inprocess", "ray"] = "inprocess"
     seed: int = 0
-    checkpoint_every: NonNegativeInt = 0  # steps; 0 = only at the end and on interrupt
+    max_restarts: NonNegativeInt = 3  # of a dead generate actor under the Ray executor
     run_dir: str | None = None
     # Wall-clock budget; the run ends cleanly (checkpoint, export) when it is spent.
     max_seconds: Annotated[float, Meta(gt=0)] | None = None
