@@ -111,6 +111,13 @@ class LossConfig(Strict):
     entropy_coef: float = 0.0
 
 
+def corrects_behaviour(loss: LossConfig) -> bool:
+    """Whether a loss accounts for data from an older or different behaviour policy: decoupled PPO
+    or an importance-weight correction (supervised `sft` has no behaviour policy to correct).
+    Works on this schema's LossConfig and on the trainer's (flowrl_operators.training.losses)."""
+    return loss.decoupled or loss.correction is not None or loss.kind == "sft"
+
+
 class AdvantageConfig(Strict):
     estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gae"] = "grpo"
     std_normalize: bool = True  # GRPO only

@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 
 from flowrl.data.trajectory import Group
 from flowrl.operator import POLICY, TRAJECTORIES, GraphFacts, Operator, Resources, TrainResult
-from flowrl_operators.config import OptimConfig, TrainConfig
+from flowrl_operators.config import OptimConfig, TrainConfig, corrects_behaviour
 
 
 def trainer_config(optim: OptimConfig, micro_batch_tokens: int, max_nonfinite_steps: int, steps: int, seed: int):
@@ -62,10 +62,8 @@ class Train(Operator):
 
     @classmethod
     def check_graph(cls, config: TrainConfig, facts: GraphFacts) -> list[tuple[tuple[str, ...], str]]:
-        loss = config.loss
         off_policy = facts.async_upstream or facts.partial_rollout_upstream
-        corrected = loss.decoupled or loss.correction is not None or loss.kind == "sft"
-        if off_policy and not corrected and not config.allow_uncorrected_off_policy:
+        if off_policy and not corrects_behaviour(config.loss) and not config.allow_uncorrected_off_policy:
             why = "an async edge" if facts.async_upstream else "partial rollout"
             return [(("loss",), f"{why} feeds this node stale data but the loss corrects nothing; set "
                      "loss.decoupled: true or loss.correction: {kind: tis}, or opt out with "

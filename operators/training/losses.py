@@ -50,6 +50,7 @@ from typing import Literal
 import msgspec
 import torch
 
+from flowrl_operators.config import corrects_behaviour as corrects_behaviour  # one rule, schema and trainer
 from flowrl_operators.training.advantages import AdvantageConfig
 from flowrl_operators.training.batch import Batch, Normaliser
 
@@ -103,12 +104,6 @@ def loss_config(value: str | dict | msgspec.Struct) -> LossConfig:
     if isinstance(value, msgspec.Struct):
         value = msgspec.to_builtins(value)
     return msgspec.convert({"kind": value} if isinstance(value, str) else value, LossConfig)
-
-
-def corrects_behaviour(config: LossConfig) -> bool:
-    """Whether the loss accounts for data from an older or different behaviour policy (decoupled
-    PPO or an importance-weight correction; supervised `sft` has no behaviour policy to correct)."""
-    return config.decoupled or config.correction is not None or config.kind == "sft"
 
 
 def needs_proximal(config: LossConfig) -> bool:
