@@ -59,6 +59,8 @@ def _run_phases(loaded: LoadedSpec, run_dir: Path, executor: str | None, progres
             model_path = json.loads(marker.read_text()).get("export") or model_path
             continue
         plan = compile_spec(phase_loaded).plan
+        if not single:
+            plan.run["phase"] = phase.name  # shown by the live view
         again = resuming and latest_checkpoint(directory) is not None if directory.exists() else False
         result = run(plan, run_dir=directory, executor=executor, resume=again, progress=progress)
         results.append(result)

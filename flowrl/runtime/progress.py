@@ -1,4 +1,5 @@
-"""A live progress view for `flowrl run` (rich): step, policy version, samples/s, reward, queues."""
+"""A live progress view for `flowrl run` (rich): phase, step, policy version, samples/s, reward,
+eval reward, queues."""
 
 from __future__ import annotations
 
@@ -43,19 +44,23 @@ class ProgressView:
 
     def render(self, status: dict[str, Any] | None) -> Group:
         head = Table.grid(padding=(0, 2))
-        for _ in range(6):
+        for _ in range(7):
             head.add_column()
         steps = self.plan.run.get("steps", "?")
+        phase = self.plan.run.get("phase")  # set by flowrl run for phased pipelines
+        name = f"[bold]{self.plan.name}[/]" + (f" · {phase}" if phase else "")
         if status is None:
-            head.add_row(f"[bold]{self.plan.name}[/]", "starting...", "", "", "", "")
+            head.add_row(name, "starting...", "", "", "", "", "")
             return Group(head)
         last = status["last"] or {}
         version = min(status["versions"].values(), default=0)
         reward = last.get("reward")
+        evals = [c["eval/reward"] for c in (last.get("operators") or {}).values() if "eval/reward" in c]
         head.add_row(
-            f"[bold]{self.plan.name}[/]", f"step {version}/{steps}", f"policy v{version}",
+            name, f"step {version}/{steps}", f"policy v{version}",
             f"{last.get('samples_per_s', 0):.2f} samples/s",
             f"reward {reward:.3f}" if reward is not None else "reward -",
+            f"eval {evals[0]:.3f}" if evals else "eval -",
             f"dropped {status['counters']['dropped']}",
         )
         queues = Table("edge", "queued", box=None, pad_edge=False)
