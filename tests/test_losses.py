@@ -166,6 +166,19 @@ def test_sft():
     assert abs(loss.item() - token_mean(table(lambda i, t: -LOGP[i][t]))) < 1e-6
 
 
+def test_sft_ignores_behaviour_correction_keys():
+    """A phase that switches a decoupled-PPO node to sft keeps `decoupled` / `correction`: the sft
+    loss must stay l = -logp (no weight exp(proximal - behaviour): supervised targets have no
+    behaviour policy)."""
+    for config in (LossConfig(kind="sft", decoupled=True),
+                   msgspec.convert({"kind": "sft", "correction": {"kind": "tis"}}, LossConfig)):
+        assert not needs_proximal(config)
+        batch = make_batch(proximal=[[0.0] * len(row) for row in LOGP])
+        batch.advantages = None
+        loss, _, _ = run(config, batch)
+        assert abs(loss.item() - token_mean(table(lambda i, t: -LOGP[i][t]))) < 1e-6
+
+
 @pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
 def test_kl_loss_term_and_entropy_bonus(estimator):
     """loss = pg + coef * token_mean(k) - entropy_coef * token_mean(H), d = logp - ref:

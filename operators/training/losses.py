@@ -108,7 +108,9 @@ def loss_config(value: str | dict | msgspec.Struct) -> LossConfig:
 
 def needs_proximal(config: LossConfig) -> bool:
     """Whether the trainer must recompute proximal logprobs (`Trainer.compute_logprobs`) first."""
-    return config.decoupled or config.correction is not None
+    # Supervised targets have no behaviour policy: decoupled / correction keys set for the RL phase
+    # of a pipeline must not weight an `sft` loss (exp(proximal - 0) would sharpen it).
+    return config.kind != "sft" and (config.decoupled or config.correction is not None)
 
 
 def needs_reference(config: LossConfig) -> bool:
