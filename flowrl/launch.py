@@ -49,9 +49,8 @@ def _run_phases(loaded: LoadedSpec, run_dir: Path, executor: str | None, progres
 
     results = []
     model_path: str | None = None
-    phases = expand(loaded)
     single = not loaded.spec.phases
-    for index in range(len(phases)):
+    for index in range(len(loaded.spec.phases) or 1):
         phase, phase_loaded = expand(loaded, model_path, index)[0]
         directory = run_dir if single else phase_dir(run_dir, index, phase)
         marker = directory / "phase.json"
@@ -61,13 +60,11 @@ def _run_phases(loaded: LoadedSpec, run_dir: Path, executor: str | None, progres
         plan = compile_spec(phase_loaded).plan
         if not single:
             plan.run["phase"] = phase.name  # shown by the live view
-        again = resuming and latest_checkpoint(directory) is not None if directory.exists() else False
+        again = resuming and directory.exists() and latest_checkpoint(directory) is not None
         result = run(plan, run_dir=directory, executor=executor, resume=again, progress=progress)
         results.append(result)
-        # A phase bounded by seconds ends by running out of time: that is its normal end.
-        timed_out = phase.seconds is not None and result.seconds >= phase.seconds
-        if result.status != "done" and not timed_out:
-            break  # interrupted: resume() continues here
+        if result.status != "done":  # interrupted (a phase's `seconds` running out counts as done)
+            break  # resume() continues here
         exports = [directory / "export" / n for n, node in plan.nodes.items() if node.kind == "train"]
         export = next((str(p) for p in exports if (p / "config.json").exists()), None)
         marker.write_text(json.dumps({"status": "done", "export": export, "seconds": result.seconds}))
