@@ -16,13 +16,12 @@ import asyncio
 import math
 import re
 from pathlib import Path
-from typing import Annotated, ClassVar, Literal
+from typing import Annotated, Literal
 
 import msgspec
 from msgspec import Meta
 
 from flowrl.data.trajectory import Trajectory
-from flowrl.operator import TRAJECTORIES, Resources
 from flowrl_operators.config import PositiveInt, SamplingConfig, Strict
 from flowrl_operators.reward import Reward
 
@@ -86,12 +85,7 @@ def _scaled(value: float, scale: float) -> float:
 class Judge(Reward):
     """Grades responses with a language model (its own engine, a URL, or a generate node's)."""
 
-    kind = "reward"
-    Config = JudgeConfig
-    inputs: ClassVar = {"trajectories": TRAJECTORIES}
-    outputs: ClassVar = {"trajectories": TRAJECTORIES}
-    resources = Resources(cpus=0.25)
-
+    Config = JudgeConfig  # kind, ports and resources are the reward node's
     config: JudgeConfig
 
     async def setup(self) -> None:
