@@ -10,16 +10,15 @@ import sys
 
 import pytest
 import torch
+from test_sglang_adapter import GREEDY, reference_greedy
 
-from flowrl_operators.engine.base import GenerateRequest, SamplingParams
-from flowrl_operators.engine.embedded import EmbeddedEngine
+from flowrl_operators.engine.base import GenerateRequest
 from flowrl_operators.engine.sglang import SGLangEngine
 from flowrl_operators.engine.sglang_launch import ServerProcess, launch_servers, server_command, wait_healthy
 from flowrl_operators.engine.sglang_weights import PushedRecord, ServerError, SGLangSender, free_port
 from flowrl_operators.models import load_hf_model, resolve_model
 
 torch.set_num_threads(1)
-GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -33,17 +32,6 @@ def model():
 
 def flowrl_command(folder, port, server_args):
     return [sys.executable, "-m", "flowrl_operators.engine.server", "--model", str(folder), "--port", str(port)]
-
-
-async def reference_greedy(folder, weights, prompt) -> list[int]:
-    engine = EmbeddedEngine(folder, max_slots=2)
-    try:
-        if weights is not None:
-            await engine.update_weights([weights], 1)
-        result = await engine.generate(GenerateRequest(request_id="ref", input_ids=prompt, sampling=GREEDY))
-        return result.output_ids
-    finally:
-        await engine.close()
 
 
 def test_server_command_forwards_server_args():
