@@ -39,6 +39,11 @@ class EngineConfig(Strict):
     # (a checkpoint folder); auto = tensor for flowrl's server, distributed for SGLang.
     weight_sync: Literal["auto", "tensor", "distributed", "disk"] = "auto"
     launch_timeout_s: Annotated[float, Meta(gt=0)] = 900.0  # engine: sglang, until /health answers
+    # With `url`: load the pipeline's model.path into the attached servers at start (as weight
+    # version 0, by update_weights_from_disk), so they serve exactly the policy the trainer starts
+    # from, e.g. a later phase's. The servers must be able to read that folder (same machine or a
+    # shared filesystem); false serves whatever the servers were started with until the first sync.
+    load_on_attach: bool = True
 
 
 class GenerateConfig(Strict):

@@ -11,7 +11,7 @@ import msgspec
 
 from flowrl.data.trajectory import Group, Trajectory
 from flowrl.operator import PROMPTS, TRAJECTORIES, WEIGHTS, Operator, Resources
-from flowrl_operators.config import GenerateConfig
+from flowrl_operators.config import EngineConfig, GenerateConfig
 from flowrl_operators.engine.base import SamplingParams
 
 
@@ -38,6 +38,11 @@ class Generate(Operator):
         if not model:
             raise ValueError("the generate node needs the pipeline's model.path (a checkpoint or builtin:<name>)")
         self.engine = self._make_engine(model)
+        engine = self.config.engine
+        if isinstance(engine, EngineConfig) and engine.url and engine.load_on_attach:
+            from flowrl_operators.models import resolve_model
+
+            await self.engine.load(resolve_model(model), version=0)
         self.tokenizer = load_tokenizer(model)
         self.workflow = load_workflow(self.config.workflow, self.config.workflow_args)
         s = self.config.sampling

@@ -223,6 +223,40 @@ def test_generate_over_the_sglang_adapter(loop, tmp_path):
         loop.run_until_complete(server_engine.close())
 
 
+def test_attached_server_is_loaded_with_the_pipelines_model(loop, tmp_path):
+    """A server started from another checkpoint (and already at version 5) serves the pipeline's
+    model.path as version 0 once the node attaches: what a later phase starting from an exported
+    policy needs. With load_on_attach false it keeps its own weights."""
+    from flowrl_operators.engine.embedded import EmbeddedEngine
+    from flowrl_operators.engine.server import start_server
+    from flowrl_operators.engine.sglang_weights import write_checkpoint
+    from flowrl_operators.models import resolve_model
+
+    server_engine = EmbeddedEngine(MODEL, max_slots=4, threads=1, version=5)
+    policy = {name: t.clone() for name, t in perturbed(server_engine)[0]}
+    write_checkpoint(resolve_model(MODEL), tmp_path, dict(policy))
+    runner, port = loop.run_until_complete(start_server(server_engine))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        kept = Generate(msgspec.convert({"engine": {"kind": "sglang", "url": url, "load_on_attach": False}},
+                                        GenerateConfig), OperatorContext(node="rollout", model={"path": str(tmp_path)}))
+        loop.run_until_complete(kept.setup())
+        loop.run_until_complete(kept.engine.start())  # the adapter reads the served version on connect
+        assert kept.engine.version == 5 and server_engine.version == 5
+        loop.run_until_complete(kept.close())
+        op = Generate(msgspec.convert({"engine": {"kind": "sglang", "url": url}}, GenerateConfig),
+                      OperatorContext(node="rollout", model={"path": str(tmp_path)}))
+        loop.run_until_complete(op.setup())
+        assert op.engine.version == 0 and server_engine.version == 0
+        served = dict(server_engine.named_parameters())
+        for name, tensor in policy.items():
+            assert torch.equal(served[name], tensor), name
+        loop.run_until_complete(op.close())
+    finally:
+        loop.run_until_complete(runner.cleanup())
+        loop.run_until_complete(server_engine.close())
+
+
 def test_bad_engine_config_is_a_clear_error(loop):
     op = Generate(msgspec.convert({"engine": {"kind": "embedded", "engines": 2}}, GenerateConfig),
                   OperatorContext(node="rollout", model={"path": MODEL}))

@@ -285,6 +285,15 @@ class SGLangEngine:
         # retracted request re-prefills anyway), so a refusal here is expected and harmless.
         await asyncio.gather(*(self._call(s, "/flush_cache", {}) for s in self.servers))
 
+    async def load(self, model_path: str | os.PathLike, version: int = 0) -> None:
+        """Make every server load the checkpoint folder `model_path` (a path the servers can read)
+        and serve it as weight `version`."""
+        await self.start()
+        for server in self.servers:
+            await self._post(server, "/update_weights_from_disk",
+                             {"model_path": str(model_path), "weight_version": str(version)})
+        self._version = version
+
     async def adopt(self, record: Any) -> None:
         """Take a version a trainer-side `SGLangSender` already pushed: check the servers serve it."""
         await self.start()
