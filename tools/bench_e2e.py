@@ -1,13 +1,15 @@
-"""End to end: the quickstart, synchronous and asynchronous, with the same seed and budget.
+"""End to end: the quickstart, synchronous and asynchronous, and the same recipe as a hand-written loop.
 
-    python tools/bench_e2e.py [--seed 0] [--warmup-steps 60] [--grpo-seconds 270] [--target 0.9]
+    python tools/bench_e2e.py [--seed 0] [--warmup-steps 650] [--grpo-seconds 250] [--target 0.9]
+                              [--only hand,sync,async]
 
-Runs `pipelines/quickstart.yaml` and `pipelines/quickstart_async.yaml` one after the other (never
-together: they would share the two cores) through `flowrl run`, then reads each GRPO phase's
-greedy evaluations (eval.jsonl) and prints, per pipeline: wall time from launch to the first eval
-reward >= target (warm-up included), samples trained on until then, and the best eval reward.
-The last line is one JSON object with sync_s_to_target, async_s_to_target and async_over_sync
-(null where a run did not reach the target within its budget).
+Runs `tools/hand_grpo.py`, `pipelines/quickstart.yaml` and `pipelines/quickstart_async.yaml` one
+after the other (never together: they would share the two cores) with the same seed and budget,
+then reads each one's greedy evaluations and prints, per contender: wall time from launch to the
+first eval reward >= target (warm-up included), samples trained on until then, the GRPO seconds per
+step and the best eval reward. The last line is one JSON object with sync_s_to_target,
+async_s_to_target, async_over_sync, hand_s_to_target and sync_over_hand (null where a run did not
+reach the target within its budget).
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ def run(pipeline: str, run_dir: Path, args: argparse.Namespace) -> dict:
     rows = [json.loads(line) for line in (grpo / "metrics.jsonl").read_text().splitlines()]
     hit = next((e for e in evals if e["eval_reward"] >= args.target), None)
     out = {"wall_s": round(wall, 1), "best_eval": max(e["eval_reward"] for e in evals),
-           "last_eval": evals[-1]["eval_reward"], "steps": len(rows), "s_to_target": None, "samples_to_target": None}
+           "last_eval": evals[-1]["eval_reward"], "steps": len(rows), "s_to_target": None, "samples_to_target": None,
+           "s_per_step": round(json.loads((grpo / "phase.json").read_text())["seconds"] / max(len(rows), 1), 4)}
     if hit is not None:
         # Version v was trained on the groups of steps 0 .. v-1.
         out["s_to_target"] = round(warmup + hit["time"], 1)
@@ -45,28 +48,59 @@ def run(pipeline: str, run_dir: Path, args: argparse.Namespace) -> dict:
     return out
 
 
+def run_hand(run_dir: Path, args: argparse.Namespace) -> dict:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    evals_file = run_dir / "eval.jsonl"
+    started = time.time()
+    done = subprocess.run([sys.executable, str(ROOT / "tools/hand_grpo.py"), f"--seed={args.seed}",
+                           f"--warmup-steps={args.warmup_steps}", f"--grpo-seconds={args.grpo_seconds}",
+                           f"--eval-every={args.eval_every}", f"--out={evals_file}"],
+                          check=True, cwd=ROOT, capture_output=True, text=True)
+    wall = time.time() - started
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    evals = [json.loads(line) for line in evals_file.read_text().splitlines()]
+    hit = next((e for e in evals if e["eval_reward"] >= args.target), None)
+    return {"wall_s": round(wall, 1), "best_eval": max(e["eval_reward"] for e in evals),
+            "last_eval": evals[-1]["eval_reward"], "steps": summary["grpo_steps"],
+            "s_per_step": summary["grpo_s_per_step"],
+            "s_to_target": None if hit is None else hit["time"],
+            "samples_to_target": None if hit is None else hit["step"] * 16}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--warmup-steps", type=int, default=60)
-    parser.add_argument("--grpo-seconds", type=float, default=270)
+    parser.add_argument("--warmup-steps", type=int, default=650)
+    parser.add_argument("--grpo-seconds", type=float, default=250)
     parser.add_argument("--eval-every", type=int, default=5)
     parser.add_argument("--target", type=float, default=0.9)
+    parser.add_argument("--only", default="hand,sync,async", help="comma-separated subset to run")
     args = parser.parse_args()
-    results = {}
+    results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, pipeline in PIPELINES.items():
-            results[name] = run(pipeline, Path(tmp) / name, args)
+        for name in args.only.split(","):
+            if name == "hand":
+                results[name] = run_hand(Path(tmp) / name, args)
+            else:
+                results[name] = run(PIPELINES[name], Path(tmp) / name, args)
             r = results[name]
-            print(f"{name:>5}: {r['steps']} GRPO steps, best eval {r['best_eval']:.3f}, last {r['last_eval']:.3f}; "
-                  f"to eval >= {args.target}: {r['s_to_target']} s, {r['samples_to_target']} samples (wall {r['wall_s']} s)")
-    sync_s, async_s = results["sync"]["s_to_target"], results["async"]["s_to_target"]
-    ratio = round(async_s / sync_s, 3) if sync_s and async_s else None
-    print(f"async / sync time to target: {ratio}")
-    print(json.dumps({"sync_s_to_target": sync_s, "async_s_to_target": async_s, "async_over_sync": ratio,
-                      "sync_samples_to_target": results["sync"]["samples_to_target"],
-                      "async_samples_to_target": results["async"]["samples_to_target"],
-                      "sync_best_eval": results["sync"]["best_eval"], "async_best_eval": results["async"]["best_eval"],
+            print(f"{name:>5}: {r['steps']} GRPO steps ({r['s_per_step']} s each), best eval {r['best_eval']:.3f}, "
+                  f"last {r['last_eval']:.3f}; to eval >= {args.target}: {r['s_to_target']} s, "
+                  f"{r['samples_to_target']} samples (wall {r['wall_s']} s)", flush=True)
+
+    def to_target(name: str) -> float | None:
+        return results.get(name, {}).get("s_to_target")
+
+    def ratio(a: str, b: str) -> float | None:
+        return round(to_target(a) / to_target(b), 3) if to_target(a) and to_target(b) else None
+
+    print(f"time to target: async / sync {ratio('async', 'sync')}, sync / hand {ratio('sync', 'hand')}")
+    print(json.dumps({"sync_s_to_target": to_target("sync"), "async_s_to_target": to_target("async"),
+                      "async_over_sync": ratio("async", "sync"), "hand_s_to_target": to_target("hand"),
+                      "sync_over_hand": ratio("sync", "hand"),
+                      **{f"{n}_best_eval": round(r["best_eval"], 4) for n, r in results.items()},
+                      **{f"{n}_s_per_step": r["s_per_step"] for n, r in results.items()},
+                      **{f"{n}_samples_to_target": r["samples_to_target"] for n, r in results.items()},
                       "seed": args.seed, "target": args.target}))
 
 
