@@ -116,13 +116,6 @@ class LossConfig(Strict):
     entropy_coef: float = 0.0
 
 
-def corrects_behaviour(loss: LossConfig) -> bool:
-    """Whether a loss accounts for data from an older or different behaviour policy: decoupled PPO
-    or an importance-weight correction (supervised `sft` has no behaviour policy to correct).
-    Works on this schema's LossConfig and on the trainer's (flowrl_operators.training.losses)."""
-    return loss.decoupled or loss.correction is not None or loss.kind == "sft"
-
-
 class AdvantageConfig(Strict):
     estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gae"] = "grpo"
     std_normalize: bool = True  # GRPO only
@@ -137,8 +130,6 @@ class TrainConfig(Strict):
     micro_batch_tokens: PositiveInt = 8192
     epochs: PositiveInt = 1  # passes over each batch (PPO epochs)
     max_nonfinite_steps: PositiveInt = 3  # consecutive NaN/Inf steps before the run stops
-    # Stale or partial-rollout data without a behaviour correction is rejected unless opted out.
-    allow_uncorrected_off_policy: bool = False
     export_every: Annotated[int, Meta(ge=0)] = 0  # steps between HF exports; 0 = at the end
 
 

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from flowrl.data.trajectory import Group
-from flowrl.operator import POLICY, TRAJECTORIES, GraphFacts, Operator, Resources, TrainResult
-from flowrl_operators.config import OptimConfig, TrainConfig, corrects_behaviour
+from flowrl.operator import POLICY, TRAJECTORIES, Operator, Resources, TrainResult
+from flowrl_operators.config import OptimConfig, TrainConfig
 
 
 def trainer_config(optim: OptimConfig, micro_batch_tokens: int, max_nonfinite_steps: int, steps: int, seed: int):
@@ -59,16 +59,6 @@ class Train(Operator):
     inputs: ClassVar = {"trajectories": TRAJECTORIES}
     outputs: ClassVar = {"policy": POLICY}
     resources = Resources(cpus=0.5)
-
-    @classmethod
-    def check_graph(cls, config: TrainConfig, facts: GraphFacts) -> list[tuple[tuple[str, ...], str]]:
-        off_policy = facts.async_upstream or facts.partial_rollout_upstream
-        if off_policy and not corrects_behaviour(config.loss) and not config.allow_uncorrected_off_policy:
-            why = "an async edge" if facts.async_upstream else "partial rollout"
-            return [(("loss",), f"{why} feeds this node stale data but the loss corrects nothing; set "
-                     "loss.decoupled: true or loss.correction: {kind: tis}, or opt out with "
-                     "allow_uncorrected_off_policy: true")]
-        return []
 
     async def setup(self) -> None:
         from flowrl_operators.training.advantages import advantage_config

@@ -17,7 +17,7 @@ import msgspec
 
 from flowrl.data.trajectory import Group, Trajectory
 from flowrl.graph.plan import EdgePlan, NodePlan, Plan
-from flowrl.operator import POLICY, PROMPTS, TRAJECTORIES, WEIGHTS, Operator, Resources, TrainResult
+from flowrl.operator import POLICY, PROMPTS, TRAJECTORIES, WEIGHTS, GraphFacts, Operator, Resources, TrainResult
 from flowrl.registry import resolve
 
 
@@ -157,6 +157,7 @@ class ToyJoin(Operator):
 class TrainConfig(msgspec.Struct, forbid_unknown_fields=True):
     delay: float = 0.0
     fail_at_step: int = -1
+    on_policy_only: bool = False  # reject stale data at validate time (an operator's graph rule)
 
 
 class ToyTrain(Operator):
@@ -167,6 +168,12 @@ class ToyTrain(Operator):
     inputs: ClassVar = {"trajectories": TRAJECTORIES}
     outputs: ClassVar = {"policy": POLICY}
     resources = Resources(cpus=0.1)
+
+    @classmethod
+    def check_graph(cls, config: TrainConfig, facts: GraphFacts) -> list[tuple[tuple[str, ...], str]]:
+        if config.on_policy_only and (facts.async_upstream or facts.partial_rollout_upstream):
+            return [(("on_policy_only",), "this node trains on-policy only, but an async edge feeds it")]
+        return []
 
     async def setup(self) -> None:
         self.checksum = ""

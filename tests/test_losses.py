@@ -16,7 +16,6 @@ from flowrl_operators.training.losses import (
     ValueLossConfig,
     apply_kl_penalty,
     check_compatible,
-    corrects_behaviour,
     loss_config,
     needs_proximal,
     policy_loss,
@@ -121,7 +120,7 @@ def test_decoupled_ppo_weights_by_the_behaviour_ratio():
     """Decoupled PPO (no correction): r = exp(logp - prox), l = ppo_clip(r) * w with
     w = exp(prox - behav) untruncated; loss = sum m w l / N."""
     config = LossConfig(decoupled=True)
-    assert corrects_behaviour(config) and needs_proximal(config)
+    assert needs_proximal(config)
     loss, metrics, _ = run(config, make_batch(old=BEHAV, proximal=OLD))
 
     def per(i, t):
@@ -221,9 +220,9 @@ def test_clipped_value_loss():
 def test_config_errors_and_behaviour_flag():
     assert loss_config("gspo").kind == "gspo" and loss_config({"clip_high": 0.28}).clip_high == 0.28
     assert advantage_config("rloo").estimator == "rloo"
-    assert not corrects_behaviour(LossConfig())
-    assert corrects_behaviour(msgspec.convert({"correction": {"kind": "tis"}}, LossConfig))
-    assert corrects_behaviour(LossConfig(kind="sft")) and not needs_proximal(LossConfig(kind="sft"))
+    assert not needs_proximal(LossConfig())
+    assert needs_proximal(msgspec.convert({"correction": {"kind": "tis"}}, LossConfig))
+    assert not needs_proximal(LossConfig(kind="sft", decoupled=True))
     with pytest.raises(msgspec.ValidationError, match="unknown field `clip_hgh`"):
         msgspec.convert({"clip_hgh": 0.3}, LossConfig)
     with pytest.raises(msgspec.ValidationError, match="unknown loss 'ppo'"):
@@ -253,5 +252,5 @@ def test_the_train_node_schema_converts():
     loss, advantage = loss_config(node.loss), advantage_config(node.advantage)
     assert (loss.kind, loss.clip_high, loss.decoupled, loss.aggregation) == ("gspo", 0.28, True, "seq_mean_token_sum")
     assert (loss.correction.kind, loss.correction.level, loss.correction.threshold) == ("mis", "sequence", 3.0)
-    assert loss.kl.coef == 0.01 and corrects_behaviour(loss)
+    assert loss.kl.coef == 0.01 and needs_proximal(loss)
     assert (advantage.estimator, advantage.std_normalize, advantage.gamma) == ("rloo", False, 0.9)

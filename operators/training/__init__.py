@@ -18,7 +18,7 @@ One training step, as the train node runs it on each rank (all calls are collect
     for bucket in trainer.named_weights(64 << 20): ...   # weight sync; every rank iterates
 
 Modules: `kernels` (chunked token logprobs and entropy), `advantages` (estimator registry and
-`AdvantageConfig`), `losses` (policy loss registry, `LossConfig`, `corrects_behaviour`, value loss),
+`AdvantageConfig`), `losses` (policy loss registry, `LossConfig`, value loss),
 `batch` (`Batch`, `pack`, `shard`, micro-batches, global `Normaliser`), `trainer` (`Trainer`,
 `Reference`, `Critic`), `checkpoint` (DCP save/load, Hugging Face export).
 """

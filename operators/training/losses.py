@@ -17,7 +17,9 @@ Per token, with A the advantage, old the logprob the ratio is taken against, m t
               are about 3e-4 / 4e-4)
     sft       l = -logp (supervised; advantages unused)
 
-Behaviour policy. By default old = the engine's behaviour logprobs. With `decoupled: true`
+Behaviour policy. By default old = the engine's behaviour logprobs: the clipped ratio is PPO's
+importance correction for whatever policy produced each token (a stale version behind an async
+edge, several versions under partial rollout, the engine's numerics). With `decoupled: true`
 (decoupled PPO, AReaL) or a `correction`, old = the proximal logprobs the trainer recomputes
 before the update (`Trainer.compute_logprobs`), and the per-token loss is multiplied by the
 behaviour weight w = exp(prox - behav) per token, or exp(sum_t m (prox - behav)) per sequence
@@ -50,7 +52,6 @@ from typing import Literal
 import msgspec
 import torch
 
-from flowrl_operators.config import corrects_behaviour as corrects_behaviour  # one rule, schema and trainer
 from flowrl_operators.training.advantages import AdvantageConfig
 from flowrl_operators.training.batch import Batch, Normaliser
 
