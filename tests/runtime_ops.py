@@ -17,7 +17,16 @@ import msgspec
 
 from flowrl.data.trajectory import Group, Trajectory
 from flowrl.graph.plan import EdgePlan, NodePlan, Plan
-from flowrl.operator import POLICY, PROMPTS, TRAJECTORIES, WEIGHTS, GraphFacts, Operator, Resources, TrainResult
+from flowrl.operator import (
+    POLICY,
+    PROMPTS,
+    TRAJECTORIES,
+    WEIGHTS,
+    GraphFacts,
+    Operator,
+    Resources,
+    TrainResult,
+)
 from flowrl.registry import resolve
 
 

@@ -59,7 +59,8 @@ def test_ray_launched_server_takes_broadcast_weights(model, tmp_path):
     """`engine: sglang` launches each server in a Ray actor on its own bundle (here flowrl's server and
     no GPUs; the actor code is the same). Weights then reach it by broadcast over gloo
     (init_weights_update_group + update_weights_from_distributed inside a begin/end session): from the
-    adapter, then from a trainer-side sender as rank 0 of a fresh group, which the adapter adopts."""
+    adapter, then from a trainer-side sender as rank 0 of a fresh group, which the adapter adopts. Asking
+    for GPUs the cluster lacks is an immediate error, not a wait."""
     ray = pytest.importorskip("ray")
     folder, new = model
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -88,6 +89,8 @@ def test_ray_launched_server_takes_broadcast_weights(model, tmp_path):
         return adapter.version, back
 
     try:
+        with pytest.raises(RuntimeError, match="has 0 GPUs; attach to running servers with engine.url"):
+            launch_servers(str(folder), 1, {}, gpus=1, command=flowrl_command, log_dir=str(tmp_path))  # no wait
         launched = launch_servers(str(folder), 1, {}, gpus=0, command=flowrl_command, log_dir=str(tmp_path),
                                   timeout_s=120)
         url = launched[0][0]

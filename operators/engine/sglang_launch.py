@@ -151,6 +151,12 @@ def launch_servers(model_path: str, engines: int, server_args: dict[str, Any] | 
     if gpus is None:
         gpus = float(args.get("tp_size", args.get("tp", 1)))
     bundle = {"CPU": 1.0, **({"GPU": gpus} if gpus else {})}
+    if not ray.is_initialized():  # e.g. the in-process executor: a local Ray for the server actors
+        ray.init(include_dashboard=False)
+    have = ray.cluster_resources().get("GPU", 0.0)
+    if gpus and have < gpus * engines:  # a placement group would wait for them forever
+        raise RuntimeError(f"engine: sglang launches {engines} server(s) on {gpus:g} GPU(s) each, but the Ray "
+                           f"cluster has {have:g} GPUs; attach to running servers with engine.url instead")
     group = placement_group([bundle] * engines, strategy="PACK")
     ray.get(group.ready(), timeout=timeout_s)
     log_dir = log_dir or tempfile.mkdtemp(prefix="flowrl-sglang-logs-")
@@ -197,7 +203,7 @@ def make_engine(config: Any, model_path: str, *, dtype: str = "float32", seed: i
         return EmbeddedEngine(model_path, max_slots=config.max_batch, device=device, threads=config.threads,
                               dtype=dtype, seed=seed)
     sync = getattr(config, "weight_sync", "auto")
-    if config.url:
+    if config.url is not None:  # an empty url is the adapter's clear error, not a launch
         return SGLangEngine(config.url, weight_sync=sync, model_path=model_path)
     from flowrl_operators.models import resolve_model
 
