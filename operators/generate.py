@@ -39,7 +39,7 @@ class Generate(Operator):
             raise ValueError("the generate node needs the pipeline's model.path (a checkpoint or builtin:<name>)")
         self.engine = self._make_engine(model)
         engine = self.config.engine
-        if isinstance(engine, EngineConfig) and engine.url and engine.load_on_attach:
+        if isinstance(engine, EngineConfig) and engine.url is not None and engine.load_on_attach:
             from flowrl_operators.models import resolve_model
 
             await self.engine.load(resolve_model(model), version=0)

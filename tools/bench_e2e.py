@@ -35,17 +35,26 @@ def run(pipeline: str, run_dir: Path, args: argparse.Namespace) -> dict:
     wall = time.time() - started
     warmup = json.loads((run_dir / "phases/0-warmup/phase.json").read_text())["seconds"]
     grpo = run_dir / "phases/1-grpo"
-    evals = [json.loads(line) for line in (grpo / "eval.jsonl").read_text().splitlines()]
-    rows = [json.loads(line) for line in (grpo / "metrics.jsonl").read_text().splitlines()]
-    hit = next((e for e in evals if e["eval_reward"] >= args.target), None)
-    out = {"wall_s": round(wall, 1), "best_eval": max(e["eval_reward"] for e in evals),
-           "last_eval": evals[-1]["eval_reward"], "steps": len(rows), "s_to_target": None, "samples_to_target": None,
-           "s_per_step": round(json.loads((grpo / "phase.json").read_text())["seconds"] / max(len(rows), 1), 4)}
+    evals = read_jsonl(grpo / "eval.jsonl")
+    rows = read_jsonl(grpo / "metrics.jsonl")
+    out, hit = summary(evals, wall, args.target)
+    out |= {"steps": len(rows), "s_per_step": round(json.loads((grpo / "phase.json").read_text())["seconds"] / max(len(rows), 1), 4)}
     if hit is not None:
         # Version v was trained on the groups of steps 0 .. v-1.
         out["s_to_target"] = round(warmup + hit["time"], 1)
         out["samples_to_target"] = sum(r["groups"] for r in rows if r["step"] < hit["version"])
     return out
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def summary(evals: list[dict], wall: float, target: float) -> tuple[dict, dict | None]:
+    """What every contender reports from its greedy evaluations, and the first one at the target."""
+    hit = next((e for e in evals if e["eval_reward"] >= target), None)
+    return {"wall_s": round(wall, 1), "best_eval": max(e["eval_reward"] for e in evals),
+            "last_eval": evals[-1]["eval_reward"], "s_to_target": None, "samples_to_target": None}, hit
 
 
 def run_hand(run_dir: Path, args: argparse.Namespace) -> dict:
@@ -57,14 +66,12 @@ def run_hand(run_dir: Path, args: argparse.Namespace) -> dict:
                            f"--eval-every={args.eval_every}", f"--out={evals_file}"],
                           check=True, cwd=ROOT, capture_output=True, text=True)
     wall = time.time() - started
-    summary = json.loads(done.stdout.strip().splitlines()[-1])
-    evals = [json.loads(line) for line in evals_file.read_text().splitlines()]
-    hit = next((e for e in evals if e["eval_reward"] >= args.target), None)
-    return {"wall_s": round(wall, 1), "best_eval": max(e["eval_reward"] for e in evals),
-            "last_eval": evals[-1]["eval_reward"], "steps": summary["grpo_steps"],
-            "s_per_step": summary["grpo_s_per_step"],
-            "s_to_target": None if hit is None else hit["time"],
-            "samples_to_target": None if hit is None else hit["step"] * 16}
+    last = json.loads(done.stdout.strip().splitlines()[-1])
+    out, hit = summary(read_jsonl(evals_file), wall, args.target)
+    out |= {"steps": last["grpo_steps"], "s_per_step": last["grpo_s_per_step"]}
+    if hit is not None:
+        out["s_to_target"], out["samples_to_target"] = hit["time"], hit["samples"]
+    return out
 
 
 def main() -> None:

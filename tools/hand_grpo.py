@@ -7,7 +7,8 @@ group 8 x 16 prompts, lr 1e-3, grad clip 1, token-mean loss, std-normalised grou
 None of flowrl's runtime, engine or trainer: Hugging Face `generate` samples, one forward and
 backward per step (on-policy, so the PPO ratio is 1 and the loss is the plain policy gradient).
 Every `--eval-every` steps a greedy evaluation on 64 held-out prompts is appended to `--out` as
-{"step", "time", "eval_reward"} (time from the warm-up's start). Last line: one JSON object.
+{"step", "samples" (prompt groups trained on), "time", "eval_reward"}, time from the warm-up's start.
+Last line: one JSON object.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ from flowrl_operators.models import load_hf_model, load_tokenizer
 from flowrl_operators.tasks.digits import copy_digits, positions_correct, reverse_digits
 
 MODEL = "builtin:tiny-qwen2"
+PROMPTS, GROUP = 16, 8  # a GRPO step: 16 prompts, 8 samples each
+WARMUP_BATCH = 64  # fresh copy examples per warm-up step
+EVAL_SAMPLES = 64  # held-out prompts per greedy evaluation
 
 
 def main() -> None:
@@ -40,7 +44,7 @@ def main() -> None:
     eos, pad = tok.eos_token_id, tok.pad_token_id
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
     reverse, copy = reverse_digits(seed=a.seed), copy_digits(seed=a.seed)
-    held_out = [reverse.eval_sample(i) for i in range(64)]
+    held_out = [reverse.eval_sample(i) for i in range(EVAL_SAMPLES)]
 
     def right_padded(rows: list[tuple[list[int], list[int]]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(prompt, response) rows -> ids, attention mask, response mask of the predicted tokens."""
@@ -90,7 +94,7 @@ def main() -> None:
         opt.step()
 
     for step in range(a.warmup_steps):  # supervised copy warm-up, fresh examples each step
-        samples = [copy.sample(step, i) for i in range(64)]
+        samples = [copy.sample(step, i) for i in range(WARMUP_BATCH)]
         ids, mask, loss_mask = right_padded([(tok.encode(s["prompt"]), tok.encode(s["target"]) + [eos]) for s in samples])
         update(-(token_logprobs(ids, mask) * loss_mask).sum() / loss_mask.sum())
     warmup_s = time.time() - started
@@ -98,14 +102,15 @@ def main() -> None:
     grpo_started, step, best = time.time(), 0, 0.0
     while time.time() - grpo_started < a.grpo_seconds:
         if step % a.eval_every == 0:
-            record = {"step": step, "time": round(time.time() - started, 2), "eval_reward": evaluate()}
+            record = {"step": step, "samples": step * PROMPTS, "time": round(time.time() - started, 2),
+                      "eval_reward": evaluate()}
             best = max(best, record["eval_reward"])
             if out:
                 print(json.dumps(record), file=out, flush=True)
-        samples = [reverse.sample(step, i) for i in range(16)]
-        rows = sample([s["prompt"] for s in samples], 8)
-        rewards = torch.tensor([positions_correct(text(r), samples[i // 8]["target"]) for i, (_, r) in enumerate(rows)])
-        grouped = rewards.view(16, 8)
+        samples = [reverse.sample(step, i) for i in range(PROMPTS)]
+        rows = sample([s["prompt"] for s in samples], GROUP)
+        rewards = torch.tensor([positions_correct(text(r), samples[i // GROUP]["target"]) for i, (_, r) in enumerate(rows)])
+        grouped = rewards.view(PROMPTS, GROUP)
         advantages = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-6)).flatten()
         ids, mask, loss_mask = right_padded(rows)
         update(-(token_logprobs(ids, mask) * advantages[:, None] * loss_mask).sum() / loss_mask.sum())

@@ -380,9 +380,7 @@ class SGLangEngine:
                 for name, tensor in bucket:
                     tensors[name] = tensor.detach().to("cpu", copy=True).contiguous()
             await asyncio.to_thread(write_checkpoint, resolve_model(self.model_path), folder, tensors)
-            for server in self.servers:
-                await self._post(server, "/update_weights_from_disk",
-                                 {"model_path": str(folder), "weight_version": str(version)})
+            await self.load(folder, version)
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
             raise
