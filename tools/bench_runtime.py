@@ -14,10 +14,16 @@ max stage time = the best possible speedup of perfect pipelining), throughputs, 
 `async_vs_ideal` = the better async throughput / ideal throughput (ideal = 1 / max stage time per step) and
 `overhead_vs_hand_loop` = sync runtime wall time / hand loop wall time. Each configuration runs
 `--repeats` times and the fastest run counts (the machine is shared; the others are noise).
-A scheduling check repeats the configurations once with the same durations as sleeps: on a
-shared 2-core machine the CPU figures mostly measure whether a second core was free, while the
-sleep figures show what the runtime's scheduling itself achieves (`sleep_async_vs_ideal`,
-`sleep_overhead_vs_hand_loop`). The last line is one JSON object.
+
+Placement (`--placement`): `pinned` (the default) binds the train work to a core of its own and
+the rollout side's work (generate, reward, sync: one thread) with the runtime to the other cores,
+as a cluster gives the trainer devices of its own; `shared` gives each stage a thread and lets
+the OS put any thread on any core, and then the stages' work itself slows down from time-sharing
+the cores (a trace showed train 207 -> 249 ms a step for the same work), which measures the OS
+scheduler more than the runtime. A scheduling check repeats the
+configurations once with the same durations as sleeps, which need no core at all: what the
+runtime's scheduling achieves by itself (`sleep_async_vs_ideal`, `sleep_overhead_vs_hand_loop`).
+The last line is one JSON object.
 
     flock /tmp/flowrl-bench.lock /work/venv/bin/python tools/bench_runtime.py
 """
@@ -37,6 +43,7 @@ import math  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
+from concurrent.futures import ThreadPoolExecutor  # noqa: E402
 from typing import Any, ClassVar  # noqa: E402
 
 import msgspec  # noqa: E402
@@ -55,9 +62,47 @@ from flowrl.operator import (  # noqa: E402
 )
 
 MATRIX = np.random.default_rng(0).standard_normal((192, 192)) / 192**0.5
-SETTINGS = {"gen_ms": 30.0, "tail_sigma": 0.8, "reward_ms": 2.0, "train_ms": 250.0, "sync_ms": 10.0}
+# Generation ~160 ms a step against training's 250: all stages together need ~1.7 cores, so on
+# 2 cores perfect overlap is physically possible. With gen_ms 30 (~240 ms a step) they needed
+# 2.0 cores with nothing to spare; the trace then showed every stage's work inflated 30-170% by
+# competing for the cores (train 229 -> 302 ms a step), which measures the OS scheduler, not us.
+SETTINGS = {"gen_ms": 20.0, "tail_sigma": 0.8, "reward_ms": 2.0, "train_ms": 250.0, "sync_ms": 10.0}
 UNITS_PER_MS = 1.0  # calibrated in main()
 WORK = "cpu"  # "sleep" for the scheduling check: the same durations without competing for cores
+
+
+# Placement, as a cluster gives the trainer devices of its own and the rollout side (engine,
+# reward, weight loading) others: `pinned` runs the train work on one thread bound to the last core,
+# and generate, reward and sync on one thread bound to the other cores, with the runtime and the
+# hand loop. `shared` gives each stage its own thread, and the OS puts any thread on any core.
+PLACEMENT = "pinned"
+_POOLS: dict[str, ThreadPoolExecutor] = {}
+
+
+def _cores(side: str) -> set[int]:
+    cores = sorted(_ALL_CORES)
+    return {cores[-1]} if side == "train" else set(cores[:-1]) or set(cores)
+
+
+def pool(role: str) -> ThreadPoolExecutor:
+    """The worker thread that runs `role`'s work (see PLACEMENT)."""
+    side = role if PLACEMENT == "shared" else ("train" if role == "train" else "rollout")
+    if side not in _POOLS:
+        init = (lambda: os.sched_setaffinity(0, _cores(side))) if PLACEMENT == "pinned" else None
+        _POOLS[side] = ThreadPoolExecutor(1, thread_name_prefix=f"bench-{side}", initializer=init)
+    return _POOLS[side]
+
+
+def call(role: str, fn: Any, *args: Any) -> Any:
+    """Run `fn` on `role`'s worker thread and wait: the hand loop's way to the same cores."""
+    return pool(role).submit(fn, *args).result()
+
+
+async def on(role: str, fn: Any, *args: Any) -> Any:
+    return await asyncio.get_running_loop().run_in_executor(pool(role), fn, *args)
+
+
+_ALL_CORES = os.sched_getaffinity(0)
 
 
 def burn(ms: float) -> float:
@@ -139,7 +184,7 @@ class BenchGenerate(Operator):
         self.version = 0
 
     async def generate(self, sample: dict[str, Any], *, step: int, sample_id: str) -> Group:
-        return await asyncio.to_thread(generate_work, sample, step, sample_id, self.version)
+        return await on("generate", generate_work, sample, step, sample_id, self.version)
 
     async def update_weights(self, weights: Any, version: int) -> None:
         self.version = version
@@ -156,7 +201,7 @@ class BenchReward(Operator):
     outputs: ClassVar = {"trajectories": TRAJECTORIES}
 
     async def process(self, inputs: dict[str, Any]) -> dict[str, Any]:
-        return {"trajectories": await asyncio.to_thread(reward_work, inputs["trajectories"])}
+        return {"trajectories": await on("reward", reward_work, inputs["trajectories"])}
 
 
 class BenchTrain(Operator):
@@ -165,7 +210,7 @@ class BenchTrain(Operator):
     outputs: ClassVar = {"policy": POLICY}
 
     async def train(self, groups: list[Group], *, step: int) -> TrainResult:
-        return TrainResult(policy=await asyncio.to_thread(train_work, groups, step))
+        return TrainResult(policy=await on("train", train_work, groups, step))
 
 
 class BenchSync(Operator):
@@ -174,7 +219,7 @@ class BenchSync(Operator):
     outputs: ClassVar = {"weights": WEIGHTS}
 
     async def sync(self, policy: Any, *, version: int) -> Any:
-        return await asyncio.to_thread(sync_work, policy)
+        return await on("sync", sync_work, policy)
 
 
 def make_plan(steps: int, batch: int, mode: str, k: int) -> Plan:
@@ -195,7 +240,8 @@ def make_plan(steps: int, batch: int, mode: str, k: int) -> Plan:
 
 
 def hand_loop(steps: int, batch: int) -> tuple[float, dict[str, float]]:
-    """The same work in a plain loop; returns wall time and per-stage work time."""
+    """The same work in a plain loop, each call on the same worker thread (so the same cores) as
+    the runtime uses; returns wall time and per-stage work time."""
     stage = {"generate": 0.0, "reward": 0.0, "train": 0.0, "sync": 0.0}
     source = Numbers()
     version = 0
@@ -204,16 +250,16 @@ def hand_loop(steps: int, batch: int) -> tuple[float, dict[str, float]]:
         groups = []
         for index in range(batch):
             t0 = time.perf_counter()
-            group = generate_work(source.sample(step, index), step, f"{step}:{index}", version)
+            group = call("generate", generate_work, source.sample(step, index), step, f"{step}:{index}", version)
             t1 = time.perf_counter()
-            groups.append(reward_work(group))
+            groups.append(call("reward", reward_work, group))
             t2 = time.perf_counter()
             stage["generate"] += t1 - t0
             stage["reward"] += t2 - t1
         t0 = time.perf_counter()
-        policy = train_work(groups, step)
+        policy = call("train", train_work, groups, step)
         t1 = time.perf_counter()
-        version = sync_work(policy)["version"]
+        version = call("sync", sync_work, policy)["version"]
         t2 = time.perf_counter()
         stage["train"] += t1 - t0
         stage["sync"] += t2 - t1
@@ -254,12 +300,16 @@ def measure(args: argparse.Namespace, configs: list[tuple[str, str, int]], repea
 
 
 def main() -> None:
-    global UNITS_PER_MS, WORK
+    global UNITS_PER_MS, WORK, PLACEMENT
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=32)  # pipeline fill over 16 steps alone cost ~6%
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--placement", choices=("pinned", "shared"), default="pinned")
     args = parser.parse_args()
+    PLACEMENT = args.placement
+    if PLACEMENT == "pinned":  # this thread (the runtime, the hand loop) and its children: off the trainer's core
+        os.sched_setaffinity(0, _cores("others"))
     UNITS_PER_MS = calibrate()
     runtime(2, 2, "sync", 0)  # warm-up: imports, TensorBoard writer
 
@@ -297,7 +347,7 @@ def main() -> None:
         "overhead_vs_hand_loop": round(best["sync"] / best["hand"], 3),
         "sleep_async_vs_ideal": round(sleep_vs_ideal, 3), "sleep_async_staleness": int(sleep_async[-1]),
         "sleep_overhead_vs_hand_loop": round(sleep_best["sync"] / sleep_best["hand"], 3),
-        "load_average": round(os.getloadavg()[0], 2),
+        "placement": PLACEMENT, "load_average": round(os.getloadavg()[0], 2),
     }
     print(json.dumps(summary))
 
