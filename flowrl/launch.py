@@ -24,6 +24,8 @@ def default_run_dir(name: str) -> Path:
 def start(file: str, overrides: list[str], run_dir: Path | None = None, executor: str | None = None,
           progress: bool = True) -> list:
     """Run every phase of `file` from scratch; returns the phases' RunResults."""
+    if executor:  # as an override, so that the graph checks see it (e.g. a transport that needs one process)
+        overrides = [*overrides, f"run.executor={executor}"]
     loaded = load(file, overrides)
     for _, phase_loaded in expand(loaded):  # every phase must compile before anything runs
         compile_spec(phase_loaded)

@@ -52,6 +52,7 @@ class GraphFacts(msgspec.Struct, frozen=True):
 
     async_upstream: bool = False  # an async edge feeds this node, directly or further up
     partial_rollout_upstream: bool = False  # an upstream generate node continues across updates
+    executor: str = "inprocess"  # run.executor: whether the stages share one process
 
 
 class TrainResult(msgspec.Struct, kw_only=True):

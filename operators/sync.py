@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, ClassVar
 
-from flowrl.operator import POLICY, WEIGHTS, Operator, Resources
+from flowrl.operator import POLICY, WEIGHTS, GraphFacts, Operator, Resources
 from flowrl_operators.config import SyncConfig
 
 
@@ -25,6 +25,14 @@ class Sync(Operator):
     inputs: ClassVar = {"policy": POLICY}
     outputs: ClassVar = {"weights": WEIGHTS}
     resources = Resources(cpus=0.1)
+
+    @classmethod
+    def check_graph(cls, config: SyncConfig, facts: GraphFacts) -> list[tuple[tuple[str, ...], str]]:
+        if config.transport == "inprocess" and facts.executor == "ray":
+            # The record holds the tensors by reference: it cannot leave the process it was made in.
+            return [(("transport",), "transport: inprocess needs the stages in one process, but "
+                     "run.executor is ray; use transport: auto (the Ray object store there) or object_store")]
+        return []
 
     async def setup(self) -> None:
         from flowrl_operators.transport import make_sender

@@ -71,6 +71,20 @@ def test_override_changes_config_and_is_located_when_wrong() -> None:
                                "nodes.learner.optim.lr: expected float, got 'fast'")
 
 
+def test_run_executor_flag_reaches_the_graph_checks(tmp_path: Path) -> None:
+    """`flowrl run --executor ray` is checked like `run.executor: ray` in the file: before anything starts."""
+    spec = ROOT / "tests/specs/bad/inprocess_transport_under_ray.yaml"
+    text = spec.read_text().replace("run: {executor: ray}", "run: {executor: inprocess}")
+    file = tmp_path / "pipeline.yaml"
+    file.write_text(text)
+    compile_file(str(file))  # one process: fine
+    from flowrl import launch
+
+    with pytest.raises(SpecError, match="transport: inprocess needs the stages in one process"):
+        launch.start(str(file), [], tmp_path / "run", executor="ray", progress=False)
+    assert not (tmp_path / "run").exists()
+
+
 def test_interpolation_resolves(tmp_path: Path) -> None:
     text = (ROOT / "tests/specs/good/base.yaml").read_text()
     text = text.replace("    optim: {lr: 1.0e-3}", "    optim: {lr: '${lr}'}") + "description: ${name}-run\n"

@@ -87,7 +87,7 @@ def compile_spec(loaded: LoadedSpec) -> Compiled:
         _check_connectivity(graph, ops, edges, loc, problems)
     _check_resources(spec, resources, loc, problems)
     if not problems:
-        _check_operators(edges, ops, configs, loc, problems)
+        _check_operators(edges, ops, configs, spec.run.executor, loc, problems)
     if problems:
         raise SpecError(_ordered(problems))
 
@@ -239,7 +239,7 @@ def _check_resources(spec, resources: dict[str, Resources], loc, problems) -> No
             f"the nodes together ask for {total_cpus:g} CPUs and {total_gpus:g} GPUs; the cluster offers {cluster.cpus:g} and {cluster.gpus:g}"))
 
 
-def _check_operators(edges, ops, configs, loc, problems) -> None:
+def _check_operators(edges, ops, configs, executor: str, loc, problems) -> None:
     data = nx.DiGraph([(e.src, e.dst, {"mode": e.mode}) for _, e in edges if e.kind == "data"])
     data.add_nodes_from(ops)
     for name, op in ops.items():
@@ -248,7 +248,7 @@ def _check_operators(edges, ops, configs, loc, problems) -> None:
         upstream = nx.ancestors(data, name)
         async_in = any(d["mode"] == "async" for _, v, d in data.edges(data=True) if v == name or v in upstream)
         partial = any(getattr(configs.get(u), "partial_rollout", False) for u in upstream)
-        facts = GraphFacts(async_upstream=async_in, partial_rollout_upstream=partial)
+        facts = GraphFacts(async_upstream=async_in, partial_rollout_upstream=partial, executor=executor)
         for key_path, message in op.check_graph(configs[name], facts):
             problems.append(loc.diagnostic(("nodes", name, *key_path), message))
 
