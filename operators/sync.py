@@ -29,7 +29,8 @@ class Sync(Operator):
     @classmethod
     def check_graph(cls, config: SyncConfig, facts: GraphFacts) -> list[tuple[tuple[str, ...], str]]:
         if config.transport == "inprocess" and facts.executor == "ray":
-            # The record holds the tensors by reference: it cannot leave the process it was made in.
+            # Its record holds the tensors themselves: across Ray actors it would be pickled through
+            # the coordinator, a full copy per hop, where the object store moves them once.
             return [(("transport",), "transport: inprocess needs the stages in one process, but "
                      "run.executor is ray; use transport: auto (the Ray object store there) or object_store")]
         return []
