@@ -91,7 +91,8 @@ class Generate(Operator):
         """`group_size` episodes of `sample` (one greedy episode if `greedy`, for evaluation)."""
         sampling = msgspec.structs.replace(self.sampling, temperature=0.0) if greedy else self.sampling
         episodes = 1 if greedy else self.config.group_size
-        results = await asyncio.gather(*(self._episode(sample, step, sample_id, i, sampling)
+        prompt_cache: dict[int, tuple[dict, list[int]]] = {}  # one tokenisation of the sample's prompt for the group
+        results = await asyncio.gather(*(self._episode(sample, step, sample_id, i, sampling, prompt_cache)
                                          for i in range(episodes)))
         trajectories = [t for episode in results for t in episode]
         if not trajectories:
@@ -101,12 +102,12 @@ class Generate(Operator):
         return Group(id=sample_id, step=step, trajectories=trajectories)
 
     async def _episode(self, sample: dict[str, Any], step: int, sample_id: str, episode: int,
-                       sampling: SamplingParams) -> list[Trajectory]:
+                       sampling: SamplingParams, prompt_cache: dict) -> list[Trajectory]:
         from flowrl_operators.workflows.base import WorkflowContext
 
         ctx = WorkflowContext(engine=self.engine, tokenizer=self.tokenizer, sampling=sampling,
                               sample_id=sample_id, episode=episode, step=step, seed=self.context.seed,
-                              args=dict(self.config.workflow_args), services=self.services)
+                              args=dict(self.config.workflow_args), services=self.services, prompt_cache=prompt_cache)
         self.counts["episodes"] += 1
         try:
             out = await asyncio.wait_for(self.workflow(ctx, sample), self.config.episode_timeout_s)

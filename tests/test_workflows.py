@@ -143,6 +143,32 @@ def test_single_turn_and_supervised(loop, engine, tok):
         tok, f"<|im_start|>user\n{chat['digits']}><|im_end|>\n<|im_start|>assistant\n")
 
 
+def test_prompt_ids_are_tokenised_once_per_group(engine, tok):
+    """Episodes of one group share the generate node's cache: one tokenisation per sample object,
+    a copy for each caller, and another sample object is never served a cached prompt."""
+    calls = []
+
+    class Counting:  # the real tokenizer, with its encode calls counted
+        def __getattr__(self, name):
+            return getattr(tok, name)
+
+        def encode(self, text, **kwargs):
+            calls.append(text)
+            return tok.encode(text, **kwargs)
+
+    cache: dict = {}
+    sample = reverse_digits(seed=0).sample(0, 0)
+    contexts = [WorkflowContext(engine=engine, tokenizer=Counting(), sampling=SamplingParams(), sample_id="0:0",
+                                episode=i, prompt_cache=cache) for i in range(3)]
+    ids = [c.prompt_ids(sample) for c in contexts]
+    assert ids[0] == encode(tok, sample["prompt"]) and ids[0] == ids[1] == ids[2] and ids[0] is not ids[1]
+    assert calls == [sample["prompt"]]
+    ids[0].append(0)  # a caller's copy: the cache is untouched
+    assert contexts[1].prompt_ids(sample) == encode(tok, sample["prompt"])
+    other = reverse_digits(seed=0).sample(0, 1)
+    assert contexts[0].prompt_ids(other) == encode(tok, other["prompt"]) and len(calls) == 2
+
+
 class Counter:
     """A custom environment: counts to 3. Used through `module:attr`."""
 

@@ -52,6 +52,9 @@ class WorkflowContext:
     seed: int = 0
     args: dict[str, Any] = field(default_factory=dict)
     services: dict[str, Any] = field(default_factory=dict)  # e.g. "proxy" for agent workflows
+    # Prompt ids by sample object, shared by the episodes of one group (the generate node passes one
+    # dict per group): tokenising the same prompt once per episode was ~5% of a quickstart step.
+    prompt_cache: dict[int, tuple[dict[str, Any], list[int]]] = field(default_factory=dict)
     rng: random.Random = field(init=False)
     calls: int = field(default=0, init=False)
 
@@ -110,6 +113,13 @@ class WorkflowContext:
 
     def prompt_ids(self, sample: dict[str, Any]) -> list[int]:
         """A sample's prompt: `prompt_ids`, chat `messages`, or raw `prompt` text (in that order)."""
+        # The entry keeps its sample alive, so no other object can take its id while it is cached.
+        cached = self.prompt_cache.get(id(sample))
+        if cached is None or cached[0] is not sample:
+            cached = self.prompt_cache[id(sample)] = (sample, self._prompt_ids(sample))
+        return list(cached[1])
+
+    def _prompt_ids(self, sample: dict[str, Any]) -> list[int]:
         if "prompt_ids" in sample:
             return list(sample["prompt_ids"])
         if "messages" in sample:
