@@ -16,11 +16,11 @@ max stage time = the best possible speedup of perfect pipelining), throughputs, 
 `--repeats` times and the fastest run counts (the machine is shared; the others are noise).
 
 Placement (`--placement`): `pinned` (the default) binds the train work to a core of its own and
-the rollout side's work (generate, reward, sync: one thread) with the runtime to the other cores,
-as a cluster gives the trainer devices of its own; `shared` gives each stage a thread and lets
-the OS put any thread on any core, and then the stages' work itself slows down from time-sharing
-the cores (a trace showed train 207 -> 249 ms a step for the same work), which measures the OS
-scheduler more than the runtime. A scheduling check repeats the
+the rollout side's work (generate, reward, sync: one thread) to the other cores, as a cluster
+gives the trainer devices of its own; the runtime's event loop, host code, is not pinned. `shared`
+gives each stage a thread and lets the OS put any thread on any core, and then the stages' work
+itself slows down from time-sharing the cores (a trace showed train 207 -> 249 ms a step for the
+same work), which measures the OS scheduler more than the runtime. A scheduling check repeats the
 configurations once with the same durations as sleeps, which need no core at all: what the
 runtime's scheduling achieves by itself (`sleep_async_vs_ideal`, `sleep_overhead_vs_hand_loop`).
 The last line is one JSON object.
@@ -73,8 +73,9 @@ WORK = "cpu"  # "sleep" for the scheduling check: the same durations without com
 
 # Placement, as a cluster gives the trainer devices of its own and the rollout side (engine,
 # reward, weight loading) others: `pinned` runs the train work on one thread bound to the last core,
-# and generate, reward and sync on one thread bound to the other cores, with the runtime and the
-# hand loop. `shared` gives each stage its own thread, and the OS puts any thread on any core.
+# and generate, reward and sync on one thread bound to the other cores; the runtime's event loop
+# (host code) and the hand loop's caller are not pinned. `shared` gives each stage its own thread,
+# and the OS puts any thread on any core.
 PLACEMENT = "pinned"
 _POOLS: dict[str, ThreadPoolExecutor] = {}
 
@@ -304,12 +305,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=32)  # pipeline fill over 16 steps alone cost ~6%
     parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--placement", choices=("pinned", "shared"), default="pinned")
     args = parser.parse_args()
-    PLACEMENT = args.placement
-    if PLACEMENT == "pinned":  # this thread (the runtime, the hand loop) and its children: off the trainer's core
-        os.sched_setaffinity(0, _cores("others"))
+    PLACEMENT = args.placement  # the runtime's own thread (this one) stays unpinned: it is host code
     UNITS_PER_MS = calibrate()
     runtime(2, 2, "sync", 0)  # warm-up: imports, TensorBoard writer
 
