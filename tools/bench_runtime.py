@@ -77,6 +77,7 @@ WORK = "cpu"  # "sleep" for the scheduling check: the same durations without com
 # (host code) and the hand loop's caller are not pinned. `shared` gives each stage its own thread,
 # and the OS puts any thread on any core.
 PLACEMENT = "pinned"
+_ALL_CORES = os.sched_getaffinity(0)
 _POOLS: dict[str, ThreadPoolExecutor] = {}
 
 
@@ -102,8 +103,6 @@ def call(role: str, fn: Any, *args: Any) -> Any:
 async def on(role: str, fn: Any, *args: Any) -> Any:
     return await asyncio.get_running_loop().run_in_executor(pool(role), fn, *args)
 
-
-_ALL_CORES = os.sched_getaffinity(0)
 
 
 def burn(ms: float) -> float:
