@@ -104,7 +104,6 @@ async def on(role: str, fn: Any, *args: Any) -> Any:
     return await asyncio.get_running_loop().run_in_executor(pool(role), fn, *args)
 
 
-
 def burn(ms: float) -> float:
     """About `ms` milliseconds of single-threaded CPU work."""
     if WORK == "sleep":
