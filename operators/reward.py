@@ -5,8 +5,10 @@
 
 A per-sample function gets one `Trajectory` (its decoded response is `metadata["text"]`, its data
 sample `metadata["sample"]`) and returns a float (the sequence reward), a list of floats (one per
-turn), or a dict with any of `reward`, `turn_rewards`, `token_rewards`. With `batched: true` the
-function gets the group's list of trajectories and returns a list of such values.
+turn), or a dict with any of `reward`, `turn_rewards`, `token_rewards`. Training credits the finest
+granularity given; a `reward` next to finer ones is only reported (metrics, filters), so give it
+their total or the sequence score you want to watch. With `batched: true` the function gets the
+group's list of trajectories and returns a list of such values.
 
 Each call runs under `timeout_s`. A call that raises or times out is isolated: it is counted in
 `metrics()` and handled by `on_error`: `zero` gives reward 0, `drop` drops the sample (its whole

@@ -20,6 +20,7 @@ from flowrl_operators.tasks import (
 )
 from flowrl_operators.tasks.calculator import evaluate
 from flowrl_operators.tasks.common import held_out
+from flowrl_operators.tasks.digits import position_rewards
 
 
 def trajectory(text: str, sample: dict, turn_rewards: list[float] | None = None) -> Trajectory:
@@ -73,6 +74,25 @@ def test_positions_correct_is_dense_and_penalises_length():
     sample = reverse_digits(seed=0).sample(0, 0)
     assert reverse_digits.reward(trajectory(sample["target"], sample)) == 1.0
     assert copy_digits.reward(trajectory("x", {"target": "12"})) == 0.0
+
+
+def test_position_rewards_credit_each_token_and_a_misplaced_end_costs():
+    def scored(text: str, target: str, ended: bool = True) -> dict:
+        t = Trajectory(id="t", group_id="g", sample_id="s", prompt_ids=[1], response_ids=[5] * (len(text) + ended),
+                       loss_mask=[1] * (len(text) + ended), behaviour_logprobs=[0.0] * (len(text) + ended),
+                       versions=[0] * (len(text) + ended), finish_reason="stop" if ended else "length",
+                       metadata={"text": text, "sample": {"target": target}})
+        return position_rewards(t)
+
+    assert scored("4321", "4321") == {"reward": 1.0, "token_rewards": [1.0, 1.0, 1.0, 1.0, 1.0]}
+    assert scored("4301", "4321")["token_rewards"] == [1.0, 1.0, 0.0, 1.0, 1.0]
+    # Stopping two digits early: the end token pays for the missing positions.
+    assert scored("43", "4321") == {"reward": 0.5, "token_rewards": [1.0, 1.0, -1.0]}
+    # Past the end: extra characters and the late end token are -1; cut off by the length limit, no end token.
+    assert scored("43210", "4321")["token_rewards"] == [1.0, 1.0, 1.0, 1.0, -1.0, -1.0]
+    assert scored("432100", "4321", ended=False)["token_rewards"] == [1.0, 1.0, 1.0, 1.0, -1.0, -1.0]
+    with pytest.raises(ValueError, match="one token per character"):
+        position_rewards(trajectory("4321", {"target": "4321"}))  # one response token for four characters
 
 
 def test_guess_number_environment_answers_higher_lower_correct():

@@ -38,6 +38,16 @@ def test_pack_aligns_response_tokens_with_targets():
     assert response_values(batch, "behaviour_logprobs", [a, b])[1] == pytest.approx([-0.5, -0.6, -0.7, -0.8])
 
 
+def test_pack_credits_the_finest_reward_granularity_once():
+    """`reward` next to turn or token rewards is their total (the environment workflow sets it so):
+    crediting it again would count the episode twice on its last token."""
+    turns = traj(0, [4], [9, 10, 11], turns=[Turn(0, 1), Turn(1, 3)], turn_rewards=[0.5, 2.0], reward=2.5)
+    tokens = traj(1, [4], [9, 10, 11], token_rewards=[1.0, 0.0, -1.0], reward=0.5)
+    batch = pack([turns, tokens])
+    assert batch.rewards.tolist() == [[0.5, 0, 2.0], [1.0, 0.0, -1.0]]
+    assert batch.reward_mask.tolist() == [[1, 0, 1], [1, 1, 1]]
+
+
 def test_pack_rejects_missing_rewards_and_bad_lengths():
     with pytest.raises(ValueError, match="has no reward"):
         pack([traj(0, [1], [2])])

@@ -33,7 +33,8 @@ class Trajectory(msgspec.Struct, kw_only=True):
     # Policy version that produced each response token (partial rollout mixes versions).
     versions: list[int]
     turns: list[Turn] = []
-    # Rewards: exactly one granularity is usually set; estimators accept all three.
+    # Rewards at three granularities. Training credits the finest one set (token, else turn, else
+    # sequence); `reward` next to finer rewards is their total, for metrics and filters.
     reward: float | None = None
     turn_rewards: list[float] | None = None
     token_rewards: list[float] | None = None

@@ -52,6 +52,30 @@ class _Digits(TaskSource):
         return positions_correct(response_text(trajectory), sample_of(trajectory)["target"])
 
 
+def position_rewards(trajectory: Trajectory) -> dict[str, Any]:
+    """Per-token credit for the digit tasks (`fn: flowrl_operators.tasks.digits:position_rewards`):
+    each character scores 1 in its place if right, 0 if wrong, -1 past the target's end; the end
+    token scores 1 right after the last digit and -1 anywhere else. `reward` (reported, not credited)
+    is the fraction of correct positions.
+
+    Why: a sequence score tells a group which answer was better, not which digit; per-token rewards
+    do (with `advantage: {estimator: grpo, gamma: 0}` each token is judged on its own). Why -1 for a
+    misplaced end: stopping early and writing a wrong digit both scored 0, so policies settled on
+    answers one or two digits short and never explored the missing positions (measured with
+    builtin:tiny-qwen2). Needs a character-level tokenizer (one token per character), like the
+    built-in models'.
+    """
+    text, target = response_text(trajectory), sample_of(trajectory)["target"]
+    ended = len(trajectory.response_ids) == len(text) + 1 and trajectory.finish_reason == "stop"
+    if len(trajectory.response_ids) != len(text) + ended:
+        raise ValueError(f"position_rewards needs one token per character: {len(trajectory.response_ids)} tokens "
+                         f"for {len(text)} characters {text!r:.40}; use a character-level tokenizer")
+    rewards = [(1.0 if char == target[i] else 0.0) if i < len(target) else -1.0 for i, char in enumerate(text)]
+    if ended:
+        rewards.append(1.0 if len(text) == len(target) else -1.0)
+    return {"reward": positions_correct(text, target), "token_rewards": rewards}
+
+
 class reverse_digits(_Digits):  # noqa: N801 - the name users write: data.source builtin:reverse_digits
     """Reverse a string of digits: `1234>` -> `4321`."""
 

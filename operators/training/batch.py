@@ -100,21 +100,22 @@ class Normaliser(msgspec.Struct, frozen=True):
 
 
 def _token_rewards(traj: Trajectory) -> tuple[list[float], list[float]]:
+    """The credited rewards on the response tokens: the finest granularity the trajectory has.
+    `reward` next to turn or token rewards is their total (set for metrics and filters, e.g. by the
+    environment workflow), so crediting it as well would count the episode twice."""
     n = len(traj.response_ids)
     rewards, defined = [0.0] * n, [0.0] * n
-    if traj.reward is not None:
-        model_tokens = [i for i, m in enumerate(traj.loss_mask) if m]
-        last = model_tokens[-1] if model_tokens else n - 1
-        rewards[last] += traj.reward
-        defined[last] = 1.0
+    if traj.token_rewards is not None:
+        return [float(r) for r in traj.token_rewards], [1.0] * n
     if traj.turn_rewards is not None:
         for turn, reward in zip(traj.turns, traj.turn_rewards, strict=True):
             rewards[turn.end - 1] += reward
             defined[turn.end - 1] = 1.0
-    if traj.token_rewards is not None:
-        for i, reward in enumerate(traj.token_rewards):
-            rewards[i] += reward
-            defined[i] = 1.0
+    elif traj.reward is not None:
+        model_tokens = [i for i, m in enumerate(traj.loss_mask) if m]
+        last = model_tokens[-1] if model_tokens else n - 1
+        rewards[last] = traj.reward
+        defined[last] = 1.0
     return rewards, defined
 
 
