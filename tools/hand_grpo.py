@@ -3,7 +3,9 @@
     python tools/hand_grpo.py [--seed 0] [--warmup-steps 650] [--grpo-seconds 250] [--out evals.jsonl]
 
 Same model (builtin:tiny-qwen2), tasks (copy digits, then reverse digits), held-out eval prompts,
-group 8 x 16 prompts, lr 1e-3, grad clip 1, token-mean loss, std-normalised group advantages.
+group 8 x 16 prompts, lr 1e-3, grad clip 1, token-mean loss, entropy bonus 0.01, per-token credit
+(`token_credit`, as the quickstart's `position_rewards`) normalised against all token rewards of
+the group (flowrl's grpo with gamma 0).
 None of flowrl's runtime, engine or trainer: Hugging Face `generate` samples, one forward and
 backward per step (on-policy, so the PPO ratio is 1 and the loss is the plain policy gradient).
 Every `--eval-every` steps a greedy evaluation on 64 held-out prompts is appended to `--out` as
@@ -20,7 +22,7 @@ import time
 import torch
 
 from flowrl_operators.models import load_hf_model, load_tokenizer
-from flowrl_operators.tasks.digits import copy_digits, positions_correct, reverse_digits
+from flowrl_operators.tasks.digits import copy_digits, positions_correct, reverse_digits, token_credit
 
 MODEL = "builtin:tiny-qwen2"
 PROMPTS, GROUP = 16, 8  # a GRPO step: 16 prompts, 8 samples each
@@ -57,9 +59,10 @@ def main() -> None:
             loss_mask[i, len(prompt) - 1 : len(prompt) + len(response) - 1] = 1
         return ids, mask, loss_mask
 
-    def token_logprobs(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
-        return torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
+    def token_logprobs(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logprob of each next token and the entropy of each position's distribution."""
+        logprobs = torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits[:, :-1].float(), -1)
+        return logprobs.gather(-1, ids[:, 1:, None])[..., 0], -(logprobs.exp() * logprobs).sum(-1)
 
     @torch.no_grad()
     def sample(prompts: list[str], n: int, greedy: bool = False) -> list[tuple[list[int], list[int]]]:
@@ -96,7 +99,7 @@ def main() -> None:
     for step in range(a.warmup_steps):  # supervised copy warm-up, fresh examples each step
         samples = [copy.sample(step, i) for i in range(WARMUP_BATCH)]
         ids, mask, loss_mask = right_padded([(tok.encode(s["prompt"]), tok.encode(s["target"]) + [eos]) for s in samples])
-        update(-(token_logprobs(ids, mask) * loss_mask).sum() / loss_mask.sum())
+        update(-(token_logprobs(ids, mask)[0] * loss_mask).sum() / loss_mask.sum())
     warmup_s = time.time() - started
     out = open(a.out, "w") if a.out else None
     grpo_started, step, best = time.time(), 0, 0.0
@@ -109,11 +112,18 @@ def main() -> None:
                 print(json.dumps(record), file=out, flush=True)
         samples = [reverse.sample(step, i) for i in range(PROMPTS)]
         rows = sample([s["prompt"] for s in samples], GROUP)
-        rewards = torch.tensor([positions_correct(text(r), samples[i // GROUP]["target"]) for i, (_, r) in enumerate(rows)])
-        grouped = rewards.view(PROMPTS, GROUP)
-        advantages = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-6)).flatten()
         ids, mask, loss_mask = right_padded(rows)
-        update(-(token_logprobs(ids, mask) * advantages[:, None] * loss_mask).sum() / loss_mask.sum())
+        rewards = torch.zeros_like(loss_mask)  # token rewards on the target-aligned columns
+        for i, (prompt, response) in enumerate(rows):
+            credit = token_credit(text(response), samples[i // GROUP]["target"], ended=response[-1] == eos)
+            rewards[i, len(prompt) - 1 : len(prompt) - 1 + len(credit)] = torch.tensor(credit)
+        advantages = torch.zeros_like(rewards)
+        for g in range(PROMPTS):  # each token's reward against all token rewards of its group
+            rows_g = slice(g * GROUP, (g + 1) * GROUP)
+            values = rewards[rows_g][loss_mask[rows_g] > 0]
+            advantages[rows_g] = (rewards[rows_g] - values.mean()) / (values.std() + 1e-6) * loss_mask[rows_g]
+        logprobs, entropy = token_logprobs(ids, mask)
+        update(-((logprobs * advantages + 0.01 * entropy) * loss_mask).sum() / loss_mask.sum())
         step += 1
     if out:
         out.close()

@@ -63,35 +63,21 @@ def position_rewards(trajectory: Trajectory) -> dict[str, Any]:
     misplaced end: stopping early and writing a wrong digit both scored 0, so policies settled on
     answers one or two digits short and never explored the missing positions (measured with
     builtin:tiny-qwen2). Needs a character-level tokenizer (one token per character), like the
-    built-in models'.
+    built-in models'; a response whose tokens and characters do not line up (a special token sampled
+    inside the answer) scores -1 on every token.
     """
     text, target = response_text(trajectory), sample_of(trajectory)["target"]
     ended = len(trajectory.response_ids) == len(text) + 1 and trajectory.finish_reason == "stop"
-    if len(trajectory.response_ids) != len(text) + ended:
-        raise ValueError(f"position_rewards needs one token per character: {len(trajectory.response_ids)} tokens "
-                         f"for {len(text)} characters {text!r:.40}; use a character-level tokenizer")
+    n = len(trajectory.response_ids)
+    if n != len(text) + ended:  # a special token inside the answer: no character lines up, all wrong
+        return {"reward": positions_correct(text, target), "token_rewards": [-1.0] * n}
+    return {"reward": positions_correct(text, target), "token_rewards": token_credit(text, target, ended)}
+
+
+def token_credit(text: str, target: str, ended: bool) -> list[float]:
+    """`position_rewards`' per-token values: one per character of `text`, then one for the end token
+    if the answer `ended` (rather than being cut off by the length limit)."""
     rewards = [(1.0 if char == target[i] else 0.0) if i < len(target) else -1.0 for i, char in enumerate(text)]
     if ended:
         rewards.append(1.0 if len(text) == len(target) else -1.0)
-    return {"reward": positions_correct(text, target), "token_rewards": rewards}
-
-
-class reverse_digits(_Digits):  # noqa: N801 - the name users write: data.source builtin:reverse_digits
-    """Reverse a string of digits: `1234>` -> `4321`."""
-
-    name = "reverse_digits"
-    marker = ">"
-
-    def answer(self, digits: str) -> str:
-        return digits[::-1]
-
-
-class copy_digits(_Digits):  # noqa: N801
-    """Copy a string of digits: `1234=` -> `1234`. Fresh random problems each step (a small fixed
-    pool would be memorised); use with `workflow: supervised` for a warm-up phase."""
-
-    name = "copy_digits"
-    marker = "="
-
-    def answer(self, digits: str) -> str:
-        return digits
+    return rewards
