@@ -52,6 +52,27 @@ class _Digits(TaskSource):
         return positions_correct(response_text(trajectory), sample_of(trajectory)["target"])
 
 
+class reverse_digits(_Digits):  # noqa: N801 - the name users write: data.source builtin:reverse_digits
+    """Reverse a string of digits: `1234>` -> `4321`."""
+
+    name = "reverse_digits"
+    marker = ">"
+
+    def answer(self, digits: str) -> str:
+        return digits[::-1]
+
+
+class copy_digits(_Digits):  # noqa: N801
+    """Copy a string of digits: `1234=` -> `1234`. Fresh random problems each step (a small fixed
+    pool would be memorised); use with `workflow: supervised` for a warm-up phase."""
+
+    name = "copy_digits"
+    marker = "="
+
+    def answer(self, digits: str) -> str:
+        return digits
+
+
 def position_rewards(trajectory: Trajectory) -> dict[str, Any]:
     """Per-token credit for the digit tasks (`fn: flowrl_operators.tasks.digits:position_rewards`):
     each character scores 1 in its place if right, 0 if wrong, -1 past the target's end; the end
@@ -81,24 +102,3 @@ def token_credit(text: str, target: str, ended: bool) -> list[float]:
     if ended:
         rewards.append(1.0 if len(text) == len(target) else -1.0)
     return rewards
-
-
-class reverse_digits(_Digits):  # noqa: N801 - the name users write: data.source builtin:reverse_digits
-    """Reverse a string of digits: `1234>` -> `4321`."""
-
-    name = "reverse_digits"
-    marker = ">"
-
-    def answer(self, digits: str) -> str:
-        return digits[::-1]
-
-
-class copy_digits(_Digits):  # noqa: N801
-    """Copy a string of digits: `1234=` -> `1234`. Fresh random problems each step (a small fixed
-    pool would be memorised); use with `workflow: supervised` for a warm-up phase."""
-
-    name = "copy_digits"
-    marker = "="
-
-    def answer(self, digits: str) -> str:
-        return digits
