@@ -28,11 +28,14 @@ class _Digits(TaskSource):
     marker = "?"
 
     def __init__(self, seed: int = 0, split: Split = "train", min_digits: int = 3, max_digits: int = 6,
-                 chat: bool = False) -> None:
+                 chat: bool = False, marker: str | None = None) -> None:
         super().__init__(seed, split)
         if not 1 <= min_digits <= max_digits:
             raise ValueError(f"need 1 <= min_digits <= max_digits, got {min_digits}, {max_digits}")
+        if marker is not None and (not marker or any(c.isdigit() for c in marker)):
+            raise ValueError(f"marker must be non-empty text without digits, got {marker!r}")
         self.min_digits, self.max_digits, self.chat = min_digits, max_digits, chat
+        self.marker = self.marker if marker is None else marker
 
     def answer(self, digits: str) -> str:
         raise NotImplementedError
@@ -64,7 +67,9 @@ class reverse_digits(_Digits):  # noqa: N801 - the name users write: data.source
 
 class copy_digits(_Digits):  # noqa: N801
     """Copy a string of digits: `1234=` -> `1234`. Fresh random problems each step (a small fixed
-    pool would be memorised); use with `workflow: supervised` for a warm-up phase."""
+    pool would be memorised); use with `workflow: supervised` for a warm-up phase. `marker: ">"`
+    asks in the reversal prompt's format, so the warm-up teaches the answer format on the very
+    prompts RL will see."""
 
     name = "copy_digits"
     marker = "="
