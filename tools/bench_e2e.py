@@ -1,7 +1,7 @@
 """End to end: the quickstart, synchronous and asynchronous, and the same recipe as a hand-written loop.
 
     python tools/bench_e2e.py [--seed 0] [--warmup-steps 650] [--grpo-seconds 250] [--target 0.9]
-                              [--only hand,sync,async]
+                              [--also 0.7,0.8] [--only hand,sync,async]
 
 Runs `tools/hand_grpo.py`, `pipelines/quickstart.yaml` and `pipelines/quickstart_async.yaml` one
 after the other (never together: they would share the two cores) with the same seed and budget,
@@ -9,7 +9,8 @@ then reads each one's greedy evaluations and prints, per contender: wall time fr
 first eval reward >= target (warm-up included), samples trained on until then, the GRPO seconds per
 step and the best eval reward. The last line is one JSON object with sync_s_to_target,
 async_s_to_target, async_over_sync, hand_s_to_target and sync_over_hand (null where a run did not
-reach the target within its budget).
+reach the target within its budget), and each contender's seconds to the lower `--also` targets
+(`<name>_s_to_<target>`), which compare runs that stop short of the main one.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ def run(pipeline: str, run_dir: Path, args: argparse.Namespace) -> dict:
     evals = read_jsonl(grpo / "eval.jsonl")
     rows = read_jsonl(grpo / "metrics.jsonl")
     out, hit = summary(evals, wall, args.target)
+    out["s_to"] = {t: round(warmup + e["time"], 1) if e else None for t, e in first_hits(evals, args.also).items()}
     out |= {"steps": len(rows), "s_per_step": round(json.loads((grpo / "phase.json").read_text())["seconds"] / max(len(rows), 1), 4)}
     if hit is not None:
         # Version v was trained on the groups of steps 0 .. v-1.
@@ -50,9 +52,13 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+def first_hits(evals: list[dict], targets: list[float]) -> dict[float, dict | None]:
+    return {t: next((e for e in evals if e["eval_reward"] >= t), None) for t in targets}
+
+
 def summary(evals: list[dict], wall: float, target: float) -> tuple[dict, dict | None]:
     """What every contender reports from its greedy evaluations, and the first one at the target."""
-    hit = next((e for e in evals if e["eval_reward"] >= target), None)
+    hit = first_hits(evals, [target])[target]
     return {"wall_s": round(wall, 1), "best_eval": max(e["eval_reward"] for e in evals),
             "last_eval": evals[-1]["eval_reward"], "s_to_target": None, "samples_to_target": None}, hit
 
@@ -67,7 +73,9 @@ def run_hand(run_dir: Path, args: argparse.Namespace) -> dict:
                           check=True, cwd=ROOT, capture_output=True, text=True)
     wall = time.time() - started
     last = json.loads(done.stdout.strip().splitlines()[-1])
-    out, hit = summary(read_jsonl(evals_file), wall, args.target)
+    evals = read_jsonl(evals_file)
+    out, hit = summary(evals, wall, args.target)
+    out["s_to"] = {t: e["time"] if e else None for t, e in first_hits(evals, args.also).items()}
     out |= {"steps": last["grpo_steps"], "s_per_step": last["grpo_s_per_step"]}
     if hit is not None:
         out["s_to_target"], out["samples_to_target"] = hit["time"], hit["samples"]
@@ -81,6 +89,8 @@ def main() -> None:
     parser.add_argument("--grpo-seconds", type=float, default=250)
     parser.add_argument("--eval-every", type=int, default=5)
     parser.add_argument("--target", type=float, default=0.9)
+    parser.add_argument("--also", type=lambda v: [float(x) for x in v.split(",") if x], default=[0.7, 0.8],
+                        help="lower eval targets to report seconds to, comma-separated")
     parser.add_argument("--only", default="hand,sync,async", help="comma-separated subset to run")
     args = parser.parse_args()
     results: dict[str, dict] = {}
@@ -93,7 +103,8 @@ def main() -> None:
             r = results[name]
             print(f"{name:>5}: {r['steps']} GRPO steps ({r['s_per_step']} s each), best eval {r['best_eval']:.3f}, "
                   f"last {r['last_eval']:.3f}; to eval >= {args.target}: {r['s_to_target']} s, "
-                  f"{r['samples_to_target']} samples (wall {r['wall_s']} s)", flush=True)
+                  f"{r['samples_to_target']} samples (wall {r['wall_s']} s); "
+                  + ", ".join(f"to {t}: {v} s" for t, v in r["s_to"].items()), flush=True)
 
     def to_target(name: str) -> float | None:
         return results.get(name, {}).get("s_to_target")
@@ -108,6 +119,7 @@ def main() -> None:
                       **{f"{n}_best_eval": round(r["best_eval"], 4) for n, r in results.items()},
                       **{f"{n}_s_per_step": r["s_per_step"] for n, r in results.items()},
                       **{f"{n}_samples_to_target": r["samples_to_target"] for n, r in results.items()},
+                      **{f"{n}_s_to_{t}": v for n, r in results.items() for t, v in r["s_to"].items()},
                       "seed": args.seed, "target": args.target}))
 
 

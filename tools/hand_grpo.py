@@ -2,7 +2,7 @@
 
     python tools/hand_grpo.py [--seed 0] [--warmup-steps 650] [--grpo-seconds 250] [--out evals.jsonl]
 
-Same model (builtin:tiny-qwen2), tasks (copy digits, then reverse digits), held-out eval prompts,
+Same model (builtin:tiny-qwen2), tasks (copy digits on the reversal prompts, then reverse them), held-out eval prompts,
 group 8 x 16 prompts, lr 1e-3, grad clip 1, token-mean loss, entropy bonus 0.01, per-token credit
 (`token_credit`, as the quickstart's `position_rewards`) normalised against all token rewards of
 the group (flowrl's grpo with gamma 0).
@@ -45,7 +45,7 @@ def main() -> None:
     started = time.time()  # like flowrl's phase clocks: from the warm-up's start, model loaded
     eos, pad = tok.eos_token_id, tok.pad_token_id
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
-    reverse, copy = reverse_digits(seed=a.seed), copy_digits(seed=a.seed)
+    reverse, copy = reverse_digits(seed=a.seed), copy_digits(seed=a.seed, marker=">")  # copy on reversal prompts
     held_out = [reverse.eval_sample(i) for i in range(EVAL_SAMPLES)]
 
     def right_padded(rows: list[tuple[list[int], list[int]]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
