@@ -93,8 +93,8 @@ def position_rewards(trajectory: Trajectory) -> dict[str, Any]:
     inside the answer) scores -1 on every token.
     """
     text, target = response_text(trajectory), sample_of(trajectory)["target"]
-    ended = len(trajectory.response_ids) == len(text) + 1 and trajectory.finish_reason == "stop"
     n = len(trajectory.response_ids)
+    ended = n == len(text) + 1 and trajectory.finish_reason == "stop"
     if n != len(text) + ended:  # a special token inside the answer: no character lines up, all wrong
         return {"reward": positions_correct(text, target), "token_rewards": [-1.0] * n}
     return {"reward": positions_correct(text, target), "token_rewards": token_credit(text, target, ended)}
