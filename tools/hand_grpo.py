@@ -2,10 +2,10 @@
 
     python tools/hand_grpo.py [--seed 0] [--warmup-steps 650] [--grpo-seconds 250] [--out evals.jsonl]
 
-Same model (builtin:tiny-qwen2), tasks (copy digits on the reversal prompts, then reverse them), held-out eval prompts,
-group 8 x 16 prompts, lr 1e-3, grad clip 1, token-mean loss, entropy bonus 0.01, per-token credit
-(`token_credit`, as the quickstart's `position_rewards`) normalised against all token rewards of
-the group (flowrl's grpo with gamma 0).
+Same model (builtin:tiny-qwen2), tasks (copy digits on the reversal prompts, then reverse them),
+held-out eval prompts, group 8 x 16 prompts, lr 1e-3, grad clip 1, token-mean loss, entropy bonus
+0.01, per-token credit (`token_credit`, the quickstart's `position_rewards` values) normalised
+against all token rewards of the group (flowrl's grpo with gamma 0).
 None of flowrl's runtime, engine or trainer: Hugging Face `generate` samples, one forward and
 backward per step (on-policy, so the PPO ratio is 1 and the loss is the plain policy gradient).
 Every `--eval-every` steps a greedy evaluation on 64 held-out prompts is appended to `--out` as
@@ -115,7 +115,7 @@ def main() -> None:
         ids, mask, loss_mask = right_padded(rows)
         rewards = torch.zeros_like(loss_mask)  # token rewards on the target-aligned columns
         for i, (prompt, response) in enumerate(rows):
-            credit = token_credit(text(response), samples[i // GROUP]["target"], ended=response[-1] == eos)
+            credit = token_credit(text(response), samples[i // GROUP]["target"], len(response), response[-1] == eos)
             rewards[i, len(prompt) - 1 : len(prompt) - 1 + len(credit)] = torch.tensor(credit)
         advantages = torch.zeros_like(rewards)
         for g in range(PROMPTS):  # each token's reward against all token rewards of its group

@@ -93,16 +93,17 @@ def position_rewards(trajectory: Trajectory) -> dict[str, Any]:
     inside the answer) scores -1 on every token.
     """
     text, target = response_text(trajectory), sample_of(trajectory)["target"]
-    n = len(trajectory.response_ids)
-    ended = n == len(text) + 1 and trajectory.finish_reason == "stop"
-    if n != len(text) + ended:  # a special token inside the answer: no character lines up, all wrong
-        return {"reward": positions_correct(text, target), "token_rewards": [-1.0] * n}
-    return {"reward": positions_correct(text, target), "token_rewards": token_credit(text, target, ended)}
+    credit = token_credit(text, target, len(trajectory.response_ids), trajectory.finish_reason == "stop")
+    return {"reward": positions_correct(text, target), "token_rewards": credit}
 
 
-def token_credit(text: str, target: str, ended: bool) -> list[float]:
-    """`position_rewards`' per-token values: one per character of `text`, then one for the end token
-    if the answer `ended` (rather than being cut off by the length limit)."""
+def token_credit(text: str, target: str, tokens: int, stopped: bool) -> list[float]:
+    """`position_rewards`' values for a response of `tokens` tokens decoded (specials skipped) to
+    `text`: one per character, then one for the end token if the response `stopped` on it (rather
+    than being cut off by the length limit); -1 on every token if they do not line up."""
+    ended = stopped and tokens == len(text) + 1
+    if tokens != len(text) + ended:  # a special token inside the answer: no character lines up, all wrong
+        return [-1.0] * tokens
     rewards = [(1.0 if char == target[i] else 0.0) if i < len(target) else -1.0 for i, char in enumerate(text)]
     if ended:
         rewards.append(1.0 if len(text) == len(target) else -1.0)
