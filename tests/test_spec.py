@@ -110,6 +110,21 @@ def test_async_edge_gets_default_staleness_and_order(tmp_path: Path) -> None:
     assert edge.max_staleness == 1
 
 
+def test_phase_sets_an_edge_by_its_text(tmp_path: Path) -> None:
+    from flowrl.spec.load import load
+    from flowrl.spec.phases import expand
+
+    spec = tmp_path / "p.yaml"
+    spec.write_text((ROOT / "tests/specs/good/base.yaml").read_text() + (
+        "phases:\n"
+        "  - {name: warmup, steps: 2, set: {edges.score ->learner: {mode: async, max_staleness: 3}}}\n"
+        "  - {name: main, steps: 2}\n"))
+    (_, warmup), (_, main) = expand(load(str(spec)))
+    assert warmup.data["edges"][1] == {"score -> learner": {"mode": "async", "max_staleness": 3}}
+    assert main.data["edges"][1] == "score -> learner"  # one phase's edit stays in its phase
+    assert warmup.spec.edges[0] == "rollout -> score"
+
+
 def test_all_problems_reported_together(tmp_path: Path) -> None:
     text = (ROOT / "tests/specs/good/base.yaml").read_text()
     text = text.replace("op: generate", "op: genrate").replace("{lr: 1.0e-3}", "{lr: fast}")

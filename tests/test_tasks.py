@@ -55,11 +55,13 @@ def test_eval_split_is_held_out():
 
 def test_digit_formats_and_options():
     s = reverse_digits(seed=1, min_digits=4, max_digits=4).sample(0, 0)
-    assert s["prompt"] == s["digits"] + ">" and s["target"] == s["digits"][::-1] and len(s["digits"]) == 4
+    assert s["prompt"] == "<" + s["digits"] + ">" and s["target"] == s["digits"][::-1] and len(s["digits"]) == 4
     c = copy_digits(seed=1).sample(0, 0)
-    assert c["prompt"] == c["digits"] + "=" and c["target"] == c["digits"]
+    assert c["prompt"] == "<" + c["digits"] + "=" and c["target"] == c["digits"]
+    bare = copy_digits(seed=1, start="", marker=">").sample(0, 0)
+    assert bare["prompt"] == bare["digits"] + ">"
     chat = reverse_digits(seed=1, chat=True).sample(0, 0)
-    assert chat["messages"] == [{"role": "user", "content": chat["digits"] + ">"}] and "prompt" not in chat
+    assert chat["messages"] == [{"role": "user", "content": "<" + chat["digits"] + ">"}] and "prompt" not in chat
     with pytest.raises(ValueError, match="min_digits"):
         reverse_digits(min_digits=5, max_digits=3)
 

@@ -8,6 +8,10 @@ Each phase is the spec with the phase's dotted `set` keys changed, `run.steps` /
 taken from the phase, and — from the second phase on — `model.path` pointing at the policy the
 previous phase exported. A phase is thus an ordinary run with its own run directory
 (`RUN_DIR/phases/<i>-<name>`), and validating a file validates every phase's graph.
+
+An edge is set by its text, its value the edge's options as under `edges:`:
+
+    set: {"edges.score -> learner": {mode: async, max_staleness: 4}}
 """
 
 from __future__ import annotations
@@ -48,7 +52,10 @@ def expand(loaded: LoadedSpec, model_path: str | None = None, index: int | None 
         base = loaded.locator
         locator = Locator(base.file, dict(base.keys), dict(base.values), dict(base.overrides))
         for key, value in phase.set.items():
-            path = tuple(int(p) if p.isdigit() else p for p in key.split("."))
+            if key.startswith("edges.") and "->" in key:
+                path, value = _edge_entry(data, key.removeprefix("edges."), value, base, ("phases", i, "set", key))
+            else:
+                path = tuple(int(p) if p.isdigit() else p for p in key.split("."))
             _assign(data, path, value)
             # Errors in a value a phase set point at where the phase sets it.
             for table in (locator.keys, locator.values):
@@ -65,6 +72,21 @@ def expand(loaded: LoadedSpec, model_path: str | None = None, index: int | None 
             raise SpecError([validation_diagnostic(e, data, (), locator, PipelineSpec)]) from None
         out.append((phase, LoadedSpec(phase_spec, data, locator, loaded.file)))
     return out
+
+
+def _edge_entry(data: dict[str, Any], text: str, options: Any, locator: Locator,
+                where: tuple[Any, ...]) -> tuple[tuple[str | int, ...], Any]:
+    """The path of the `edges` entry written `text` (spacing aside) and its new entry."""
+    def squeeze(edge: str) -> str:
+        return "".join(edge.split())
+
+    entries = data.get("edges") or []
+    texts = [e if isinstance(e, str) else next(iter(e), "") if isinstance(e, dict) else "" for e in entries]
+    for index, existing in enumerate(texts):
+        if squeeze(existing) == squeeze(text):
+            return ("edges", index), existing if options is None else {existing: options}
+    known = ", ".join(f"'{t}'" for t in texts) or "none"
+    raise SpecError([locator.diagnostic(where, f"no edge '{text}' to set; the graph's edges: {known}", at_key=True)])
 
 
 def _assign(data: dict[str, Any], path: tuple[str | int, ...], value: Any) -> None:
