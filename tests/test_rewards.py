@@ -4,6 +4,7 @@ isolated, counted and handled by on_error. Judge grade parsing. Dynamic sampling
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import msgspec
@@ -43,6 +44,14 @@ def hangs_on_slow(t: Trajectory) -> float:
 async def async_hangs_on_slow(t: Trajectory) -> float:
     if "slow" in t.metadata["text"]:
         await asyncio.sleep(30)
+    return 1.0
+
+
+THREADS: list[int] = []
+
+
+def records_thread(t: Trajectory) -> float:
+    THREADS.append(threading.get_ident())
     return 1.0
 
 
@@ -175,6 +184,23 @@ def test_hanging_function_times_out_and_the_rest_is_scored(fn):
     assert elapsed < 1.5  # the hung call did not hold the group
     if fn.endswith(":hangs_on_slow"):
         assert metrics["reward/abandoned"] == 1
+
+
+def test_sync_function_scores_a_group_in_one_thread_and_survives_two_hangs():
+    async def main():
+        THREADS.clear()
+        op = await make("test_rewards:records_thread")
+        await op.process({"trajectories": group(["a", "b", "c", "d"])})
+        await op.close()
+        hung = await make("test_rewards:hangs_on_slow", timeout_s=0.2, on_error="zero")
+        out = await hung.process({"trajectories": group(["slow", "ok", "slow", "ok"])})
+        await hung.close()
+        return out, hung.metrics()
+
+    out, metrics = run(main())
+    assert len(THREADS) == 4 and len(set(THREADS)) == 1 and THREADS[0] != threading.get_ident()
+    assert [t.reward for t in out["trajectories"].trajectories] == [0.0, 1.0, 0.0, 1.0]
+    assert metrics["reward/abandoned"] == 2 and metrics["reward/timeouts"] == 2 and metrics["reward/calls"] == 4
 
 
 def test_bad_return_value_is_an_isolated_error():
