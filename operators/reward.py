@@ -15,10 +15,10 @@ Each call runs under `timeout_s`. A call that raises or times out is isolated: i
 group), `fail` stops the run at once. Whatever the policy, the run fails after `max_errors`.
 A sync function scores a group's trajectories one after another in a worker thread (groups in
 parallel, up to `concurrency` threads): one thread hop per group instead of one per trajectory cut
-the node's cost for 128 cheap calls from ~18 ms to ~3 ms here. A call that hangs past its timeout is
-abandoned in its thread (a thread cannot be killed), counted as `reward/abandoned`, and the calls
-after it go to a fresh thread. Scoring that waits on I/O should be an `async def`: its calls all run
-concurrently.
+the node's cost for 128 cheap calls from 17 ms to 4 ms here (`tools/bench_reward.py`). A call that
+hangs past its timeout is abandoned in its thread (a thread cannot be killed), counted as
+`reward/abandoned`, and the calls after it go to a fresh thread. Scoring that waits on I/O should be
+an `async def`: its calls all run concurrently.
 """
 
 from __future__ import annotations
