@@ -140,7 +140,7 @@ def test_single_turn_and_supervised(loop, engine, tok):
     assert [(turn.start, turn.end) for turn in s.turns] == [(0, len(s.response_ids))]
     chat = reverse_digits(seed=0, chat=True).sample(0, 0)
     assert loop.run_until_complete(single_turn(ctx, chat)).prompt_ids == encode(
-        tok, f"<|im_start|>user\n{chat['digits']}><|im_end|>\n<|im_start|>assistant\n")
+        tok, f"<|im_start|>user\n<{chat['digits']}><|im_end|>\n<|im_start|>assistant\n")
 
 
 def test_prompt_ids_are_tokenised_once_per_group(engine, tok):
