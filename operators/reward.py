@@ -15,10 +15,11 @@ Each call runs under `timeout_s`. A call that raises or times out is isolated: i
 group), `fail` stops the run at once. Whatever the policy, the run fails after `max_errors`.
 A sync function scores a group's trajectories one after another in a worker thread (groups in
 parallel, up to `concurrency` threads): one thread hop per group instead of one per trajectory cut
-the node's cost for 128 cheap calls from 17 ms to 4 ms here (`tools/bench_reward.py`). A call that
+the node's cost for 128 cheap calls from ~18 ms to ~4 ms here (`tools/bench_reward.py`). A call that
 hangs past its timeout is abandoned in its thread (a thread cannot be killed), counted as
-`reward/abandoned`, and the calls after it go to a fresh thread. Scoring that waits on I/O should be
-an `async def`: its calls all run concurrently.
+`reward/abandoned`, and the calls after it go to a fresh thread. A group queued behind others waits
+while calls keep finishing; only if none finishes for `timeout_s` (every thread hung) do its calls
+time out. Scoring that waits on I/O should be an `async def`: its calls all run concurrently.
 """
 
 from __future__ import annotations
@@ -80,11 +81,13 @@ def apply_score(trajectory: Trajectory, score: Any) -> None:
 
 class _InOrder:
     """Runs `fn` on trajectories[start:] one after another (in a pool thread); `current` is the
-    index being scored and when its call began, for the caller's per-call timeout."""
+    index being scored and when its call began, for the caller's per-call timeout; `progress[0]`,
+    shared by the node's jobs, is when any call last finished."""
 
-    def __init__(self, fn: Callable[..., Any], trajectories: list[Trajectory], start: int) -> None:
-        self.fn, self.trajectories = fn, trajectories
-        self.current = (start, time.monotonic())
+    def __init__(self, fn: Callable[..., Any], trajectories: list[Trajectory], start: int,
+                 progress: list[float]) -> None:
+        self.fn, self.trajectories, self.progress = fn, trajectories, progress
+        self.current: tuple[int, float | None] = (start, None)  # None: not picked up by a thread yet
         self.outcomes: dict[int, tuple[bool, Any]] = {}
         self.abandoned = False
 
@@ -97,6 +100,7 @@ class _InOrder:
                 self.outcomes[i] = (True, self.fn(self.trajectories[i]))
             except Exception as exc:  # recorded, handled by the caller like any failed call
                 self.outcomes[i] = (False, exc)
+            self.progress[0] = time.monotonic()  # the node's "some call finished" clock
 
 
 class Reward(Operator):
@@ -118,6 +122,7 @@ class Reward(Operator):
     def setup_counters(self) -> None:
         # Own pool: abandoned (hung) sync calls must not starve asyncio's default executor.
         self.pool = concurrent.futures.ThreadPoolExecutor(self.config.concurrency, thread_name_prefix="flowrl-reward")
+        self.progress = [time.monotonic()]
         self.counts = {"calls": 0, "errors": 0, "timeouts": 0, "exceptions": 0, "zeroed": 0,
                        "dropped_groups": 0, "abandoned": 0}
         self.rewards = {"sum": 0.0, "count": 0}
@@ -151,22 +156,33 @@ class Reward(Operator):
 
     async def _call_in_thread(self, trajectories: list[Trajectory]) -> bool:
         """The sync function on each trajectory, in order, in one pool thread; each call under its
-        own timeout (see the module docs)."""
+        own timeout (see the module docs). A job queued behind other groups' calls waits while the
+        pool makes progress; if none does for `timeout_s` (its threads all hung), its calls time out."""
         self.counts["calls"] += len(trajectories)
         outcomes: dict[int, tuple[bool, Any]] = {}
-        start, loop = 0, asyncio.get_running_loop()
+        start, loop, timeout = 0, asyncio.get_running_loop(), self.config.timeout_s
         while start < len(trajectories):
-            scorer = _InOrder(self.fn, trajectories, start)
+            scorer, submitted = _InOrder(self.fn, trajectories, start, self.progress), time.monotonic()
             future = loop.run_in_executor(self.pool, scorer.run)
             while not future.done():
                 index, began = scorer.current
-                await asyncio.wait({future}, timeout=max(0.0, began + self.config.timeout_s - time.monotonic()))
-                if not future.done() and scorer.current == (index, began) and index not in scorer.outcomes:
-                    scorer.abandoned = True  # the call at `index` ran past its timeout
+                deadline = (began if began is not None else max(submitted, self.progress[0])) + timeout
+                if time.monotonic() < deadline:
+                    await asyncio.wait({future}, timeout=deadline - time.monotonic())
+                    continue
+                if scorer.current != (index, began) or index in scorer.outcomes:
+                    await asyncio.wait({future}, timeout=0.001)  # it moved on meanwhile
+                    continue
+                scorer.abandoned = True
+                if began is None:  # never started: no thread came free
+                    future.cancel()
+                    stop = len(trajectories)
+                else:  # the call at `index` ran past its timeout; the rest go to a fresh thread
                     self.counts["abandoned"] += 1
-                    outcomes |= scorer.outcomes | {index: (False, asyncio.TimeoutError())}
-                    start = index + 1
-                    break
+                    stop = index + 1
+                outcomes |= scorer.outcomes | {i: (False, asyncio.TimeoutError()) for i in range(index, stop)}
+                start = stop
+                break
             else:
                 future.result()
                 outcomes |= scorer.outcomes

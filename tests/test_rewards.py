@@ -55,6 +55,11 @@ def records_thread(t: Trajectory) -> float:
     return 1.0
 
 
+def takes_a_while(t: Trajectory) -> float:
+    time.sleep(0.1)
+    return 1.0
+
+
 def per_turn(t: Trajectory) -> list[float]:
     return [0.5] * len(t.turns)
 
@@ -201,6 +206,27 @@ def test_sync_function_scores_a_group_in_one_thread_and_survives_two_hangs():
     assert len(THREADS) == 4 and len(set(THREADS)) == 1 and THREADS[0] != threading.get_ident()
     assert [t.reward for t in out["trajectories"].trajectories] == [0.0, 1.0, 0.0, 1.0]
     assert metrics["reward/abandoned"] == 2 and metrics["reward/timeouts"] == 2 and metrics["reward/calls"] == 4
+
+
+def test_queued_groups_wait_for_a_busy_pool_but_not_for_a_hung_one():
+    async def main():
+        busy = await make("test_rewards:takes_a_while", timeout_s=0.25, concurrency=1)
+        # One thread, two groups of three 0.1 s calls: the second group waits 0.3 s in the queue,
+        # past timeout_s, while the first one's calls keep finishing: nothing times out.
+        queued = await asyncio.gather(*(busy.process({"trajectories": group(["a"] * 3, f"0:{g}")}) for g in range(2)))
+        await busy.close()
+        hung = await make("test_rewards:hangs_on_slow", timeout_s=0.2, concurrency=1, on_error="zero")
+        # The only thread is stuck in an abandoned call: the queued group's calls time out.
+        stuck = await asyncio.gather(hung.process({"trajectories": group(["slow"], "1:0")}),
+                                     hung.process({"trajectories": group(["ok", "ok"], "1:1")}))
+        await hung.close()
+        return queued, busy.metrics(), stuck, hung.metrics()
+
+    queued, busy, stuck, hung = run(main())
+    assert [t.reward for out in queued for t in out["trajectories"].trajectories] == [1.0] * 6
+    assert busy["reward/timeouts"] == 0
+    assert [t.reward for out in stuck for t in out["trajectories"].trajectories] == [0.0, 0.0, 0.0]
+    assert hung["reward/timeouts"] == 3 and hung["reward/abandoned"] == 1
 
 
 def test_bad_return_value_is_an_isolated_error():
