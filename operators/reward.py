@@ -147,12 +147,21 @@ class Reward(Operator):
 
     async def _call_one(self, trajectory: Trajectory) -> bool:
         try:
-            apply_score(trajectory, await self._call(trajectory))
-            return True
-        except RewardFailed:
-            raise
+            scored, value = True, await self._call(trajectory)
         except Exception as exc:
-            return self._failed(exc, [trajectory])
+            scored, value = False, exc
+        return self._settle(trajectory, scored, value)
+
+    def _settle(self, trajectory: Trajectory, scored: bool, value: Any) -> bool:
+        """One call's outcome into the trajectory: its score, or the exception it raised (isolated,
+        counted, handled by `on_error`)."""
+        if scored:
+            try:
+                apply_score(trajectory, value)
+                return True
+            except Exception as exc:
+                value = exc
+        return self._failed(value, [trajectory])
 
     async def _call_in_thread(self, trajectories: list[Trajectory]) -> bool:
         """The sync function on each trajectory, in order, in one pool thread; each call under its
@@ -187,18 +196,7 @@ class Reward(Operator):
                 future.result()
                 outcomes |= scorer.outcomes
                 start = len(trajectories)
-        ok = True
-        for i, t in enumerate(trajectories):
-            scored, value = outcomes[i]
-            try:
-                if not scored:
-                    raise value
-                apply_score(t, value)
-            except RewardFailed:
-                raise
-            except Exception as exc:
-                ok = self._failed(exc, [t]) and ok
-        return ok
+        return all([self._settle(t, *outcomes[i]) for i, t in enumerate(trajectories)])  # settle every one
 
     async def _call_batched(self, trajectories: list[Trajectory]) -> bool:
         try:
