@@ -123,6 +123,10 @@ class AdvantageConfig(Strict):
     lam: Probability = 1.0  # GAE lambda
 
 
+class OwnProcess(Strict):
+    threads: PositiveInt = 1  # torch threads of the trainer's process
+
+
 class TrainConfig(Strict):
     advantage: AdvantageConfig = msgspec.field(default_factory=AdvantageConfig)
     loss: LossConfig = msgspec.field(default_factory=LossConfig)
@@ -131,6 +135,9 @@ class TrainConfig(Strict):
     epochs: PositiveInt = 1  # passes over each batch (PPO epochs)
     max_nonfinite_steps: PositiveInt = 3  # consecutive NaN/Inf steps before the run stops
     export_every: Annotated[int, Meta(ge=0)] = 0  # steps between HF exports; 0 = at the end
+    # The trainer in a child process of its own, e.g. {threads: 1}: under the in-process executor
+    # training then overlaps generation without sharing the GIL (flowrl_operators.training.process).
+    own_process: OwnProcess | None = None
 
 
 class ReferenceConfig(Strict):

@@ -51,39 +51,20 @@ def _join_train_group(rank: int, world_size: int) -> None:
     dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size)
 
 
-class Train(Operator):
-    """Updates the policy with an RL loss (FSDP2); publishes policy version v+1."""
+class Learner:
+    """The model side of a train step (trainer, loss, advantages), built in the train node's process
+    or, with `own_process`, in a child process (flowrl_operators.training.process)."""
 
-    kind = "train"
-    Config = TrainConfig
-    inputs: ClassVar = {"trajectories": TRAJECTORIES}
-    outputs: ClassVar = {"policy": POLICY}
-    resources = Resources(cpus=0.5)
-
-    async def setup(self) -> None:
-        from flowrl_operators.training.advantages import advantage_config
-        from flowrl_operators.training.losses import check_compatible, loss_config, policy_loss
+    def __init__(self, model: str, config: Any, loss: Any, advantage: Any, epochs: int) -> None:
+        from flowrl_operators.training.losses import policy_loss
         from flowrl_operators.training.trainer import Trainer
 
-        c: TrainConfig = self.config
-        if self.context.world_size > 1:
-            _join_train_group(self.context.rank, self.context.world_size)
-        self.loss = loss_config(c.loss)
-        self.advantage = advantage_config(c.advantage)
-        check_compatible(self.loss, self.advantage)
-        self.loss_fn = policy_loss(self.loss)
-        steps = int(self.context.run.get("steps", 1000)) if hasattr(self.context, "run") else 1000
-        config = trainer_config(c.optim, c.micro_batch_tokens, c.max_nonfinite_steps, max(steps, 1), self.context.seed)
-        self.trainer = await asyncio.to_thread(Trainer, self.context.model["path"], config)
-        self.steps_done = 0
+        self.trainer = Trainer(model, config)
+        self.loss, self.advantage, self.epochs = loss, advantage, epochs
+        self.loss_fn = policy_loss(loss)
 
-    async def train(self, groups: list[Group], *, step: int) -> TrainResult:
-        trajectories = [t for g in groups for t in g.trajectories]
-        if not trajectories:
-            return TrainResult(policy=None, metrics={"trajectories": 0.0})
-        return await asyncio.to_thread(self._train, trajectories)
-
-    def _train(self, trajectories: list) -> TrainResult:
+    def train(self, trajectories: list) -> tuple[dict[str, float], list]:
+        """One step on these trajectories: (metrics, the new weights as buckets of copies)."""
         from flowrl_operators.training.advantages import compute_advantages
         from flowrl_operators.training.batch import pack, shard
         from flowrl_operators.training.losses import apply_kl_penalty, needs_proximal
@@ -98,24 +79,84 @@ class Train(Operator):
         if needs_proximal(self.loss):
             batch.proximal_logprobs = self.trainer.compute_logprobs(batch)
         metrics: dict[str, float] = {}
-        for _ in range(self.config.epochs):
+        for _ in range(self.epochs):
             metrics = self.trainer.forward_backward(batch, self.loss_fn)
             metrics |= self.trainer.step()
+        # Copy now: the next step changes the live parameters while sync ships these.
+        policy = [[(name, tensor.detach().clone()) for name, tensor in bucket]
+                  for bucket in self.trainer.named_weights()]
+        return metrics, policy
+
+    def save(self, path: str) -> None:
+        self.trainer.save(path)
+
+    def load(self, path: str) -> None:
+        self.trainer.load(path)
+
+    def export_hf(self, path: str) -> None:
+        self.trainer.export_hf(path)
+
+
+class Train(Operator):
+    """Updates the policy with an RL loss (FSDP2); publishes policy version v+1."""
+
+    kind = "train"
+    Config = TrainConfig
+    inputs: ClassVar = {"trajectories": TRAJECTORIES}
+    outputs: ClassVar = {"policy": POLICY}
+    resources = Resources(cpus=0.5)
+
+    async def setup(self) -> None:
+        from flowrl_operators.training.advantages import advantage_config
+        from flowrl_operators.training.losses import check_compatible, loss_config
+        from flowrl_operators.training.process import Child
+
+        c: TrainConfig = self.config
+        if c.own_process is not None and self.context.world_size > 1:
+            raise ValueError(f"own_process runs one trainer in a child process; node '{self.context.node}' "
+                             f"has replicas: {self.context.world_size}, whose ranks are their own processes "
+                             "under the Ray executor already: remove own_process")
+        if self.context.world_size > 1:
+            _join_train_group(self.context.rank, self.context.world_size)
+        loss, advantage = loss_config(c.loss), advantage_config(c.advantage)
+        check_compatible(loss, advantage)
+        steps = int(self.context.run.get("steps", 1000)) if hasattr(self.context, "run") else 1000
+        config = trainer_config(c.optim, c.micro_batch_tokens, c.max_nonfinite_steps, max(steps, 1), self.context.seed)
+        args = (self.context.model["path"], config, loss, advantage, c.epochs)
+        self.learner: Learner | None = None
+        self.child: Child | None = None
+        if c.own_process is not None:
+            self.child = await asyncio.to_thread(Child, Learner, args, threads=c.own_process.threads,
+                                                 name=f"flowrl-train-{self.context.node}")
+        else:
+            self.learner = await asyncio.to_thread(Learner, *args)
+        self.steps_done = 0
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        if self.child is not None:
+            return await self.child.acall(method, *args)
+        return await asyncio.to_thread(getattr(self.learner, method), *args)
+
+    def _call_now(self, method: str, *args: Any) -> Any:
+        return self.child.call(method, *args) if self.child is not None else getattr(self.learner, method)(*args)
+
+    async def train(self, groups: list[Group], *, step: int) -> TrainResult:
+        trajectories = [t for g in groups for t in g.trajectories]
+        if not trajectories:
+            return TrainResult(policy=None, metrics={"trajectories": 0.0})
+        metrics, policy = await self._call("train", trajectories)
         self.steps_done += 1
         rewards = [t.reward for t in trajectories if t.reward is not None]
         if rewards:
             metrics["reward_mean"] = sum(rewards) / len(rewards)
         metrics["trajectories"] = float(len(trajectories))
-        # Copy now: the next step changes the live parameters while sync ships these.
-        policy = [[(name, tensor.detach().clone()) for name, tensor in bucket]
-                  for bucket in self.trainer.named_weights()]
         return TrainResult(policy=policy, metrics=metrics)
 
     def save(self, path: Path) -> None:
-        self.trainer.save(path / "trainer")
+        self._call_now("save", str(path / "trainer"))
 
     def load(self, path: Path) -> None:
-        self.trainer.load(path / "trainer")
+        self._call_now("load", str(path / "trainer"))
 
     def state_dict(self) -> dict[str, Any]:
         return {"steps_done": self.steps_done}
@@ -124,7 +165,8 @@ class Train(Operator):
         self.steps_done = state.get("steps_done", 0)
 
     async def close(self) -> None:
-        trainer = getattr(self, "trainer", None)
-        if trainer is not None and self.steps_done and self.context.run_dir is not None:
+        if getattr(self, "steps_done", 0) and self.context.run_dir is not None:
             # The final policy as a Hugging Face directory that from_pretrained loads.
-            await asyncio.to_thread(trainer.export_hf, Path(self.context.run_dir) / "export" / self.context.node)
+            await self._call("export_hf", str(Path(self.context.run_dir) / "export" / self.context.node))
+        if getattr(self, "child", None) is not None:
+            await asyncio.to_thread(self.child.close)

@@ -46,14 +46,14 @@ def test_train_node_updates_publishes_checkpoints_and_exports(tmp_path: Path) ->
         config = msgspec.convert({"optim": {"lr": 1e-2}, "loss": {"kind": "ppo_clip", "decoupled": True}}, TrainConfig)
         op = Train(config, context(tmp_path, "learner"))
         await op.setup()
-        before = {n: t.clone() for b in op.trainer.named_weights() for n, t in b}
+        before = {n: t.clone() for b in op.learner.trainer.named_weights() for n, t in b}
         result = await op.train(groups(0), step=0)
         assert result.metrics["trajectories"] == 8 and result.metrics["reward_mean"] == 0.5
         assert result.metrics["skipped"] == 0.0
         published = {n: t for bucket in result.policy for n, t in bucket}
         assert published.keys() == before.keys()
         assert any(not torch.equal(published[n], before[n]) for n in before), "the step changed nothing"
-        live = {n: t for b in op.trainer.named_weights() for n, t in b}
+        live = {n: t for b in op.learner.trainer.named_weights() for n, t in b}
         assert all(torch.equal(published[n], live[n]) for n in live)
         # The published record is a copy: the next step leaves it untouched.
         snapshot = {n: t.clone() for n, t in published.items()}
@@ -63,7 +63,7 @@ def test_train_node_updates_publishes_checkpoints_and_exports(tmp_path: Path) ->
         assert all(torch.equal(published[n], snapshot[n]) for n in snapshot)
         # Loading the checkpoint restores the weights after step 0.
         op.load(tmp_path / "ckpt")
-        restored = {n: t for b in op.trainer.named_weights() for n, t in b}
+        restored = {n: t for b in op.learner.trainer.named_weights() for n, t in b}
         assert all(torch.equal(restored[n], snapshot[n]) for n in snapshot)
         assert (await op.train([], step=2)).policy is None  # nothing arrived: no update
         await op.close()
