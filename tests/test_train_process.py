@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import time
 from pathlib import Path
 
 import msgspec
@@ -74,6 +77,9 @@ def test_child_returns_results_raises_errors_and_reports_its_death() -> None:
             assert back[name].dtype == tensor.dtype and back[name].requires_grad == tensor.requires_grad
             assert torch.equal(back[name].detach(), tensor.detach()), name
         assert asyncio.run(child.acall("get", "missing", 7)) == 7
+        os.kill(child.process.pid, signal.SIGINT)  # Ctrl-C: the parent checkpoints through the child next
+        time.sleep(0.2)
+        assert child.call("get", "long").tolist() == [0, 1, 2, 3, 4]
         with pytest.raises(KeyError) as error:  # the child's exception, as itself
             child.call("pop", "missing")
         assert "flowrl-test-child" in "".join(error.value.__notes__)

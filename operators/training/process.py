@@ -23,6 +23,7 @@ import asyncio
 import io
 import multiprocessing
 import pickle
+import signal
 import threading
 import traceback
 from collections.abc import Callable
@@ -90,6 +91,9 @@ class Child:
 
 
 def _serve(conn: Any, factory: Callable[..., Any], args: tuple, threads: int | None) -> None:
+    # Ctrl-C reaches the whole process group; the parent then checkpoints through this process, so
+    # only the parent decides when it ends (close, or the pipe's end when the parent is gone).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if threads is not None:
         import torch
 
