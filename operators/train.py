@@ -10,6 +10,8 @@ One train step, in the order verl and AReaL use:
 
 The policy record it publishes is the new weights as buckets of (HF name, tensor) copied after
 the step, so the sync node can ship them while the next step already changes the live weights.
+All of it is the `Learner`'s work; with `own_process: {threads: N}` the Learner lives in a child
+process (flowrl_operators.training.process), and the node only passes trajectories and weights.
 """
 
 from __future__ import annotations
@@ -165,8 +167,10 @@ class Train(Operator):
         self.steps_done = state.get("steps_done", 0)
 
     async def close(self) -> None:
-        if getattr(self, "steps_done", 0) and self.context.run_dir is not None:
-            # The final policy as a Hugging Face directory that from_pretrained loads.
-            await self._call("export_hf", str(Path(self.context.run_dir) / "export" / self.context.node))
-        if getattr(self, "child", None) is not None:
-            await asyncio.to_thread(self.child.close)
+        try:
+            if getattr(self, "steps_done", 0) and self.context.run_dir is not None:
+                # The final policy as a Hugging Face directory that from_pretrained loads.
+                await self._call("export_hf", str(Path(self.context.run_dir) / "export" / self.context.node))
+        finally:
+            if getattr(self, "child", None) is not None:
+                await asyncio.to_thread(self.child.close)
