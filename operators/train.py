@@ -134,13 +134,12 @@ class Train(Operator):
             self.learner = await asyncio.to_thread(Learner, *args)
         self.steps_done = 0
 
-    async def _call(self, method: str, *args: Any) -> Any:
-        if self.child is not None:
-            return await self.child.acall(method, *args)
-        return await asyncio.to_thread(getattr(self.learner, method), *args)
-
     def _call_now(self, method: str, *args: Any) -> Any:
+        """A Learner method, here or in the child process."""
         return self.child.call(method, *args) if self.child is not None else getattr(self.learner, method)(*args)
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        return await asyncio.to_thread(self._call_now, method, *args)
 
     async def train(self, groups: list[Group], *, step: int) -> TrainResult:
         trajectories = [t for g in groups for t in g.trajectories]

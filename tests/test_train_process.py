@@ -76,7 +76,7 @@ def test_child_returns_results_raises_errors_and_reports_its_death() -> None:
         for name, tensor in tensors.items():
             assert back[name].dtype == tensor.dtype and back[name].requires_grad == tensor.requires_grad
             assert torch.equal(back[name].detach(), tensor.detach()), name
-        assert asyncio.run(child.acall("get", "missing", 7)) == 7
+        assert child.call("get", "missing", 7) == 7
         os.kill(child.process.pid, signal.SIGINT)  # Ctrl-C: the parent checkpoints through the child next
         time.sleep(0.2)
         assert child.call("get", "long").tolist() == [0, 1, 2, 3, 4]
