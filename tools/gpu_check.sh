@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check: one H200 (Python 3.12, torch with CUDA, transformers, triton, pytest; no Ray,
 # omegaconf, msgspec or aiohttp, and no network). Fits in 8 minutes by construction: every part runs
-# under `timeout` and the limits add up to at most 460 s.
+# under `timeout` and the limits add up to at most 420 s.
 #
 #   tools/gpu_check.sh --fetch-wheels   # on a machine with PyPI: the missing packages into tools/gpu_wheels/
 #   tools/gpu_check.sh                  # on the GPU machine (the wheels travel with the working tree)
@@ -60,8 +60,8 @@ if [[ $CUDA == 1 ]]; then
   FLOWRL_CONTRACT_DEVICE=cuda timeout 120 $PY -m pytest -q -p no:cacheprovider tests/test_engine_contract.py
   rc=$?; CONTRACT=$([[ $rc == 0 ]] && echo passed || echo "failed (rc $rc)")
   say "2. contract tests: $CONTRACT"
-  say "3. FSDP2 step, bucketed sync, GRPO on qwen2-0.5b-shape (bf16), limit 280 s"
-  timeout 280 $PY tools/gpu_check.py --budget-s 220
+  say "3. FSDP2 step, bucketed sync, GRPO on qwen2-0.5b-shape (bf16), limit 240 s"
+  timeout 240 $PY tools/gpu_check.py --budget-s 190
   rc=$?
 else
   say "2. SKIPPED (no CUDA): engine contract tests on CUDA (on CPU they are tests/test_engine_contract.py)"
