@@ -8,11 +8,17 @@ stages call the object directly; under Ray it is an async actor and the stages c
 Rules (see also flowrl/runtime/__init__.py):
 - Version clock: a train node at version v runs step v and publishes version v+1 with its
   policy record. The clock is the lowest version of all train nodes.
-- Admission control: a generate replica starts (is handed samples of) step i only while
-  i <= v + budget, with v = min(the policy version it has loaded, the clock) (the clock alone
-  for a generate node without a weights input). `budget` is the smallest, over the data paths
-  from the generate node to a train node, of the sum of `max_staleness` of the path's async
-  edges (sync edges add 0). A generate node that reaches no train node is not limited.
+- Admission control: a generate replica is handed sample j of step i only while
+  i * batch_size + j < (v + budget + 1) * batch_size + lost, with v = min(the policy version it
+  has loaded, the clock) (the clock alone for a generate node without a weights input).
+  `budget` is the smallest, over the data paths from the generate node to a train node, of the
+  sum of `max_staleness` of the path's async edges (sync edges add 0). `lost` counts this
+  generate node's samples that will never reach a train node (rejected, filtered, dropped), and
+  only where budget > 0: an async train step fills its batch from later steps, so without it one
+  lost sample keeps every later batch one sample short of what was admitted, and with budget 1
+  the trainer waits each step for a sample that only its next version admits (AReaL's
+  StalenessManager counts accepted samples for the same reason). A generate node that reaches
+  no train node is not limited.
 - Staleness: a consumer at version v (a train node's own version; the clock for other stages)
   that takes a record from an async edge with version < v - limit (`Channel.limit`) applies the
   edge's `on_stale`: `drop` (ledger `drop`, counted) or `keep` (delivered, counted).
@@ -94,8 +100,17 @@ class Coordinator:
                 raise ValueError(f"train node '{t}' needs exactly one data input edge, has {len(self.ins[t])}")
         # How many steps ahead of a train node its producers may run (see _take_batch).
         graph = nx.DiGraph([(e.src, e.dst) for e in plan.edges if e.kind == "data"])
-        self.horizon = {t: max((b for g, b in self.budget.items() if b is not None and g in graph
-                                and nx.has_path(graph, g, t)), default=0) for t in self.trains}
+
+        def path(a: str, b: str) -> bool:
+            return a == b or (a in graph and b in graph and nx.has_path(graph, a, b))
+
+        self.horizon = {t: max((k for g, k in self.budget.items() if k is not None and path(g, t)), default=0)
+                        for t in self.trains}
+        # The generate nodes whose admission a sample lost at a node credits: those upstream of
+        # it, where it feeds a train node (see the docstring).
+        gens = [n for n, p in plan.nodes.items() if p.kind == "generate"]
+        self.feeders = {n: [g for g in gens if path(g, n)] if any(path(n, t) for t in self.trains) else []
+                        for n in plan.nodes}
         # State that a checkpoint keeps (see snapshot()).
         self.versions = {t: 0 for t in self.trains}
         self.latest_weights: dict[str, Record] = {}
@@ -103,6 +118,7 @@ class Coordinator:
         self.reissue: dict[str, list[Work]] = {n: [] for n in self.cursor}
         self.ended: dict[str, set[int]] = {n: set() for n in plan.nodes}
         self.counters = {"dropped": 0, "stale_kept": 0, "rejected": 0, "filtered": 0}
+        self.lost: dict[str, set[str]] = {n: set() for n in self.cursor}  # sample ids, per generate node
         # Transient state.
         self.held: dict[str, dict[str, tuple[int, Work]]] = {n: {} for n in plan.nodes}
         self.buffers: dict[str, list[Record]] = {t: [] for t in self.trains}
@@ -235,7 +251,7 @@ class Coordinator:
         return pickle.dumps({
             "channels": {k: (list(c.records.values()), c.ended) for k, c in self.channels.items()},
             "versions": self.versions, "latest_weights": self.latest_weights, "cursor": self.cursor,
-            "reissue": self.reissue, "ended": self.ended, "counters": self.counters,
+            "reissue": self.reissue, "ended": self.ended, "counters": self.counters, "lost": self.lost,
             "observe": self.observe.state(),
         })
 
@@ -318,13 +334,15 @@ class Coordinator:
             return self._hold(node, replica, work)
         step, index = self.cursor[node]
         budget = self.budget[node]
-        if step >= self.steps or (budget is not None and step > version + budget):
+        credit = len(self.lost[node]) if budget else 0
+        if step >= self.steps or (budget is not None and
+                                  step * self.batch_size + index >= (version + budget + 1) * self.batch_size + credit):
             return None
         sample = self.source.sample(step, index)
         self.cursor[node] = [step, index + 1] if index + 1 < self.batch_size else [step + 1, 0]
         work = Work(f"{step}:{index}", "sample", step, version, sample)
         self.ledger.write("issue", f"data -> {node}", work.id, step, version, admitted_version=version,
-                          budget=budget, replica=replica)
+                          budget=budget, credit=credit, replica=replica)
         return self._hold(node, replica, work)
 
     def _take_batch(self, node: str, replica: int) -> Work | None:
@@ -397,6 +415,7 @@ class Coordinator:
     def _drop(self, ch: Channel, record: Record, reason: str, **extra: Any) -> None:
         self.counters["dropped"] += 1
         self.observe.dropped += 1
+        self._lose(ch.edge.dst, record.id)
         self.ledger.write("drop", ch.edge.label, record.id, record.step, record.version, reason=reason, **extra)
 
     def _complete(self, node: str, work: Work, outputs: dict[str, Any], version: int | None,
@@ -422,6 +441,7 @@ class Coordinator:
             edges = [e for e in self.outs[node] if e.src_port == port]
             if value is None and kind not in ("train", "sync"):  # policy/weights records always go: they carry the version
                 self.counters["rejected" if kind == "generate" else "filtered"] += 1
+                self._lose(node, work.id)
                 continue
             for edge in edges:
                 record = Record(record_id, work.step, out_version, value)
@@ -439,6 +459,10 @@ class Coordinator:
             self.latest_weights[edge.label] = record
         else:
             self.channels[edge.label].put(record)
+
+    def _lose(self, node: str, sample_id: str) -> None:
+        for g in self.feeders[node]:
+            self.lost[g].add(sample_id)
 
     def _end(self, node: str, step: int) -> None:
         self.ended[node].add(step)
@@ -528,6 +552,7 @@ class Coordinator:
         self.reissue = state["reissue"]
         self.ended = state["ended"]
         self.counters = state["counters"]
+        self.lost = state.get("lost", self.lost)  # checkpoints from before the credit have none
         self.observe.restore(state["observe"])
         self.ledger.write("resume", "", "", min(self.versions.values(), default=0), self.clock)
 
