@@ -37,7 +37,8 @@ class Generate(Operator):
         model = self.context.model.get("path")
         if not model:
             raise ValueError("the generate node needs the pipeline's model.path (a checkpoint or builtin:<name>)")
-        self.engine = self._make_engine(model)
+        # In a thread, so that the other stages set up meanwhile (the runtime starts them together).
+        self.engine = await asyncio.to_thread(self._make_engine, model)
         engine = self.config.engine
         if isinstance(engine, EngineConfig) and engine.url is not None and engine.load_on_attach:
             from flowrl_operators.models import resolve_model

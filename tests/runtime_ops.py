@@ -11,6 +11,7 @@ import asyncio
 import hashlib
 import json
 import os
+import time
 from typing import Any, ClassVar
 
 import msgspec
@@ -45,6 +46,15 @@ class Numbers:
         return {"x": self.seed * 7 + step * self.scale + index}
 
 
+async def log_setup(context: Any, delay: float) -> None:
+    """Sleep `delay` seconds, then append {node, start, end} to setup.jsonl in the run directory."""
+    start = time.time()
+    await asyncio.sleep(delay)
+    if context.run_dir is not None:
+        with open(context.run_dir / "setup.jsonl", "a") as f:
+            f.write(json.dumps({"node": context.node, "start": start, "end": time.time()}) + "\n")
+
+
 class GenConfig(msgspec.Struct, forbid_unknown_fields=True):
     delay: float = 0.0  # seconds, scaled by a per-sample hash
     group_size: int = 2
@@ -55,6 +65,7 @@ class GenConfig(msgspec.Struct, forbid_unknown_fields=True):
     die_on: str = ""  # sample id that kills the process (once, marked by a file in the run dir)
     partial_rollout: bool = False
     max_concurrency: int = 64
+    setup_delay: float = 0.0  # seconds that setup() takes (it logs when it ran, see log_setup)
 
 
 class ToyGenerate(Operator):
@@ -67,6 +78,7 @@ class ToyGenerate(Operator):
     resources = Resources(cpus=0.1)
 
     async def setup(self) -> None:
+        await log_setup(self.context, self.config.setup_delay)
         self.version = 0
         self.paused = False
         self.updates: list[tuple[int, bool]] = []  # (version, while generations were in flight)
@@ -167,6 +179,8 @@ class TrainConfig(msgspec.Struct, forbid_unknown_fields=True):
     delay: float = 0.0
     fail_at_step: int = -1
     on_policy_only: bool = False  # reject stale data at validate time (an operator's graph rule)
+    setup_delay: float = 0.0
+    fail_setup: bool = False
 
 
 class ToyTrain(Operator):
@@ -185,6 +199,9 @@ class ToyTrain(Operator):
         return []
 
     async def setup(self) -> None:
+        await log_setup(self.context, self.config.setup_delay)
+        if self.config.fail_setup:
+            raise RuntimeError("toy train cannot set up")
         self.checksum = ""
 
     async def train(self, groups: list[Group], *, step: int) -> TrainResult:

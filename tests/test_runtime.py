@@ -120,6 +120,17 @@ def test_lost_samples_are_admitted_again_so_the_trainer_never_waits_on_its_next_
     check_bounds(plan, tmp_path)
 
 
+def test_stages_set_up_together_and_a_failed_setup_ends_the_run_with_its_error(tmp_path):
+    # A trainer in its own process takes seconds to start; the engine loads meanwhile.
+    plan = ops.grpo("sync", steps=2, gen={"setup_delay": 0.5}, train={"setup_delay": 0.5})
+    assert run(plan, tmp_path / "ok", progress=False).status == "done"
+    spans = {r["node"]: r for r in map(json.loads, (tmp_path / "ok/setup.jsonl").read_text().splitlines())}
+    assert spans["learner"]["start"] < spans["rollout"]["end"] and spans["rollout"]["start"] < spans["learner"]["end"]
+    plan = ops.grpo("sync", steps=2, gen={"setup_delay": 0.5}, train={"fail_setup": True})
+    with pytest.raises(RuntimeError, match="toy train cannot set up"):
+        run(plan, tmp_path / "failed", progress=False)
+
+
 def test_rejected_and_filtered_groups_make_short_batches_without_losing_anything(tmp_path):
     plan = ops.grpo("async", 1, steps=5, batch_size=6, gen={"reject_every": 3, "delay": 0.01},
                     reward={"filter_every": 4})

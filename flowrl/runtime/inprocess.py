@@ -28,11 +28,18 @@ class InProcessExecutor:
         self.coord = Coordinator(self.plan, str(self.run_dir) if self.run_dir else None, steps, stop_at,
                                  self.origin, state)
         run_dir = str(self.run_dir) if self.run_dir else None
-        for name in self.plan.order + [n for n in self.plan.nodes if n not in self.plan.order]:
-            for replica in range(self.plan.nodes[name].resources.replicas):
-                stage = Stage(self.plan, name, replica, self.coord, run_dir, self.origin)
-                await stage.start(str(checkpoint / name / f"r{replica}") if checkpoint else None)
-                self.stages.append(stage)
+        names = self.plan.order + [n for n in self.plan.nodes if n not in self.plan.order]
+        self.stages = [Stage(self.plan, name, replica, self.coord, run_dir, self.origin)
+                       for name in names for replica in range(self.plan.nodes[name].resources.replicas)]
+        # Set up together: a trainer's child process imports torch and builds its model while the
+        # engine loads here (measured: ~6 s of each async quickstart phase). shutdown() closes
+        # every stage, one whose setup failed included.
+        started = await asyncio.gather(*(
+            s.start(str(checkpoint / s.node.name / f"r{s.replica}") if checkpoint else None) for s in self.stages),
+            return_exceptions=True)
+        failed = [e for e in started if isinstance(e, BaseException)]
+        if failed:
+            raise failed[0]
         self.tasks = {asyncio.get_running_loop().create_task(s.run()): s for s in self.stages}
 
     async def call(self, method: str, *args: Any) -> Any:
