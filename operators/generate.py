@@ -31,9 +31,10 @@ class Generate(Operator):
     config: GenerateConfig
 
     async def setup(self) -> None:
-        from flowrl_operators.models import load_tokenizer
+        from flowrl_operators.models import import_transformers, load_tokenizer
         from flowrl_operators.workflows import load_workflow
 
+        import_transformers()
         model = self.context.model.get("path")
         if not model:
             raise ValueError("the generate node needs the pipeline's model.path (a checkpoint or builtin:<name>)")

@@ -54,6 +54,14 @@ BUILTIN_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
+def import_transformers() -> None:
+    """Import transformers in this thread, before setup work moves to threads: two threads that
+    import it for the first time at once can fail ("cannot import name 'AutoModelForCausalLM' from
+    'transformers'": one sees the package half-initialised; reproduced here with two threads, and
+    seen when the runtime set up the engine and the trainer together)."""
+    import transformers  # noqa: F401
+
+
 def silence_hf() -> None:
     """Hugging Face prints progress bars and advisory warnings on save/load; they drown test logs."""
     import transformers

@@ -109,10 +109,12 @@ class Train(Operator):
     resources = Resources(cpus=0.5)
 
     async def setup(self) -> None:
+        from flowrl_operators.models import import_transformers
         from flowrl_operators.training.advantages import advantage_config
         from flowrl_operators.training.losses import check_compatible, loss_config
         from flowrl_operators.training.process import Child
 
+        import_transformers()  # before the Learner is built in a thread (the engine may load meanwhile)
         c: TrainConfig = self.config
         if c.own_process is not None and self.context.world_size > 1:
             raise ValueError(f"own_process runs one trainer in a child process; node '{self.context.node}' "

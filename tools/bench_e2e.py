@@ -1,22 +1,27 @@
 """End to end: the quickstart, synchronous and asynchronous, and the same recipe as a hand-written loop.
 
-    python tools/bench_e2e.py [--seed 0] [--warmup-steps 650] [--grpo-seconds 250] [--target 0.9]
-                              [--also 0.7,0.8] [--only hand,sync,async]
+    python tools/bench_e2e.py [--seeds 0,1,2] [--warmup-steps 650] [--grpo-seconds 250] [--target 0.9]
+                              [--also 0.7,0.8] [--only hand,sync,async] [--full]
 
-Runs `tools/hand_grpo.py`, `pipelines/quickstart.yaml` and `pipelines/quickstart_async.yaml` one
-after the other (never together: they would share the two cores) with the same seed and budget,
-then reads each one's greedy evaluations and prints, per contender: wall time from launch to the
-first eval reward >= target (warm-up included), samples trained on until then, the GRPO seconds per
-step and the best eval reward. The last line is one JSON object with sync_s_to_target,
-async_s_to_target, async_over_sync, hand_s_to_target and sync_over_hand (null where a run did not
-reach the target within its budget), and each contender's seconds to the lower `--also` targets
-(`<name>_s_to_<target>`), which compare runs that stop short of the main one.
+For each seed, runs `tools/hand_grpo.py`, `pipelines/quickstart.yaml` and
+`pipelines/quickstart_async.yaml` one after the other (never together: they would share the two
+cores) with the same seed and budget, and reads each one's greedy evaluations: wall time from the
+warm-up's start to the first eval reward >= target, samples trained on until then, the median
+seconds of a GRPO step and the best eval reward. A run is stopped once it reaches the target
+(SIGINT: flowrl checkpoints and exits; `--full` runs every budget out). One seed cannot tell
+10% apart here (steps to 0.9 varied 205-480 between runs of one setting), so the summary is per
+seed plus the median over seeds, a run that missed the target counting as slower than any that
+reached it. The last line is one JSON object: sync_s_to_target, async_s_to_target (medians; null
+if most seeds missed), async_over_sync (their ratio), async_wins (seeds where async reached the
+target first), hand_s_to_target, sync_over_hand, and per contender the per-seed figures.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -27,64 +32,87 @@ ROOT = Path(__file__).resolve().parents[1]
 PIPELINES = {"sync": "pipelines/quickstart.yaml", "async": "pipelines/quickstart_async.yaml"}
 
 
-def run(pipeline: str, run_dir: Path, args: argparse.Namespace) -> dict:
-    overrides = [f"run.seed={args.seed}", f"phases.0.steps={args.warmup_steps}",
-                 f"phases.1.seconds={args.grpo_seconds}", f"data.eval.every={args.eval_every}"]
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def first_hit(evals: list[dict], target: float) -> dict | None:
+    return next((e for e in evals if e["eval_reward"] >= target), None)
+
+
+def supervise(command: list[str], evals_file: Path, args: argparse.Namespace, interrupt: int) -> float:
+    """Run `command`; stop it with `interrupt` once `evals_file` shows the target. Returns wall seconds."""
     started = time.time()
-    subprocess.run([sys.executable, "-m", "flowrl.cli", "run", str(ROOT / pipeline), *overrides,
-                    "--run-dir", str(run_dir), "--quiet"], check=True, cwd=ROOT)
-    wall = time.time() - started
-    warmup = json.loads((run_dir / "phases/0-warmup/phase.json").read_text())["seconds"]
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    stopped = False
+    while process.poll() is None:
+        time.sleep(1.0)
+        if not args.full and first_hit(read_jsonl(evals_file), args.target):
+            process.send_signal(interrupt)
+            stopped = True
+            try:
+                process.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                process.kill()
+            break
+    stderr = process.stderr.read() if process.stderr else ""
+    # Interrupted, `flowrl run` exits 1 (resumable) and the plain loop dies of the signal.
+    if process.wait() != 0 and not (stopped and process.returncode in (1, -interrupt)):
+        raise RuntimeError(f"{' '.join(command)} failed ({process.returncode}):\n{stderr[-3000:]}")
+    return time.time() - started
+
+
+def summary(evals: list[dict], warmup: float, wall: float, args: argparse.Namespace) -> dict:
+    """What every contender reports from its greedy evaluations (times from the warm-up's start)."""
+    hits = {t: first_hit(evals, t) for t in [*args.also, args.target]}
+    hit = hits[args.target]
+    return {"wall_s": round(wall, 1), "best_eval": round(max((e["eval_reward"] for e in evals), default=0.0), 4),
+            "s_to_target": round(warmup + hit["time"], 1) if hit else None,
+            "s_to": {t: round(warmup + e["time"], 1) if e else None for t, e in hits.items() if t != args.target}}
+
+
+def run_flowrl(pipeline: str, run_dir: Path, seed: int, args: argparse.Namespace) -> dict:
+    overrides = [f"run.seed={seed}", f"phases.0.steps={args.warmup_steps}",
+                 f"phases.1.seconds={args.grpo_seconds}", f"data.eval.every={args.eval_every}"]
     grpo = run_dir / "phases/1-grpo"
-    evals = read_jsonl(grpo / "eval.jsonl")
-    rows = read_jsonl(grpo / "metrics.jsonl")
-    out, hit = summary(evals, wall, args.target)
-    out["s_to"] = {t: round(warmup + e["time"], 1) if e else None for t, e in first_hits(evals, args.also).items()}
-    out |= {"steps": len(rows), "s_per_step": round(json.loads((grpo / "phase.json").read_text())["seconds"] / max(len(rows), 1), 4)}
-    if hit is not None:
-        # Version v was trained on the groups of steps 0 .. v-1.
-        out["s_to_target"] = round(warmup + hit["time"], 1)
-        out["samples_to_target"] = sum(r["groups"] for r in rows if r["step"] < hit["version"])
+    wall = supervise([sys.executable, "-m", "flowrl.cli", "run", str(ROOT / pipeline), *overrides,
+                      "--run-dir", str(run_dir), "--quiet"], grpo / "eval.jsonl", args, signal.SIGINT)
+    warmup = json.loads((run_dir / "phases/0-warmup/phase.json").read_text())["seconds"]
+    evals, rows = read_jsonl(grpo / "eval.jsonl"), read_jsonl(grpo / "metrics.jsonl")
+    out = summary(evals, warmup, wall, args) | {"warmup_s": round(warmup, 1), "steps": len(rows)}
+    # The median step: the first one also sets up the phase (engine, trainer, its process).
+    out["s_per_step"] = round(statistics.median(r["step_seconds"] for r in rows[1:]), 4) if len(rows) > 1 else None
+    hit = first_hit(evals, args.target)
+    # Version v was trained on the groups of steps 0 .. v-1.
+    out["samples_to_target"] = sum(r["groups"] for r in rows if r["step"] < hit["version"]) if hit else None
     return out
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-def first_hits(evals: list[dict], targets: list[float]) -> dict[float, dict | None]:
-    return {t: next((e for e in evals if e["eval_reward"] >= t), None) for t in targets}
-
-
-def summary(evals: list[dict], wall: float, target: float) -> tuple[dict, dict | None]:
-    """What every contender reports from its greedy evaluations, and the first one at the target."""
-    hit = first_hits(evals, [target])[target]
-    return {"wall_s": round(wall, 1), "best_eval": max(e["eval_reward"] for e in evals),
-            "last_eval": evals[-1]["eval_reward"], "s_to_target": None, "samples_to_target": None}, hit
-
-
-def run_hand(run_dir: Path, args: argparse.Namespace) -> dict:
+def run_hand(run_dir: Path, seed: int, args: argparse.Namespace) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     evals_file = run_dir / "eval.jsonl"
-    started = time.time()
-    done = subprocess.run([sys.executable, str(ROOT / "tools/hand_grpo.py"), f"--seed={args.seed}",
-                           f"--warmup-steps={args.warmup_steps}", f"--grpo-seconds={args.grpo_seconds}",
-                           f"--eval-every={args.eval_every}", f"--out={evals_file}"],
-                          check=True, cwd=ROOT, capture_output=True, text=True)
-    wall = time.time() - started
-    last = json.loads(done.stdout.strip().splitlines()[-1])
-    evals = read_jsonl(evals_file)
-    out, hit = summary(evals, wall, args.target)
-    out["s_to"] = {t: e["time"] if e else None for t, e in first_hits(evals, args.also).items()}
-    out |= {"steps": last["grpo_steps"], "s_per_step": last["grpo_s_per_step"]}
-    if hit is not None:
-        out["s_to_target"], out["samples_to_target"] = hit["time"], hit["samples"]
+    wall = supervise([sys.executable, str(ROOT / "tools/hand_grpo.py"), f"--seed={seed}",
+                      f"--warmup-steps={args.warmup_steps}", f"--grpo-seconds={args.grpo_seconds}",
+                      f"--eval-every={args.eval_every}", f"--out={evals_file}"], evals_file, args, signal.SIGTERM)
+    evals = read_jsonl(evals_file)  # the loop's times already count from the warm-up's start
+    out = summary(evals, 0.0, wall, args) | {"steps": evals[-1]["step"] if evals else 0}
+    gaps = [(b["time"] - a["time"]) / (b["step"] - a["step"]) for a, b in zip(evals[1:], evals[2:], strict=False)]
+    out["s_per_step"] = round(statistics.median(gaps), 4) if gaps else None  # eval time included
+    hit = first_hit(evals, args.target)
+    out["samples_to_target"] = hit["samples"] if hit else None
     return out
+
+
+def median_time(values: list[float | None]) -> float | None:
+    """Median seconds over seeds, a miss counting as slower than every hit; None if that median is a miss."""
+    ranked = sorted(values, key=lambda v: (v is None, v or 0.0))
+    middle = ranked[(len(ranked) - 1) // 2 : len(ranked) // 2 + 1]
+    return None if not middle or None in middle else round(sum(middle) / len(middle), 1)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", type=lambda v: [int(x) for x in v.split(",") if x], default=[0, 1, 2])
     parser.add_argument("--warmup-steps", type=int, default=650)
     parser.add_argument("--grpo-seconds", type=float, default=250)
     parser.add_argument("--eval-every", type=int, default=5)
@@ -92,35 +120,42 @@ def main() -> None:
     parser.add_argument("--also", type=lambda v: [float(x) for x in v.split(",") if x], default=[0.7, 0.8],
                         help="lower eval targets to report seconds to, comma-separated")
     parser.add_argument("--only", default="hand,sync,async", help="comma-separated subset to run")
+    parser.add_argument("--full", action="store_true", help="run every budget out instead of stopping at the target")
     args = parser.parse_args()
-    results: dict[str, dict] = {}
+    names = args.only.split(",")
+    results: dict[str, list[dict]] = {n: [] for n in names}
     with tempfile.TemporaryDirectory() as tmp:
-        for name in args.only.split(","):
-            if name == "hand":
-                results[name] = run_hand(Path(tmp) / name, args)
-            else:
-                results[name] = run(PIPELINES[name], Path(tmp) / name, args)
-            r = results[name]
-            print(f"{name:>5}: {r['steps']} GRPO steps ({r['s_per_step']} s each), best eval {r['best_eval']:.3f}, "
-                  f"last {r['last_eval']:.3f}; to eval >= {args.target}: {r['s_to_target']} s, "
-                  f"{r['samples_to_target']} samples (wall {r['wall_s']} s); "
-                  + ", ".join(f"to {t}: {v} s" for t, v in r["s_to"].items()), flush=True)
+        for seed in args.seeds:
+            for name in names:
+                run_dir = Path(tmp) / f"{name}-{seed}"
+                r = run_hand(run_dir, seed, args) if name == "hand" else run_flowrl(PIPELINES[name], run_dir, seed, args)
+                results[name].append(r)
+                print(f"seed {seed} {name:>5}: to eval >= {args.target}: {r['s_to_target']} s, "
+                      f"{r['samples_to_target']} samples; {r['steps']} GRPO steps ({r['s_per_step']} s each), "
+                      f"best eval {r['best_eval']:.3f}" + (f", warm-up {r['warmup_s']} s" if "warmup_s" in r else "")
+                      + "; " + ", ".join(f"to {t}: {v} s" for t, v in r["s_to"].items()), flush=True)
 
-    def to_target(name: str) -> float | None:
-        return results.get(name, {}).get("s_to_target")
+    def times(name: str) -> list[float | None]:
+        return [r["s_to_target"] for r in results.get(name, [])]
+
+    medians = {n: median_time(times(n)) for n in names}
 
     def ratio(a: str, b: str) -> float | None:
-        return round(to_target(a) / to_target(b), 3) if to_target(a) and to_target(b) else None
+        return round(medians[a] / medians[b], 3) if medians.get(a) and medians.get(b) else None
 
-    print(f"time to target: async / sync {ratio('async', 'sync')}, sync / hand {ratio('sync', 'hand')}")
-    print(json.dumps({"sync_s_to_target": to_target("sync"), "async_s_to_target": to_target("async"),
-                      "async_over_sync": ratio("async", "sync"), "hand_s_to_target": to_target("hand"),
-                      "sync_over_hand": ratio("sync", "hand"),
-                      **{f"{n}_best_eval": round(r["best_eval"], 4) for n, r in results.items()},
-                      **{f"{n}_s_per_step": r["s_per_step"] for n, r in results.items()},
-                      **{f"{n}_samples_to_target": r["samples_to_target"] for n, r in results.items()},
-                      **{f"{n}_s_to_{t}": v for n, r in results.items() for t, v in r["s_to"].items()},
-                      "seed": args.seed, "target": args.target}))
+    wins = None
+    if "sync" in results and "async" in results:
+        wins = sum(a is not None and (s is None or a < s) for a, s in zip(times("async"), times("sync"), strict=True))
+    print(f"median over seeds {args.seeds}: " + ", ".join(f"{n} {medians[n]} s" for n in names)
+          + f"; async / sync {ratio('async', 'sync')} (async first on {wins} of {len(args.seeds)} seeds), "
+          f"sync / hand {ratio('sync', 'hand')}")
+    print(json.dumps({"sync_s_to_target": medians.get("sync"), "async_s_to_target": medians.get("async"),
+                      "async_over_sync": ratio("async", "sync"), "async_wins": wins,
+                      "hand_s_to_target": medians.get("hand"), "sync_over_hand": ratio("sync", "hand"),
+                      **{f"{n}_{k}": [r[k] for r in rs] for n, rs in results.items()
+                         for k in ("s_to_target", "samples_to_target", "s_per_step", "best_eval")},
+                      **{f"{n}_s_to_{t}": [r["s_to"][t] for r in rs] for n, rs in results.items() for t in args.also},
+                      "seeds": args.seeds, "target": args.target}))
 
 
 if __name__ == "__main__":
