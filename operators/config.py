@@ -134,7 +134,8 @@ class TrainConfig(Strict):
     micro_batch_tokens: PositiveInt = 8192
     epochs: PositiveInt = 1  # passes over each batch (PPO epochs)
     max_nonfinite_steps: PositiveInt = 3  # consecutive NaN/Inf steps before the run stops
-    export_every: Annotated[int, Meta(ge=0)] = 0  # steps between HF exports; 0 = at the end
+    # Also export every N steps to export/<node>-step-<version>; 0: only at the end, to export/<node>.
+    export_every: Annotated[int, Meta(ge=0)] = 0
     # The trainer in a child process of its own, e.g. {threads: 1}: under the in-process executor
     # training then overlaps generation without sharing the GIL (flowrl_operators.training.process).
     own_process: OwnProcess | None = None

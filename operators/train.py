@@ -149,6 +149,11 @@ class Train(Operator):
             return TrainResult(policy=None, metrics={"trajectories": 0.0})
         metrics, policy = await self._call("train", trajectories)
         self.steps_done += 1
+        every = self.config.export_every
+        if every and (step + 1) % every == 0 and self.context.run_dir is not None:
+            # Named like the checkpoints (step-<version>); the final export stays export/<node>.
+            folder = Path(self.context.run_dir) / "export" / f"{self.context.node}-step-{step + 1}"
+            await self._call("export_hf", str(folder))
         rewards = [t.reward for t in trajectories if t.reward is not None]
         if rewards:
             metrics["reward_mean"] = sum(rewards) / len(rewards)

@@ -75,6 +75,25 @@ def test_train_node_updates_publishes_checkpoints_and_exports(tmp_path: Path) ->
     assert sum(p.numel() for p in exported.parameters()) > 0
 
 
+def test_train_node_exports_every_n_steps(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    async def main() -> None:
+        config = msgspec.convert({"optim": {"lr": 1e-2}, "export_every": 2}, TrainConfig)
+        op = Train(config, context(tmp_path, "learner"))
+        await op.setup()
+        for step in range(3):
+            await op.train(groups(step), step=step)
+        await op.close()
+
+    asyncio.run(main())
+    folders = sorted(p.name for p in (tmp_path / "export").iterdir())
+    assert folders == ["learner", "learner-step-2"]  # versions 1 and 3 are not multiples of 2
+    at_2, final = (AutoModelForCausalLM.from_pretrained(tmp_path / "export" / f, local_files_only=True)
+                   for f in ("learner-step-2", "learner"))
+    assert any(not torch.equal(a, b) for a, b in zip(at_2.parameters(), final.parameters(), strict=True))
+
+
 def test_reference_node_adds_initial_policy_logprobs(tmp_path: Path) -> None:
     async def main() -> None:
         op = Reference(ReferenceConfig(), context(tmp_path, "ref"))

@@ -13,7 +13,8 @@ seconds of a GRPO step and the best eval reward. A run is stopped once it reache
 seed plus the median over seeds, a run that missed the target counting as slower than any that
 reached it. The last line is one JSON object: sync_s_to_target, async_s_to_target (medians; null
 if most seeds missed), async_over_sync (their ratio), async_wins (seeds where async reached the
-target first), hand_s_to_target, sync_over_hand, and per contender the per-seed figures.
+target first), hand_s_to_target, sync_over_hand, and per contender the per-seed figures
+(`<name>_<figure>_by_seed`).
 """
 
 from __future__ import annotations
@@ -152,9 +153,11 @@ def main() -> None:
     print(json.dumps({"sync_s_to_target": medians.get("sync"), "async_s_to_target": medians.get("async"),
                       "async_over_sync": ratio("async", "sync"), "async_wins": wins,
                       "hand_s_to_target": medians.get("hand"), "sync_over_hand": ratio("sync", "hand"),
-                      **{f"{n}_{k}": [r[k] for r in rs] for n, rs in results.items()
-                         for k in ("s_to_target", "samples_to_target", "s_per_step", "best_eval")},
-                      **{f"{n}_s_to_{t}": [r["s_to"][t] for r in rs] for n, rs in results.items() for t in args.also},
+                      **{f"{n}_{k}_by_seed": [r[k] for r in rs] for n, rs in results.items()
+                         for k in ("s_to_target", "samples_to_target", "s_per_step", "best_eval", "warmup_s")
+                         if all(k in r for r in rs)},
+                      **{f"{n}_s_to_{t}_by_seed": [r["s_to"][t] for r in rs] for n, rs in results.items()
+                         for t in args.also},
                       "seeds": args.seeds, "target": args.target}))
 
 
