@@ -120,6 +120,35 @@ def test_lost_samples_are_admitted_again_so_the_trainer_never_waits_on_its_next_
     check_bounds(plan, tmp_path)
 
 
+def test_no_credit_where_the_train_node_takes_its_steps_records(tmp_path):
+    # The async edge is upstream of a sync train input: step t trains on exactly step t's records,
+    # so a filtered sample is not made up for, and generation stays within max_staleness.
+    plan = ops.plan([ops.node("rollout", "gen", delay=0.002), ops.node("score", "reward", filter_every=2),
+                     ops.node("learner", "train"), ops.node("publish", "sync")],
+                    [ops.edge("rollout", "score", "async", 1), ops.edge("score", "learner"),
+                     ops.edge("learner", "publish", dst_port="policy"), ops.edge("publish", "rollout", dst_port="weights")],
+                    steps=10, batch_size=4)
+    assert run(plan, tmp_path, progress=False).status == "done"
+    rows = train_log(tmp_path)
+    assert all(sorted(r["ids"]) == [f"{r['step']}:1", f"{r['step']}:3"] for r in rows)
+    assert max(r["step"] - v for r in rows for v in r["versions"]) <= 1
+    assert {e["credit"] for e in ledger.read(tmp_path) if e["event"] == "issue"} == {0}
+    check_bounds(plan, tmp_path)
+
+
+def test_half_the_samples_rejected_async_batches_stay_full_and_fresh(tmp_path):
+    # Credited samples are issued beyond step v + 1; a batch waits for them rather than going
+    # short (short batches here once fed stale drops, whose credit ran generation further ahead).
+    plan = ops.grpo("async", 1, steps=12, batch_size=4, gen={"reject_every": 2})
+    result = run(plan, tmp_path, progress=False)
+    assert result.counters["rejected"] == 24 and result.counters["dropped"] == 0
+    rows = train_log(tmp_path)
+    assert [len(r["ids"]) for r in rows] == [4] * 6 + [0] * 6  # 24 records, oldest first
+    assert max(r["step"] - v for r in rows for v in r["versions"]) <= 1
+    assert_clean(tmp_path)
+    check_bounds(plan, tmp_path)
+
+
 def test_stages_set_up_together_and_a_failed_setup_ends_the_run_with_its_error(tmp_path):
     # A trainer in its own process takes seconds to start; the engine loads meanwhile.
     plan = ops.grpo("sync", steps=2, gen={"setup_delay": 0.5}, train={"setup_delay": 0.5})

@@ -14,7 +14,8 @@ Rules (see also flowrl/runtime/__init__.py):
   `budget` is the smallest, over the data paths from the generate node to a train node, of the
   sum of `max_staleness` of the path's async edges (sync edges add 0). `lost` counts this
   generate node's samples that will never reach a train node (rejected, filtered, dropped), and
-  only where budget > 0: an async train step fills its batch from later steps, so without it one
+  only where budget > 0 and every train node it feeds has an async input (a sync input takes
+  exactly its step's records): an async train step fills its batch from later steps, so without it one
   lost sample keeps every later batch one sample short of what was admitted, and with budget 1
   the trainer waits each step for a sample that only its next version admits (AReaL's
   StalenessManager counts accepted samples for the same reason). A generate node that reaches
@@ -24,9 +25,9 @@ Rules (see also flowrl/runtime/__init__.py):
   edge's `on_stale`: `drop` (ledger `drop`, counted) or `keep` (delivered, counted).
 - Train steps: over a sync edge, step t takes exactly the records of step t, once the producer
   has finished step t (sorted by id, so the batch is deterministic). Over an async edge, step t
-  takes the first `batch_size` fresh records in arrival order; if fewer can still come (the
-  producer has finished every step it may start before this step ends) it takes a short batch,
-  possibly empty.
+  takes the first `batch_size` fresh records in arrival order; if fewer can still come
+  (nothing is in flight towards it and no generate node upstream may issue more before this step
+  ends, its credit counted) it takes a short batch, possibly empty.
 - A stage finishes step s when its inputs have finished step s and it holds no record of s;
   a generate stage when every sample of s has been completed.
 """
@@ -98,19 +99,19 @@ class Coordinator:
         for t in self.trains:
             if len(self.ins[t]) != 1:
                 raise ValueError(f"train node '{t}' needs exactly one data input edge, has {len(self.ins[t])}")
-        # How many steps ahead of a train node its producers may run (see _take_batch).
         graph = nx.DiGraph([(e.src, e.dst) for e in plan.edges if e.kind == "data"])
 
         def path(a: str, b: str) -> bool:
             return a == b or (a in graph and b in graph and nx.has_path(graph, a, b))
 
-        self.horizon = {t: max((k for g, k in self.budget.items() if k is not None and path(g, t)), default=0)
-                        for t in self.trains}
-        # The generate nodes whose admission a sample lost at a node credits: those upstream of
-        # it, where it feeds a train node (see the docstring).
         gens = [n for n, p in plan.nodes.items() if p.kind == "generate"]
-        self.feeders = {n: [g for g in gens if path(g, n)] if any(path(n, t) for t in self.trains) else []
-                        for n in plan.nodes}
+        self.upstream = {t: [g for g in gens if path(g, t)] for t in self.trains}
+        # Losses credit a generate node's admission only if every train node it feeds fills its
+        # batches from later steps (an async input): a sync input takes exactly its step's records.
+        credited = {g for g in gens if self.budget[g] and all(
+            self.ins[t][0].mode == "async" for t in self.trains if path(g, t))}
+        self.credits_to = {n: [g for g in gens if g in credited and path(g, n)] for n in plan.nodes}
+        self.downstream = {n: [t for t in self.trains if path(n, t)] for n in plan.nodes}
         # State that a checkpoint keeps (see snapshot()).
         self.versions = {t: 0 for t in self.trains}
         self.latest_weights: dict[str, Record] = {}
@@ -118,7 +119,11 @@ class Coordinator:
         self.reissue: dict[str, list[Work]] = {n: [] for n in self.cursor}
         self.ended: dict[str, set[int]] = {n: set() for n in plan.nodes}
         self.counters = {"dropped": 0, "stale_kept": 0, "rejected": 0, "filtered": 0}
-        self.lost: dict[str, set[str]] = {n: set() for n in self.cursor}  # sample ids, per generate node
+        # Sample ids that will never reach a train node: per credited generate node (its admission
+        # credit), and per train node those lost before its input channel (what is not in flight).
+        self.lost: dict[str, set[str]] = {n: set() for n in self.cursor}
+        self.lost_before: dict[str, set[str]] = {t: set() for t in self.trains}
+        self.arrived = {t: 0 for t in self.trains}  # records put on the train node's input channel
         # Transient state.
         self.held: dict[str, dict[str, tuple[int, Work]]] = {n: {} for n in plan.nodes}
         self.buffers: dict[str, list[Record]] = {t: [] for t in self.trains}
@@ -252,6 +257,7 @@ class Coordinator:
             "channels": {k: (list(c.records.values()), c.ended) for k, c in self.channels.items()},
             "versions": self.versions, "latest_weights": self.latest_weights, "cursor": self.cursor,
             "reissue": self.reissue, "ended": self.ended, "counters": self.counters, "lost": self.lost,
+            "lost_before": self.lost_before, "arrived": self.arrived,
             "observe": self.observe.state(),
         })
 
@@ -334,7 +340,7 @@ class Coordinator:
             return self._hold(node, replica, work)
         step, index = self.cursor[node]
         budget = self.budget[node]
-        credit = len(self.lost[node]) if budget else 0
+        credit = len(self.lost[node])
         if step >= self.steps or (budget is not None and
                                   step * self.batch_size + index >= (version + budget + 1) * self.batch_size + credit):
             return None
@@ -373,13 +379,23 @@ class Coordinator:
                 self._notify()  # room in the channel for a waiting producer
                 if self._deliverable(ch, record, t):
                     buffer.append(record)
-            horizon = min(self.steps - 1, t + self.horizon[node])
-            if len(buffer) < self.batch_size and not all(s in ch.ended for s in range(horizon + 1)):
+            if len(buffer) < self.batch_size and self._more_may_come(node, t):
                 return None
             records, self.buffers[node] = buffer, []
         work = Work(f"v{t + 1}", "batch", t, t, [{ch.edge.dst_port: r.value} for r in records],
                     {ch.edge.label: records}, at=t, lags=[t - r.version for r in records])
         return self._hold(node, replica, work)
+
+    def _more_may_come(self, node: str, t: int) -> bool:
+        """Whether records for train step t can still arrive: some are in flight, or a generate node
+        upstream may issue more before the step ends (admission at version t, credit included)."""
+        issued, more = 0, False
+        for g in self.upstream[node]:
+            count = self.cursor[g][0] * self.batch_size + self.cursor[g][1]
+            issued += count
+            limit = min(self.steps * self.batch_size, (t + self.budget[g] + 1) * self.batch_size + len(self.lost[g]))
+            more = more or count < limit or bool(self.reissue[g])
+        return more or issued - self.arrived[node] - len(self.lost_before[node]) > 0
 
     def _take_record(self, node: str, replica: int) -> Work | None:
         edges = self.ins[node]
@@ -415,7 +431,7 @@ class Coordinator:
     def _drop(self, ch: Channel, record: Record, reason: str, **extra: Any) -> None:
         self.counters["dropped"] += 1
         self.observe.dropped += 1
-        self._lose(ch.edge.dst, record.id)
+        self._lose(ch.edge.dst, record.id, arrived=ch.edge.dst in self.trains)
         self.ledger.write("drop", ch.edge.label, record.id, record.step, record.version, reason=reason, **extra)
 
     def _complete(self, node: str, work: Work, outputs: dict[str, Any], version: int | None,
@@ -459,10 +475,17 @@ class Coordinator:
             self.latest_weights[edge.label] = record
         else:
             self.channels[edge.label].put(record)
+            if edge.dst in self.arrived:
+                self.arrived[edge.dst] += 1
 
-    def _lose(self, node: str, sample_id: str) -> None:
-        for g in self.feeders[node]:
+    def _lose(self, node: str, sample_id: str, arrived: bool = False) -> None:
+        """Sample `sample_id` will not reach the train nodes after `node` (rejected or filtered by it,
+        or dropped on its way in; `arrived`: dropped from a train node's own input)."""
+        for g in self.credits_to[node]:
             self.lost[g].add(sample_id)
+        if not arrived:
+            for t in self.downstream[node]:
+                self.lost_before[t].add(sample_id)
 
     def _end(self, node: str, step: int) -> None:
         self.ended[node].add(step)
@@ -552,7 +575,7 @@ class Coordinator:
         self.reissue = state["reissue"]
         self.ended = state["ended"]
         self.counters = state["counters"]
-        self.lost = state.get("lost", self.lost)  # checkpoints from before the credit have none
+        self.lost, self.lost_before, self.arrived = state["lost"], state["lost_before"], state["arrived"]
         self.observe.restore(state["observe"])
         self.ledger.write("resume", "", "", min(self.versions.values(), default=0), self.clock)
 
