@@ -163,7 +163,8 @@ class Judge(Reward):
 
     async def close(self) -> None:
         await super().close()
-        if self.session is not None:
+        # getattr: close() also runs after a setup that failed before these were made.
+        if getattr(self, "session", None) is not None:
             await self.session.close()
-        if self.engine is not None:
+        if getattr(self, "engine", None) is not None:
             await self.engine.close()

@@ -16,6 +16,7 @@ import os
 import shutil
 import string
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,14 @@ BUILTIN_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
+# Building a model is not thread-safe: transformers' from_pretrained switches process-wide weight-init
+# flags and patches torch's init functions, and fork_rng + manual_seed share torch's global RNG (seen:
+# "Cannot copy out of meta tensor" when the reference, critic and trainer set up together). The runtime
+# sets stages up together, so every model build in this process holds this lock; a trainer in a child
+# process of its own still builds alongside.
+BUILD_LOCK = threading.RLock()
+
+
 def import_transformers() -> None:
     """Import transformers in this thread, before setup work moves to threads: two threads that
     import it for the first time at once can fail ("cannot import name 'AutoModelForCausalLM' from
@@ -84,7 +93,8 @@ def resolve_model(path: str | os.PathLike) -> Path:
     """A local HF checkpoint directory for `path` (a directory, or `builtin:<name>`, built on demand)."""
     text = str(path)
     if text.startswith(BUILTIN_PREFIX):
-        return _builtin_dir(text[len(BUILTIN_PREFIX):])
+        with BUILD_LOCK:
+            return _builtin_dir(text[len(BUILTIN_PREFIX):])
     folder = Path(text).expanduser()
     if not folder.is_dir():
         raise FileNotFoundError(
@@ -120,9 +130,10 @@ def load_hf_model(path: str | os.PathLike, dtype: Any = None):
     from transformers import AutoModelForCausalLM
 
     silence_hf()
-    return AutoModelForCausalLM.from_pretrained(
-        str(resolve_model(path)), local_files_only=True, dtype=dtype or torch.float32
-    )
+    with BUILD_LOCK:
+        return AutoModelForCausalLM.from_pretrained(
+            str(resolve_model(path)), local_files_only=True, dtype=dtype or torch.float32
+        )
 
 
 # --- built-in models ------------------------------------------------------------------------------

@@ -20,11 +20,13 @@ class Reference(Operator):
     resources = Resources(cpus=0.25)
 
     async def setup(self) -> None:
+        from flowrl_operators.models import import_transformers
         from flowrl_operators.training.trainer import Reference as Frozen
         from flowrl_operators.training.trainer import TrainerConfig
 
         config = TrainerConfig(micro_batch_tokens=self.config.micro_batch_tokens, seed=self.context.seed)
         path = self.config.model or self.context.model["path"]
+        import_transformers()  # here, not in two threads at once
         self.model = await asyncio.to_thread(Frozen, path, config)
         # One forward at a time: records arrive concurrently, the model is shared.
         self.lock = asyncio.Lock()

@@ -219,10 +219,13 @@ def load_model(folder: Path, dtype: torch.dtype, device: torch.device | str):
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
-    with torch.device("meta"):
-        model = CausalLM(config)
-    model = model.to_empty(device=device).to(dtype)
+    from flowrl_operators.models import BUILD_LOCK
+
+    with BUILD_LOCK:  # see BUILD_LOCK: other stages may build theirs in other threads meanwhile
+        config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
+        with torch.device("meta"):
+            model = CausalLM(config)
+        model = model.to_empty(device=device).to(dtype)
     params = dict(model.named_parameters())
     files = sorted(folder.glob("*.safetensors"))
     if not files:

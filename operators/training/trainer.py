@@ -112,7 +112,7 @@ class Trainer:
     trainable: bool = True
 
     def __init__(self, model_path: str | Path, config: TrainerConfig | None = None) -> None:
-        from flowrl_operators.models import resolve_model
+        from flowrl_operators.models import BUILD_LOCK, resolve_model
 
         self.config = config or TrainerConfig()
         self.model_path = resolve_model(model_path)
@@ -124,7 +124,7 @@ class Trainer:
         else:
             self.device = torch.device("cpu")
         self.bf16 = self.device.type == "cuda" and self.config.mixed_precision
-        with torch.random.fork_rng(devices=[]):
+        with BUILD_LOCK, torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.config.seed)  # the same fresh heads on every rank
             self.model = _load_model(self.model_path, self.head).to(self.device)
         _disable_dropout(self.model)
