@@ -12,8 +12,8 @@ seconds of a GRPO step and the best eval reward. A run is stopped once it reache
 10% apart here (steps to 0.9 varied 205-480 between runs of one setting), so the summary is per
 seed plus the median over seeds, a run that missed the target counting as slower than any that
 reached it. The last line is one JSON object: sync_s_to_target, async_s_to_target (medians; null
-if most seeds missed), async_over_sync (their ratio), async_wins (seeds where async reached the
-target first), hand_s_to_target, sync_over_hand, and per contender the per-seed figures
+where the median run missed), async_over_sync (their ratio), async_wins (seeds where async
+reached the target first), hand_s_to_target, sync_over_hand, and per contender the per-seed figures
 (`<name>_<figure>_by_seed`).
 """
 
@@ -44,22 +44,24 @@ def first_hit(evals: list[dict], target: float) -> dict | None:
 def supervise(command: list[str], evals_file: Path, args: argparse.Namespace, interrupt: int) -> float:
     """Run `command`; stop it with `interrupt` once `evals_file` shows the target. Returns wall seconds."""
     started = time.time()
-    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     stopped = False
-    while process.poll() is None:
-        time.sleep(1.0)
-        if not args.full and first_hit(read_jsonl(evals_file), args.target):
-            process.send_signal(interrupt)
-            stopped = True
-            try:
-                process.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                process.kill()
-            break
-    stderr = process.stderr.read() if process.stderr else ""
-    # Interrupted, `flowrl run` exits 1 (resumable) and the plain loop dies of the signal.
-    if process.wait() != 0 and not (stopped and process.returncode in (1, -interrupt)):
-        raise RuntimeError(f"{' '.join(command)} failed ({process.returncode}):\n{stderr[-3000:]}")
+    with tempfile.TemporaryFile("w+") as stderr:  # a file, not a pipe: a full pipe would block the run
+        process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=stderr, text=True)
+        while process.poll() is None:
+            time.sleep(1.0)
+            if not args.full and first_hit(read_jsonl(evals_file), args.target):
+                process.send_signal(interrupt)
+                stopped = True
+                try:
+                    process.wait(timeout=120)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                break
+        # Stopped at the target, `flowrl run` exits 1 (resumable), the plain loop dies of the signal,
+        # and a run that outlived its 120 s to stop was killed: all fine, the target was reached.
+        if process.wait() != 0 and not (stopped and process.returncode in (1, -interrupt, -signal.SIGKILL)):
+            stderr.seek(0)
+            raise RuntimeError(f"{' '.join(command)} failed ({process.returncode}):\n{stderr.read()[-3000:]}")
     return time.time() - started
 
 
