@@ -339,10 +339,8 @@ class Coordinator:
             self.ledger.write("reissue", f"data -> {node}", work.id, work.step, version, replica=replica)
             return self._hold(node, replica, work)
         step, index = self.cursor[node]
-        budget = self.budget[node]
-        credit = len(self.lost[node])
-        if step >= self.steps or (budget is not None and
-                                  step * self.batch_size + index >= (version + budget + 1) * self.batch_size + credit):
+        budget, credit = self.budget[node], len(self.lost[node])
+        if step >= self.steps or (budget is not None and self._issued(node) >= self._admitted(node, version)):
             return None
         sample = self.source.sample(step, index)
         self.cursor[node] = [step, index + 1] if index + 1 < self.batch_size else [step + 1, 0]
@@ -386,16 +384,22 @@ class Coordinator:
                     {ch.edge.label: records}, at=t, lags=[t - r.version for r in records])
         return self._hold(node, replica, work)
 
+    def _issued(self, node: str) -> int:
+        """Samples a generate node has been handed so far."""
+        return self.cursor[node][0] * self.batch_size + self.cursor[node][1]
+
+    def _admitted(self, node: str, version: int) -> int:
+        """Samples a generate node (with a budget) may have been handed at `version` (the docstring's rule)."""
+        return (version + self.budget[node] + 1) * self.batch_size + len(self.lost[node])
+
     def _more_may_come(self, node: str, t: int) -> bool:
         """Whether records for train step t can still arrive: some are in flight, or a generate node
         upstream may issue more before the step ends (admission at version t, credit included)."""
-        issued, more = 0, False
-        for g in self.upstream[node]:
-            count = self.cursor[g][0] * self.batch_size + self.cursor[g][1]
-            issued += count
-            limit = min(self.steps * self.batch_size, (t + self.budget[g] + 1) * self.batch_size + len(self.lost[g]))
-            more = more or count < limit or bool(self.reissue[g])
-        return more or issued - self.arrived[node] - len(self.lost_before[node]) > 0
+        issued = sum(self._issued(g) for g in self.upstream[node])
+        if any(self._issued(g) < min(self.steps * self.batch_size, self._admitted(g, t)) or self.reissue[g]
+               for g in self.upstream[node]):
+            return True
+        return issued - self.arrived[node] - len(self.lost_before[node]) > 0
 
     def _take_record(self, node: str, replica: int) -> Work | None:
         edges = self.ins[node]
