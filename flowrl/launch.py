@@ -47,7 +47,7 @@ def resume(run_dir: Path, progress: bool = True) -> list:
 
 def _run_phases(loaded: LoadedSpec, run_dir: Path, executor: str | None, progress: bool,
                 resuming: bool = False) -> list:
-    from flowrl.runtime import latest_checkpoint, run
+    from flowrl.runtime import StageFailed, run
 
     results = []
     model_path: str | None = None
@@ -62,13 +62,18 @@ def _run_phases(loaded: LoadedSpec, run_dir: Path, executor: str | None, progres
         plan = compile_spec(phase_loaded).plan
         if not single:
             plan.run["phase"] = phase.name  # shown by the live view
-        again = resuming and directory.exists() and latest_checkpoint(directory) is not None
+        # Resumed from its latest checkpoint; one killed before its first starts again from nothing.
+        again = resuming and (directory / "plan.json").exists()
         result = run(plan, run_dir=directory, executor=executor, resume=again, progress=progress)
         results.append(result)
         if result.status != "done":  # interrupted (a phase's `seconds` running out counts as done)
             break  # resume() continues here
         exports = [directory / "export" / n for n, node in plan.nodes.items() if node.kind == "train"]
         export = next((str(p) for p in exports if (p / "config.json").exists()), None)
+        if exports and export is None and index + 1 < len(loaded.spec.phases):
+            # The next phase would silently start from an older model.
+            raise StageFailed(f"phase {phase.name} finished without exporting its policy "
+                              f"({', '.join(map(str, exports))} holds no config.json)")
         marker.write_text(json.dumps({"status": "done", "export": export, "seconds": result.seconds}))
         model_path = export or model_path
     return results

@@ -137,6 +137,11 @@ class Operator:
     async def train(self, groups: list[Any], *, step: int) -> TrainResult:
         raise NotImplementedError(f"{type(self).__name__} does not implement train()")
 
+    async def publish(self) -> TrainResult:
+        """The current policy record again, without training: a resumed run sends the restored
+        policy to the engines before anything is generated (flowrl/runtime/snapshot.py)."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement publish() (needed to resume)")
+
     # -- sync kind ----------------------------------------------------------------------------
     async def sync(self, policy: Any, *, version: int) -> Any:
         raise NotImplementedError(f"{type(self).__name__} does not implement sync()")

@@ -84,10 +84,13 @@ class Learner:
         for _ in range(self.epochs):
             metrics = self.trainer.forward_backward(batch, self.loss_fn)
             metrics |= self.trainer.step()
-        # Copy now: the next step changes the live parameters while sync ships these.
-        policy = [[(name, tensor.detach().clone()) for name, tensor in bucket]
-                  for bucket in self.trainer.named_weights()]
-        return metrics, policy
+        return metrics, self.policy()
+
+    def policy(self) -> list:
+        """The weights as buckets of copies: the next step changes the live parameters while sync
+        ships these."""
+        return [[(name, tensor.detach().clone()) for name, tensor in bucket]
+                for bucket in self.trainer.named_weights()]
 
     def save(self, path: str) -> None:
         self.trainer.save(path)
@@ -159,6 +162,9 @@ class Train(Operator):
             metrics["reward_mean"] = sum(rewards) / len(rewards)
         metrics["trajectories"] = float(len(trajectories))
         return TrainResult(policy=policy, metrics=metrics)
+
+    async def publish(self) -> TrainResult:
+        return TrainResult(policy=await self._call("policy"))
 
     def save(self, path: Path) -> None:
         self._call_now("save", str(path / "trainer"))

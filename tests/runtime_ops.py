@@ -120,12 +120,7 @@ class ToyGenerate(Operator):
 
     async def resume(self) -> None:
         self.paused = False
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"version": self.version}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.version = state["version"]
+    # No state_dict: like the real generate node, a restarted engine holds the initial weights.
 
 
 class RewardConfig(msgspec.Struct, forbid_unknown_fields=True):
@@ -181,6 +176,7 @@ class TrainConfig(msgspec.Struct, forbid_unknown_fields=True):
     on_policy_only: bool = False  # reject stale data at validate time (an operator's graph rule)
     setup_delay: float = 0.0
     fail_setup: bool = False
+    fail_close: bool = False
 
 
 class ToyTrain(Operator):
@@ -203,6 +199,7 @@ class ToyTrain(Operator):
         if self.config.fail_setup:
             raise RuntimeError("toy train cannot set up")
         self.checksum = ""
+        self.version = 0
 
     async def train(self, groups: list[Group], *, step: int) -> TrainResult:
         if step == self.config.fail_at_step:
@@ -217,15 +214,23 @@ class ToyTrain(Operator):
             with open(self.context.run_dir / f"train-{self.context.node}.jsonl", "a") as f:
                 f.write(json.dumps(row) + "\n")
         rewards = [t.reward for g in groups for t in g.trajectories if t.reward is not None]
+        self.version = step + 1
         return TrainResult(policy={"version": step + 1, "checksum": self.checksum},
                            metrics={"loss": 1.0 / (step + 1), "batch": float(len(groups)),
                                     "reward_seen": sum(rewards) / len(rewards) if rewards else 0.0})
 
+    async def publish(self) -> TrainResult:
+        return TrainResult(policy={"version": self.version, "checksum": self.checksum})
+
     def state_dict(self) -> dict[str, Any]:
-        return {"checksum": self.checksum}
+        return {"checksum": self.checksum, "version": self.version}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.checksum = state["checksum"]
+        self.checksum, self.version = state["checksum"], state["version"]
+
+    async def close(self) -> None:
+        if self.config.fail_close:
+            raise OSError("toy train could not export")
 
 
 class ToySync(Operator):

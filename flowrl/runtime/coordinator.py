@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import pickle
 import time
 from pathlib import Path
 from typing import Any
@@ -45,7 +44,9 @@ import networkx as nx
 
 from flowrl.data.source import batch_size, load_source
 from flowrl.graph.plan import EdgePlan, Plan
+from flowrl.runtime import snapshot
 from flowrl.runtime.channel import Channel, Record, Work
+from flowrl.runtime.checkpoints import Pacing
 from flowrl.runtime.ledger import Ledger
 from flowrl.runtime.observe import Observer
 
@@ -124,6 +125,12 @@ class Coordinator:
         self.lost: dict[str, set[str]] = {n: set() for n in self.cursor}
         self.lost_before: dict[str, set[str]] = {t: set() for t in self.trains}
         self.arrived = {t: 0 for t in self.trains}  # records put on the train node's input channel
+        self.resumes = 0
+        # After a resume: train nodes that publish their restored policy before training, and the
+        # version each generate node's engine must hold before it is handed work (snapshot.py).
+        self.republish: set[str] = set()
+        self.required: dict[str, int] = {}
+        self.pacing = Pacing(plan.run.get("checkpoint_every"), plan.run.get("checkpoint_seconds"))
         # Transient state.
         self.held: dict[str, dict[str, tuple[int, Work]]] = {n: {} for n in plan.nodes}
         self.buffers: dict[str, list[Record]] = {t: [] for t in self.trains}
@@ -139,7 +146,7 @@ class Coordinator:
         self.ledger = Ledger(self.run_dir / "ledger.jsonl" if self.run_dir else None)
         self.observe = Observer(plan, self.run_dir, self.origin)
         if state is not None:
-            self._restore(state)
+            snapshot.restore(self, state)
         self._check_done()
 
     # ---- stage-facing API -------------------------------------------------------------------
@@ -244,22 +251,28 @@ class Coordinator:
             "last": self.observe.last_row, "counters": dict(self.counters),
         }
 
-    async def snapshot(self) -> bytes:
-        """Everything needed to resume, taken after the stages have stopped: held work is handed
-        back to its channel or re-issue list first, so records waiting anywhere survive."""
-        for node in self.plan.nodes:
-            for replica in {r for r, _ in self.held[node].values()}:
-                self._release(node, replica)
-        for t in self.trains:
-            self._return_buffer(t)
-        self.flush()
-        return pickle.dumps({
-            "channels": {k: (list(c.records.values()), c.ended) for k, c in self.channels.items()},
-            "versions": self.versions, "latest_weights": self.latest_weights, "cursor": self.cursor,
-            "reissue": self.reissue, "ended": self.ended, "counters": self.counters, "lost": self.lost,
-            "lost_before": self.lost_before, "arrived": self.arrived,
-            "observe": self.observe.state(),
-        })
+    async def snapshot(self) -> dict[str, Any]:
+        """What a checkpoint needs, taken without stopping anything (snapshot.py): the state, and
+        how far each record stream had got (streams.py), both as of this instant."""
+        self.ledger.flush()
+        return {"state": snapshot.take(self), "streams": self.observe.offsets()}
+
+    async def wait_checkpoint(self, timeout: float) -> int | None:
+        """The version a periodic checkpoint is due at (train nodes wait for it), or None after
+        `timeout` seconds without one."""
+        try:
+            await asyncio.wait_for(self._until(lambda: self.pacing.due is not None or self.stopping), timeout)
+        except asyncio.TimeoutError:
+            pass
+        return None if self.stopping else self.pacing.due
+
+    def checkpoint_done(self) -> None:
+        self.pacing.done()
+        self._notify()
+
+    async def _until(self, condition: Any) -> None:
+        while not condition():
+            await self._wait()
 
     async def finish(self) -> dict[str, Any]:
         """Close the ledger of a finished run: what is left anywhere is recorded as pending."""
@@ -332,6 +345,8 @@ class Coordinator:
             latest = self.latest_weights[edge.label]
             if latest.version > have:
                 return Work(latest.id, "weights", latest.step, latest.version, latest.value)
+        if edge is not None and have < self.required.get(node, 0):
+            return None  # resumed: the engine must hold the restored policy first
         version = min(have, self.clock) if edge is not None else self.clock
         if self.reissue[node]:
             work = self.reissue[node].pop(0)
@@ -351,7 +366,13 @@ class Coordinator:
 
     def _take_batch(self, node: str, replica: int) -> Work | None:
         t = self.versions[node]
-        if t >= self.steps or replica in self.group_taken[node]:
+        if self.pacing.due is not None or replica in self.group_taken[node]:
+            return None  # a checkpoint is being written: the trainer's state must stay at its version
+        if node in self.republish and not self.held[node]:
+            self.republish.discard(node)
+            self.group_taken[node].add(replica)
+            return self._hold(node, replica, Work(f"v{t}:r{self.resumes}", "publish", t - 1, t, None))
+        if t >= self.steps:
             return None
         if self.held[node]:  # the group's batch for step t, formed when its first rank asked
             self.group_taken[node].add(replica)
@@ -447,16 +468,20 @@ class Coordinator:
                                   consumer_version=work.at)
         if work.kind == "sample":
             self.ledger.write("consume", f"data -> {node}", work.id, work.step, work.version)
-        if kind == "train":
+        if work.kind == "publish":  # a resumed train node's restored policy, sent again
+            out_version = work.version
+        elif kind == "train":
             out_version = work.step + 1
             self.versions[node] = out_version
             self.observe.train_step(node, work.step, out_version, work, metrics, self._queues(), self.counters)
             self.observe.instant(node, 0, f"publish v{out_version}")
             if out_version >= self.stop_at and out_version < self.steps:
                 self.stop("interrupt")
+            elif self.clock < self.steps:
+                self.pacing.step(self.clock)
         else:
             out_version = version if version is not None and work.kind == "sample" else work.version
-        record_id = f"v{out_version}" if kind in ("train", "sync") else work.id
+        record_id = f"v{out_version}" if kind in ("train", "sync") and work.kind != "publish" else work.id
         for port, value in outputs.items():
             edges = [e for e in self.outs[node] if e.src_port == port]
             if value is None and kind not in ("train", "sync"):  # policy/weights records always go: they carry the version
@@ -466,7 +491,7 @@ class Coordinator:
             for edge in edges:
                 record = Record(record_id, work.step, out_version, value)
                 self._emit(edge, record)
-        if kind == "train":
+        if kind == "train" and work.kind != "publish":
             self._end(node, work.step)
         self._advance(node)
         self._check_done()
@@ -565,21 +590,3 @@ class Coordinator:
         for label, records in work.records.items():
             for r in records:
                 self.ledger.write("pending", label, r.id, r.step, r.version)
-
-    def _restore(self, blob: bytes) -> None:
-        state = pickle.loads(blob)
-        for label, (records, ended) in state["channels"].items():
-            ch = self.channels[label]
-            for r in records:
-                ch.put(r)
-            ch.ended = ended
-        self.versions = state["versions"]
-        self.latest_weights = state["latest_weights"]
-        self.cursor = state["cursor"]
-        self.reissue = state["reissue"]
-        self.ended = state["ended"]
-        self.counters = state["counters"]
-        self.lost, self.lost_before, self.arrived = state["lost"], state["lost_before"], state["arrived"]
-        self.observe.restore(state["observe"])
-        self.ledger.write("resume", "", "", min(self.versions.values(), default=0), self.clock)
-

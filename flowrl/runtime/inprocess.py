@@ -7,6 +7,7 @@ work should hand it to a thread (`asyncio.to_thread`) so the other stages keep r
 from __future__ import annotations
 
 import asyncio
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -71,9 +72,12 @@ class InProcessExecutor:
         for stage in self.stages:
             stage.save(str(directory / stage.node.name / f"r{stage.replica}"))
 
-    async def shutdown(self) -> None:
+    async def shutdown(self) -> list[tuple[str, str]]:
+        """Close every stage; returns (node, traceback) for those whose close failed."""
+        failures = []
         for stage in self.stages:
             try:
                 await stage.close()
-            except Exception:  # closing is best effort; the run's own error matters more
-                pass
+            except Exception:
+                failures.append((stage.node.name, traceback.format_exc()))
+        return failures

@@ -1,7 +1,7 @@
 """Trace and metrics: where time went, per stage and per step.
 
 `trace.json` is Chrome trace-event JSON (`{"traceEvents": [...]}`, opens in Perfetto and
-chrome://tracing). One process row (`pid`) per node, named by a metadata event; `tid` is
+chrome://tracing), appended during the run and valid after every append (flowrl/runtime/streams.py). One process row (`pid`) per node, named by a metadata event; `tid` is
 `replica * 100` for the stage's own loop (waits, weight updates, train steps) and
 `replica * 100 + slot` (slot >= 1) for work running concurrently on that replica. Events:
 `ph: "X"` spans named `wait` (blocked on input or admission), `generate` / `process` / `train` /
@@ -10,7 +10,8 @@ finishing in-flight work before a weight update), `update_weights`, and `step` (
 start to publish); `ph: "i"` instants `publish v<n>` and `weights v<n>`. Timestamps are microseconds since the run's origin (`meta.json`).
 
 `metrics.jsonl` has one JSON object per train step (see flowrl/runtime/__init__.py for the keys);
-the same numbers go to TensorBoard under `tensorboard/`.
+the same numbers go to TensorBoard under `tensorboard/`. All three are written by `flush()`, which
+the runtime calls every few seconds and at checkpoints, so memory stays bounded in a long run.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from flowrl.graph.plan import Plan
+from flowrl.runtime.streams import TraceFile, append_lines
 
 
 def span(pid: int, tid: int, name: str, start: float, end: float, origin: float, **args: Any) -> dict[str, Any]:
@@ -52,6 +54,7 @@ class Observer:
         self.rows: list[dict[str, Any]] = []
         self._mark = {"time": time.time(), "busy": {}, "dropped": 0}
         self._tb: Any = None
+        self.trace = TraceFile(run_dir / "trace.json") if run_dir is not None else None
 
     def instant(self, node: str, replica: int, name: str) -> None:
         self.events.append({"name": name, "ph": "i", "s": "p", "ts": round((time.time() - self.origin) * 1e6, 1),
@@ -96,20 +99,15 @@ class Observer:
                 mine[key] = mine.get(key, 0.0) + float(value)
         return totals
 
-    def flush(self, trace: bool = False) -> None:
+    def flush(self) -> None:
+        """Append what accumulated to metrics.jsonl, TensorBoard and trace.json."""
+        rows, events, self.rows, self.events = self.rows, self.events, [], []
         if self.run_dir is None:
-            self.rows.clear()
             return
-        if self.rows:
-            with open(self.run_dir / "metrics.jsonl", "a") as f:
-                for row in self.rows:
-                    f.write(json.dumps(row) + "\n")
-            self._tensorboard(self.rows)
-            self.rows.clear()
-        if trace:
-            tmp = self.run_dir / "trace.json.tmp"
-            tmp.write_text(json.dumps({"traceEvents": self.events, "displayTimeUnit": "ms"}))
-            tmp.replace(self.run_dir / "trace.json")
+        self.trace.append(events)
+        append_lines(self.run_dir / "metrics.jsonl", [json.dumps(row).encode() for row in rows])
+        if rows:
+            self._tensorboard(rows)
 
     def _tensorboard(self, rows: list[dict[str, Any]]) -> None:
         # TensorBoard's own event writer: torch.utils.tensorboard would import torch (seconds)
@@ -148,14 +146,21 @@ class Observer:
         self._tb.flush()
 
     def close(self) -> None:
-        self.flush(trace=True)
+        self.flush()
         if self._tb:
             self._tb.close()
             self._tb = None
 
+    def offsets(self) -> dict[str, Any]:
+        """Every stream's size now, for a checkpoint (flowrl/runtime/streams.py)."""
+        from flowrl.runtime.streams import offsets
+
+        self.flush()
+        return offsets(self.run_dir, self.trace, self.run_dir / "tensorboard") if self.run_dir else {}
+
     def state(self) -> dict[str, Any]:
-        return {"events": self.events, "dropped": self.dropped}
+        return {"dropped": self.dropped}
 
     def restore(self, state: dict[str, Any]) -> None:
-        self.events = state["events"]
+        self.events = []  # the trace already holds its process names
         self.dropped = state["dropped"]

@@ -178,10 +178,12 @@ class RayExecutor:
         await asyncio.gather(*(actor.save.remote(str(directory / name / f"r{r}"))
                                for (name, r), actor in self.actors.items()))
 
-    async def shutdown(self) -> None:
-        closing = [asyncio.ensure_future(_quiet(actor.close.remote())) for actor in self.actors.values()]
+    async def shutdown(self) -> list[tuple[str, str]]:
+        """Close and remove every actor; returns (node, error) for those whose close failed."""
+        closing = {asyncio.ensure_future(_quiet(actor.close.remote())): name for (name, _), actor in self.actors.items()}
         if closing:
             await asyncio.wait(closing, timeout=10)
+        failures = [(name, error) for task, name in closing.items() if task.done() and (error := task.result())]
         for actor in self.actors.values():
             ray.kill(actor, no_restart=True)
         if self.coord is not None:
@@ -190,6 +192,7 @@ class RayExecutor:
             remove_placement_group(self.pg)
         if self.owns_ray:
             ray.shutdown()
+        return failures
 
 
 def _bundle(resources: Any) -> dict[str, float]:
@@ -201,8 +204,12 @@ def _bundle(resources: Any) -> dict[str, float]:
     return bundle
 
 
-async def _quiet(ref: Any) -> None:
+async def _quiet(ref: Any) -> str | None:
+    """A close call's error, if its actor was alive to raise one."""
     try:
         await ref
-    except Exception:  # closing a dead actor: nothing left to release
-        pass
+    except RayActorError:  # closing a dead actor: nothing left to release
+        return None
+    except Exception as e:
+        return str(e)
+    return None

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 import signal
 import time
 from dataclasses import dataclass, field
@@ -14,9 +13,11 @@ from typing import Any
 import msgspec
 
 from flowrl.graph.plan import Plan
+from flowrl.runtime import checkpoints, streams
 
 # How long stages may take to return once stopped: a train step in progress is allowed to finish.
 JOIN_TIMEOUT_S = {"done": 10.0, "error": 5.0, "interrupt": 600.0, "time": 600.0}
+FLUSH_EVERY_S = 2.0  # record streams reach the disk at least this often
 
 
 class StageFailed(RuntimeError):
@@ -54,9 +55,7 @@ def load_plan(run_dir: Path | str) -> Plan:
     return msgspec.json.decode((Path(run_dir) / "plan.json").read_bytes(), type=Plan)
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    pointer = run_dir / "checkpoints" / "latest"
-    return run_dir / "checkpoints" / pointer.read_text().strip() if pointer.exists() else None
+latest_checkpoint = checkpoints.latest
 
 
 async def _run(plan: Plan, run_dir: Path | None, executor: str | None, resume: bool, progress: bool,
@@ -66,26 +65,14 @@ async def _run(plan: Plan, run_dir: Path | None, executor: str | None, resume: b
     started = time.time()
     state, checkpoint, origin = None, None, started
     if run_dir is not None:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        if resume:
-            checkpoint = latest_checkpoint(run_dir)
-            if checkpoint is None:
-                raise FileNotFoundError(f"{run_dir} has no checkpoint to resume from (checkpoints/latest)")
-            state = (checkpoint / "coordinator.pkl").read_bytes()
-            origin = json.loads((run_dir / "meta.json").read_text())["origin"]
-        else:
-            if (run_dir / "ledger.jsonl").exists():
-                raise FileExistsError(f"{run_dir} already holds a run; resume it or choose another run directory")
-            (run_dir / "plan.json").write_bytes(msgspec.json.encode(plan))
-            meta = {"name": plan.name, "origin": origin, "executor": executor, "steps": steps, "format": 1}
-            (run_dir / "meta.json").write_text(json.dumps(meta, indent=1))
+        state, checkpoint, origin = _prepare(plan, run_dir, executor, steps, resume, started)
     elif resume:
         raise ValueError("resume needs the run directory of the interrupted run")
 
     ex = _executor(executor, plan, run_dir, origin)
     try:
         await ex.start(steps, max_steps, state, checkpoint)
-        reason = await _supervise(ex, plan, progress)
+        reason = await _supervise(ex, plan, run_dir, progress)
         failures = await ex.join(JOIN_TIMEOUT_S[reason])
         if reason == "error":
             error = (await ex.call("status"))["error"]
@@ -96,19 +83,45 @@ async def _run(plan: Plan, run_dir: Path | None, executor: str | None, resume: b
         status = await ex.call("status")
         saved = None
         if run_dir is not None:
-            saved = await _checkpoint(ex, run_dir, status["versions"])
-        if reason in ("done", "time"):
-            await ex.call("finish")
-        else:
-            await ex.call("close")
+            saved = await checkpoints.write(ex, run_dir, min(status["versions"].values(), default=0), _keep(plan))
+        await ex.call("finish" if reason in ("done", "time") else "close")
     finally:
-        await ex.shutdown()
+        closing = await ex.shutdown()
+    if closing:  # e.g. the final export failed: the run did not produce what it reports
+        raise StageFailed("\n".join(f"node '{n}' failed while closing:\n{t}" for n, t in closing))
     return RunResult(
         status="interrupted" if reason == "interrupt" else "done", run_dir=run_dir,
         steps=min(status["versions"].values(), default=0), versions=status["versions"],
         counters=status["counters"], seconds=time.time() - started, checkpoint=saved, last=status["last"],
         stopped_by={"done": "steps", "time": "max_seconds"}.get(reason, "interrupt"),
     )
+
+
+def _prepare(plan: Plan, run_dir: Path, executor: str, steps: int, resume: bool,
+             started: float) -> tuple[bytes | None, Path | None, float]:
+    """Ready the run directory: (coordinator state, checkpoint, origin) to start or resume from.
+
+    Resuming cuts every record stream back to the checkpoint (streams.py); a run killed before
+    its first checkpoint starts again from nothing."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    checkpoints.clean_partial(run_dir)
+    checkpoints.check_space(run_dir, checkpoints.MARGIN_BYTES)
+    checkpoint = checkpoints.latest(run_dir) if resume else None
+    if checkpoint is not None:
+        streams.truncate(run_dir, json.loads((checkpoint / "streams.json").read_text()))
+        origin = json.loads((run_dir / "meta.json").read_text())["origin"]
+        return (checkpoint / "coordinator.pkl").read_bytes(), checkpoint, origin
+    if (run_dir / "ledger.jsonl").exists() and not resume:
+        raise FileExistsError(f"{run_dir} already holds a run; resume it or choose another run directory")
+    streams.truncate(run_dir, {})
+    (run_dir / "plan.json").write_bytes(msgspec.json.encode(plan))
+    meta = {"name": plan.name, "origin": started, "executor": executor, "steps": steps, "format": 2}
+    (run_dir / "meta.json").write_text(json.dumps(meta, indent=1))
+    return None, None, started
+
+
+def _keep(plan: Plan) -> int:
+    return int(plan.run.get("keep_checkpoints") or checkpoints.DEFAULT_KEEP)
 
 
 def _executor(name: str, plan: Plan, run_dir: Path | None, origin: float) -> Any:
@@ -123,21 +136,23 @@ def _executor(name: str, plan: Plan, run_dir: Path | None, origin: float) -> Any
     raise ValueError(f"unknown executor '{name}'; use inprocess or ray")
 
 
-async def _supervise(ex: Any, plan: Plan, progress: bool) -> str:
-    """Wait for the run to stop. SIGINT stops it resumably; run.max_seconds ends it (a finished run,
-    as a phase bounded by seconds needs), both with a checkpoint."""
+async def _supervise(ex: Any, plan: Plan, run_dir: Path | None, progress: bool) -> str:
+    """Wait for the run to stop, writing periodic checkpoints and streaming records meanwhile.
+    SIGINT and SIGTERM stop it resumably; run.max_seconds ends it (a finished run, as a phase
+    bounded by seconds needs); the caller then writes the final checkpoint."""
     loop = asyncio.get_running_loop()
+    handled = []
 
-    def interrupt() -> None:
+    def interrupt(sig: int) -> None:
         loop.create_task(ex.call("stop", "interrupt"))
-        loop.remove_signal_handler(signal.SIGINT)  # a second Ctrl-C is not caught
+        loop.remove_signal_handler(sig)  # a second signal is not caught
 
-    handled = False
-    try:
-        loop.add_signal_handler(signal.SIGINT, interrupt)
-        handled = True
-    except (RuntimeError, ValueError):  # not the main thread
-        pass
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, interrupt, sig)
+            handled.append(sig)
+        except (RuntimeError, ValueError):  # not the main thread
+            pass
     timer = None
     if plan.run.get("max_seconds"):
         timer = loop.call_later(float(plan.run["max_seconds"]), lambda: loop.create_task(ex.call("stop", "time")))
@@ -147,31 +162,22 @@ async def _supervise(ex: Any, plan: Plan, progress: bool) -> str:
 
         view = ProgressView(plan, ex)
         view.start()
+    stopped = asyncio.Event()
+    keeper = None
+    if run_dir is not None:
+        keeper = loop.create_task(checkpoints.keep_writing(ex, run_dir, _keep(plan), FLUSH_EVERY_S, stopped))
     try:
-        return await ex.wait()
+        reason = await ex.wait()
+        stopped.set()
+        if keeper is not None:  # a checkpoint being written completes first
+            await keeper
+        return reason
     finally:
+        if keeper is not None and not keeper.done():
+            keeper.cancel()
         if view is not None:
             await view.stop()
         if timer is not None:
             timer.cancel()
-        if handled:
-            loop.remove_signal_handler(signal.SIGINT)
-
-
-async def _checkpoint(ex: Any, run_dir: Path, versions: dict[str, int]) -> Path:
-    """checkpoints/step-<version>/: coordinator.pkl plus <node>/r<replica>/ per stage; `latest` names it."""
-    root = run_dir / "checkpoints"
-    name = f"step-{min(versions.values(), default=0)}"
-    tmp = root / f"{name}.tmp"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    (tmp / "coordinator.pkl").write_bytes(await ex.call("snapshot"))
-    await ex.save(tmp)
-    final = root / name
-    if final.exists():
-        shutil.rmtree(final)
-    tmp.rename(final)
-    (root / "latest.tmp").write_text(name)
-    (root / "latest.tmp").replace(root / "latest")
-    return final
+        for sig in handled:
+            loop.remove_signal_handler(sig)

@@ -18,6 +18,7 @@ import msgspec
 from flowrl import registry
 from flowrl.graph.plan import Plan
 from flowrl.operator import Operator, OperatorContext, TrainResult
+from flowrl.runtime import faults
 from flowrl.runtime.channel import Work
 from flowrl.runtime.observe import node_pids, span
 
@@ -62,7 +63,8 @@ class Stage:
             self.op.load(path)
             state = pickle.loads((path / "state.pkl").read_bytes())
             self.op.load_state_dict(state["op"])
-            self.version = state["version"]
+            # self.version stays 0: an engine is rebuilt from model.path, whatever it held before;
+            # the coordinator has it load the restored policy before any work (runtime/snapshot.py).
         # What setup built (models, tokenizers, libraries' modules) lives for the whole run: move it
         # out of the collector's reach, or each full collection walks it again (measured: periodic
         # pauses of 0.3-0.5 s every ~17 quickstart steps).
@@ -89,7 +91,7 @@ class Stage:
         directory = Path(path)
         directory.mkdir(parents=True, exist_ok=True)
         self.op.save(directory)
-        state = {"op": self.op.state_dict(), "version": self.version}
+        state = {"op": self.op.state_dict()}
         (directory / "state.pkl").write_bytes(pickle.dumps(state))
 
     async def close(self) -> None:
@@ -116,6 +118,7 @@ class Stage:
         version = self.version
         group = await self._timed(self.op.generate(work.value, step=work.step, sample_id=work.id),
                                   "generate", work)
+        faults.reached("generate")
         await self.coord.complete(self.node.name, self.replica, work.id, {port: group}, version=version,
                                   busy=self.busy)
 
@@ -158,8 +161,12 @@ class Stage:
             work = await self._take()
             if work is None:
                 return
-            groups = [next(iter(item.values())) for item in work.value]
-            result = await self._timed(self.op.train(groups, step=work.step), "train", work, tid=0)
+            if work.kind == "publish":  # resumed: send the restored policy again (runtime/snapshot.py)
+                result = await self.op.publish()
+            else:
+                groups = [next(iter(item.values())) for item in work.value]
+                result = await self._timed(self.op.train(groups, step=work.step), "train", work, tid=0)
+                faults.reached("train")
             if not isinstance(result, TrainResult):
                 raise TypeError(f"{type(self.op).__name__}.train() returned {type(result).__name__}, "
                                 "expected flowrl.operator.TrainResult")
@@ -173,6 +180,7 @@ class Stage:
             if work is None:
                 return
             weights = await self._timed(self.op.sync(work.value, version=work.version), "sync", work, tid=0)
+            faults.reached("sync")
             await self.coord.complete(self.node.name, self.replica, work.id, {port: weights}, busy=self.busy)
 
     # ---- helpers -----------------------------------------------------------------------------

@@ -57,6 +57,11 @@ class RunSpec(Strict):
     run_dir: str | None = None
     # Wall-clock budget; the run ends cleanly (checkpoint, export) when it is spent.
     max_seconds: Annotated[float, Meta(gt=0)] | None = None
+    # Periodic checkpoints while the run goes on (flowrl/runtime/checkpoints.py): every N policy
+    # versions and/or every S seconds (neither set: every 1800 s); the newest `keep_checkpoints` stay.
+    checkpoint_every: PositiveInt | None = None
+    checkpoint_seconds: Annotated[float, Meta(gt=0)] | None = None
+    keep_checkpoints: PositiveInt = 2
 
 
 class EdgeSpec(Strict):

@@ -1,0 +1,124 @@
+"""Checkpoints: when they are taken, how one is written atomically, and what disk they need.
+
+`checkpoints/step-<version>/` holds `coordinator.pkl` (snapshot.py), `streams.json` (how far
+every record stream had got, streams.py) and `<node>/r<replica>/` per stage (Stage.save). It is
+written as `step-<version>.tmp/` and renamed, then `checkpoints/latest` is replaced to name it:
+a run killed at any moment has either the previous complete checkpoint or the new one, and
+`clean_partial` removes what a kill left half-written. Periodic checkpoints (`run.checkpoint_every`
+versions, `run.checkpoint_seconds`) are taken while the run goes on: train nodes wait (their state
+must stay at the checkpoint's version), the other stages keep working.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from flowrl.runtime import faults
+
+MARGIN_BYTES = 64 * 2**20  # room for the record streams between checkpoints
+DEFAULT_KEEP = 2
+DEFAULT_SECONDS = 1800.0  # a run with neither key still checkpoints every half hour
+
+
+class DiskSpaceError(OSError):
+    """Not enough free space for a checkpoint: a user error, reported without a traceback."""
+
+
+class Pacing:
+    """Whether a periodic checkpoint is due: every `every` versions and/or every `seconds`."""
+
+    def __init__(self, every: int | None, seconds: float | None, now: float | None = None) -> None:
+        self.every = every
+        self.seconds = seconds if seconds is not None else (None if every else DEFAULT_SECONDS)
+        self.last = time.time() if now is None else now
+        self.due: int | None = None
+
+    def step(self, version: int, now: float | None = None) -> None:
+        """A train step published `version` (the clock)."""
+        now = time.time() if now is None else now
+        if (self.every and version % self.every == 0) or (self.seconds and now - self.last >= self.seconds):
+            self.due = version
+
+    def done(self, now: float | None = None) -> None:
+        self.due = None
+        self.last = time.time() if now is None else now
+
+
+async def write(ex: Any, run_dir: Path, version: int, keep: int) -> Path:
+    """Write checkpoints/step-<version>/ atomically, point `latest` at it, keep the newest `keep`."""
+    root = run_dir / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    check_space(root, needed(root))
+    name = f"step-{version}"
+    tmp = root / f"{name}.tmp"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    taken = await ex.call("snapshot")
+    (tmp / "coordinator.pkl").write_bytes(taken["state"])
+    (tmp / "streams.json").write_text(json.dumps(taken["streams"]))
+    await ex.save(tmp)
+    faults.reached("checkpoint")
+    final = root / name
+    if final.exists():
+        shutil.rmtree(final)
+    tmp.rename(final)
+    (root / "latest.tmp").write_text(name)
+    (root / "latest.tmp").replace(root / "latest")
+    _rotate(root, keep)
+    return final
+
+
+def latest(run_dir: Path) -> Path | None:
+    pointer = run_dir / "checkpoints" / "latest"
+    return run_dir / "checkpoints" / pointer.read_text().strip() if pointer.exists() else None
+
+
+def clean_partial(run_dir: Path) -> None:
+    """Remove what a killed checkpoint write left behind."""
+    root = run_dir / "checkpoints"
+    for path in root.glob("*.tmp") if root.exists() else []:
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
+def needed(root: Path) -> int:
+    """Bytes the next checkpoint is expected to need: as much as the newest one, plus a margin."""
+    done = sorted(p for p in root.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp"))
+    size = sum(f.stat().st_size for f in done[-1].rglob("*") if f.is_file()) if done else 0
+    return size + MARGIN_BYTES
+
+
+def check_space(folder: Path, need: int) -> None:
+    free = shutil.disk_usage(folder).free
+    if free < need:
+        raise DiskSpaceError(f"not enough free disk space in {folder}: a checkpoint needs about "
+                             f"{need / 2**20:.0f} MB, {free / 2**20:.0f} MB are free; free some space "
+                             "or set run.run_dir to another disk")
+
+
+def _rotate(root: Path, keep: int) -> None:
+    steps = sorted((p for p in root.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp")),
+                   key=lambda p: int(p.name.split("-")[1]))
+    for old in steps[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+async def keep_writing(ex: Any, run_dir: Path, keep: int, flush_s: float, stopped: asyncio.Event) -> None:
+    """The driver's side of a running run: write periodic checkpoints when due, and flush the
+    record streams every `flush_s` seconds, until `stopped` is set."""
+    while not stopped.is_set():
+        due = await ex.call("wait_checkpoint", flush_s)
+        if stopped.is_set():
+            return
+        if due is None:
+            await ex.call("flush")
+            continue
+        try:
+            await write(ex, run_dir, due, keep)
+        finally:
+            await ex.call("checkpoint_done")

@@ -1,0 +1,102 @@
+"""Run records as files that grow during the run and can be cut back to a checkpoint.
+
+Each stream appends whole lines (or whole TensorBoard records) and reports its size; a checkpoint
+stores the sizes (`offsets()`), and `truncate(run_dir, offsets)` cuts every stream back to them
+before a resumed run appends again, so a resumed run's records are exactly an uninterrupted run's.
+
+`TraceFile` keeps `trace.json` valid Chrome trace JSON (`{"traceEvents": [...]}`) after every
+append: each append overwrites the closing tail with the new events plus the tail, in one write.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+TRACE_HEAD = b'{"displayTimeUnit": "ms", "traceEvents": [\n'
+TRACE_TAIL = b"\n]}\n"
+STREAMS = ("ledger.jsonl", "metrics.jsonl")
+
+
+def append_lines(path: Path, lines: list[bytes]) -> None:
+    """One write of whole lines: a kill leaves complete lines (or none of this batch)."""
+    if lines:
+        with open(path, "ab") as f:
+            f.write(b"\n".join(lines) + b"\n")
+
+
+class TraceFile:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.size = 0  # bytes before the tail: where the next events go
+
+    def _open(self) -> None:
+        if self.size:
+            return
+        if self.path.exists() and self.path.stat().st_size >= len(TRACE_HEAD) + len(TRACE_TAIL):
+            self.size = self.path.stat().st_size - len(TRACE_TAIL)
+        else:
+            self.path.write_bytes(TRACE_HEAD + TRACE_TAIL)
+            self.size = len(TRACE_HEAD)
+
+    def append(self, events: list[dict[str, Any]]) -> None:
+        self._open()
+        if not events:
+            return
+        first = self.size == len(TRACE_HEAD)
+        body = (b"" if first else b",\n") + ",\n".join(json.dumps(e) for e in events).encode()
+        with open(self.path, "r+b") as f:
+            f.seek(self.size)
+            f.write(body + TRACE_TAIL)
+        self.size += len(body)
+
+    def offset(self) -> int:
+        self._open()
+        return self.size
+
+
+def offsets(run_dir: Path, trace: TraceFile, tensorboard: Path) -> dict[str, Any]:
+    """Sizes of every stream now (call after flushing them)."""
+    sizes: dict[str, Any] = {name: _size(run_dir / name) for name in STREAMS}
+    sizes["trace.json"] = trace.offset()
+    sizes["tensorboard"] = {p.name: p.stat().st_size for p in sorted(tensorboard.glob("events.*"))} \
+        if tensorboard.exists() else {}
+    return sizes
+
+
+def truncate(run_dir: Path, sizes: dict[str, Any]) -> None:
+    """Cut every stream back to `sizes` (from `offsets`); files the checkpoint did not know go."""
+    for name in STREAMS:
+        _cut(run_dir / name, sizes.get(name, 0))
+    trace = run_dir / "trace.json"
+    if sizes.get("trace.json", 0) > len(TRACE_HEAD):
+        _cut(trace, sizes["trace.json"])
+        with open(trace, "ab") as f:
+            f.write(TRACE_TAIL)
+    elif trace.exists():
+        trace.unlink()
+    board = run_dir / "tensorboard"
+    if board.exists():
+        known = sizes.get("tensorboard", {})
+        for path in board.glob("events.*"):
+            if path.name in known:
+                _cut(path, known[path.name])
+            else:
+                path.unlink()
+
+
+def _size(path: Path) -> int:
+    return path.stat().st_size if path.exists() else 0
+
+
+def _cut(path: Path, size: int) -> None:
+    if not path.exists():
+        return
+    if size <= 0:
+        path.unlink()
+        return
+    with open(path, "r+b") as f:
+        f.truncate(size)
+        os.fsync(f.fileno())
