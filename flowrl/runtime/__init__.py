@@ -10,21 +10,25 @@ Pieces (each file is short; read them in this order):
 - stage.py        one replica of one node: take work, call the operator, complete it (both executors)
 - inprocess.py    every stage an asyncio task in this process (debugging, tests)
 - ray_executor.py every stage replica a Ray actor, the coordinator an async actor
-- run.py          run(): run directory, checkpoint and resume, SIGINT, max_seconds
+- run.py          run(): run directory, resume, SIGINT/SIGTERM, max_seconds
+- checkpoints.py  when checkpoints are taken, their atomic write, disk space
+- snapshot.py     the coordinator's state in a checkpoint, and what a resume restores
 - observe.py      trace.json, metrics.jsonl, TensorBoard;  progress.py  the live view
+- streams.py      the record files as they grow, cut back to a checkpoint on resume
 - ledger.py       ledger.jsonl and check(run_dir)
+- faults.py       FLOWRL_FAULT=<point>:<n>: kill -9 at a chosen point (durability tests)
 
 Operators implement the methods of their kind, documented on `flowrl.operator.Operator`.
 
 Run keys read from `plan.run`: `steps` (train steps, default 10), `executor` (inprocess | ray),
 `seed` (also `plan.seed`, handed to the data source and operators), `max_seconds` (end the run,
 with a checkpoint, after this long: status "done", stopped_by "max_seconds"), `max_restarts` (restarts of a dead generate actor under Ray,
-default 3). `data`: `source`, `batch_size`, `options` (see flowrl/data/source.py). Node
+default 3), `checkpoint_every` / `checkpoint_seconds` / `keep_checkpoints` (checkpoints.py). `data`: `source`, `batch_size`, `options` (see flowrl/data/source.py). Node
 `resources` place the stage (Ray: one actor per replica; `replicas: N` of a train node are the
 ranks of one sharded model, see flowrl/runtime/ray_executor.py). Node config
 keys the runtime reads, when the operator's Config has them: `max_concurrency` (generate,
 default 64), `concurrency` (other transforms, default 16), `partial_rollout` (generate).
-Checkpoints are written at the end, on interrupt (SIGINT) and at `max_steps`.
+Checkpoints are written periodically, at the end, on interrupt (SIGINT, SIGTERM) and at `max_steps`.
 
 Run directory layout (all written by the coordinator or by run()):
 
@@ -32,7 +36,9 @@ Run directory layout (all written by the coordinator or by run()):
     meta.json          {"name", "origin" (epoch seconds; trace timestamps count from it),
                         "executor", "steps", "format": 1}
     ledger.jsonl       one event per line, see ledger.py; `ledger.check(run_dir)` verifies it
-    trace.json         Chrome trace-event JSON, see observe.py (rewritten at the end/interrupt)
+                       (this file, metrics.jsonl, trace.json and tensorboard/ are appended at
+                       least every 2 s while the run goes on)
+    trace.json         Chrome trace-event JSON, see observe.py (valid after every append)
     metrics.jsonl      one object per train step:
                          step, version (published), node, time (s since origin), step_seconds,
                          groups, samples_per_s, trajectories_per_s, reward (mean trajectory
@@ -44,8 +50,9 @@ Run directory layout (all written by the coordinator or by run()):
     tensorboard/       the same numbers as TensorBoard scalars; staleness as a histogram
     checkpoints/latest names the newest checkpoints/step-<version>/, which holds
                        coordinator.pkl (channels with their waiting records, versions, sample
-                       cursor, samples to re-issue) and <node>/r<replica>/ (state.pkl with the
-                       operator's state_dict and loaded version, plus whatever Operator.save wrote)
+                       cursor, samples to re-issue; snapshot.py), streams.json (the size of each
+                       record file above at that moment) and <node>/r<replica>/ (state.pkl with
+                       the operator's state_dict, plus whatever Operator.save wrote)
     train-*.jsonl, ... files operators write themselves (`OperatorContext.run_dir`)
 
 Edge labels are `EdgePlan.label` ("src.port -> dst.port"); samples are on "data -> <node>".
