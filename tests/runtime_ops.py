@@ -177,6 +177,7 @@ class TrainConfig(msgspec.Struct, forbid_unknown_fields=True):
     setup_delay: float = 0.0
     fail_setup: bool = False
     fail_close: bool = False
+    fail_save_at: int = -1  # a checkpoint at this version fails (as on a full disk)
 
 
 class ToyTrain(Operator):
@@ -227,6 +228,11 @@ class ToyTrain(Operator):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.checksum, self.version = state["checksum"], state["version"]
+
+    def save(self, path: Any) -> None:
+        if self.version == self.config.fail_save_at:
+            (path / "partial.bin").write_bytes(b"x")
+            raise OSError(28, "No space left on device")
 
     async def close(self) -> None:
         if self.config.fail_close:

@@ -165,6 +165,15 @@ def test_disk_space_is_checked_with_a_clear_message(tmp_path):
         checkpoints.check_space(tmp_path, free + 2**40)
 
 
+def test_a_failed_periodic_checkpoint_stops_the_run_and_leaves_no_partial_folder(tmp_path):
+    plan = toy(checkpoint_every=3)
+    plan.nodes["learner"].config["fail_save_at"] = 6
+    with pytest.raises(StageFailed, match="checkpoint at version 6 failed.*No space left"):
+        run(plan, tmp_path, progress=False)
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "step-3"
+    assert not list((tmp_path / "checkpoints").glob("*.tmp"))
+
+
 def test_a_failed_close_fails_the_run(tmp_path):
     plan = ops.grpo("sync", 0, steps=2, batch_size=2, train={"fail_close": True})
     with pytest.raises(StageFailed, match="learner.*while closing"):

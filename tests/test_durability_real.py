@@ -55,3 +55,17 @@ def test_killed_real_run_resumes_to_the_uninterrupted_policy(tmp_path, uninterru
     assert final.keys() == uninterrupted.keys()
     for name, tensor in uninterrupted.items():
         assert final[name].equal(tensor), name
+
+
+def test_a_failed_export_fails_the_run_and_the_next_phase_never_starts(tmp_path):
+    run_dir = tmp_path / "run"
+    blocked = run_dir / "phases" / "0-warmup" / "export"
+    blocked.parent.mkdir(parents=True)
+    blocked.write_text("not a folder")  # the warm-up's final export cannot be written
+    smoke = ["phases.0.steps=2", "phases.0.seconds=null", "phases.1.steps=2", "phases.1.seconds=null",
+             "data.batch_size=4", "nodes.rollout.group_size=4", "data.eval=null"]
+    failed = flowrl("run", str(ROOT / "pipelines/quickstart.yaml"), *smoke, "--run-dir", str(run_dir))
+    assert failed.returncode == 1
+    assert "learner" in failed.stderr and "while closing" in failed.stderr
+    assert not (run_dir / "phases" / "1-grpo").exists()
+    assert not (run_dir / "phases" / "0-warmup" / "phase.json").exists()

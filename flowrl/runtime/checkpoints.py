@@ -59,10 +59,14 @@ async def write(ex: Any, run_dir: Path, version: int, keep: int) -> Path:
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    taken = await ex.call("snapshot")
-    (tmp / "coordinator.pkl").write_bytes(taken["state"])
-    (tmp / "streams.json").write_text(json.dumps(taken["streams"]))
-    await ex.save(tmp)
+    try:
+        taken = await ex.call("snapshot")
+        (tmp / "coordinator.pkl").write_bytes(taken["state"])
+        (tmp / "streams.json").write_text(json.dumps(taken["streams"]))
+        await ex.save(tmp)
+    except BaseException:  # e.g. the disk filled up: leave no partial folder behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     faults.reached("checkpoint")
     final = root / name
     if final.exists():
@@ -120,5 +124,8 @@ async def keep_writing(ex: Any, run_dir: Path, keep: int, flush_s: float, stoppe
             continue
         try:
             await write(ex, run_dir, due, keep)
+        except Exception as e:  # the run cannot go on without its checkpoints
+            await ex.call("abort", f"checkpoint at version {due} failed: {e}")
+            return
         finally:
             await ex.call("checkpoint_done")

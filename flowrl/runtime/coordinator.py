@@ -221,8 +221,12 @@ class Coordinator:
             self.observe.operators[(node, replica)] = metrics
 
     async def fail(self, node: str, replica: int, message: str) -> None:
+        await self.abort(f"node '{node}' (replica {replica}) failed:\n{message}")
+
+    async def abort(self, message: str) -> None:
+        """Stop the run on an error that is no stage's (e.g. a checkpoint could not be written)."""
         if self.error is None:
-            self.error = f"node '{node}' (replica {replica}) failed:\n{message}"
+            self.error = message
         self.stop("error")
 
     # ---- driver-facing API ------------------------------------------------------------------
