@@ -158,8 +158,9 @@ class CriticConfig(Strict):
 
 
 class SyncConfig(Strict):
-    # auto: in-process when the pipeline runs in one process, the Ray object store under Ray.
-    transport: Literal["auto", "inprocess", "object_store", "broadcast"] = "auto"
+    # auto: in-process when the pipeline runs in one process, the Ray object store under Ray;
+    # inprocess, object_store, broadcast, or a transport a plugin registers (flowrl.transports).
+    transport: str = "auto"
     bucket_mb: Annotated[float, Meta(gt=0)] = 64.0
     # inprocess: copy the tensors at send time instead of handing over references (needed when the
     # trainer may step again before the engines applied the version, e.g. behind async edges).

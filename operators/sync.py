@@ -28,6 +28,13 @@ class Sync(Operator):
 
     @classmethod
     def check_graph(cls, config: SyncConfig, facts: GraphFacts) -> list[tuple[tuple[str, ...], str]]:
+        from flowrl_operators.transport import TransferError, registry
+
+        if config.transport != "auto":
+            try:
+                registry.get(config.transport)
+            except TransferError as e:
+                return [(("transport",), str(e))]
         if config.transport == "inprocess" and facts.executor == "ray":
             # Its record holds the tensors themselves: across Ray actors it would be pickled through
             # the coordinator, a full copy per hop, where the object store moves them once.
@@ -41,14 +48,9 @@ class Sync(Operator):
         self.sender = make_sender(self.config)
 
     async def sync(self, policy: Any, *, version: int) -> Any:
-        from flowrl_operators.transport import (
-            BroadcastRecord,
-            InProcessRecord,
-            ObjectStoreRecord,
-            weight_buckets,
-        )
+        from flowrl_operators.transport import registry, weight_buckets
 
-        if isinstance(policy, InProcessRecord | ObjectStoreRecord | BroadcastRecord):
+        if registry.of_record(policy) is not None:
             return policy
         if not hasattr(self, "sender"):
             await self.setup()

@@ -2,7 +2,7 @@
 
 Sending end (train rank 0 or the sync node)::
 
-    sender = make_sender(sync_config)                       # inprocess | object_store | broadcast
+    sender = make_sender(sync_config)    # inprocess | object_store | broadcast | a plugin (registry.py)
     record = sender.send(trainer.named_weights(bucket_bytes), version)   # small and picklable
 
 Receiving end (the generate node), one call::
@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from flowrl_operators.transport import registry
 from flowrl_operators.transport.base import (
     Bucket,
     Stream,
@@ -28,14 +29,9 @@ from flowrl_operators.transport.base import (
     rebucket,
     weight_buckets,
 )
-from flowrl_operators.transport.broadcast import (
-    BroadcastGroup,
-    BroadcastRecord,
-    BroadcastSender,
-    BroadcastStream,
-)
-from flowrl_operators.transport.inprocess import InProcessRecord, InProcessSender, InProcessStream
-from flowrl_operators.transport.object_store import ObjectStoreRecord, ObjectStoreSender, ObjectStoreStream
+from flowrl_operators.transport.broadcast import BroadcastGroup, BroadcastRecord, BroadcastSender
+from flowrl_operators.transport.inprocess import InProcessRecord, InProcessSender
+from flowrl_operators.transport.object_store import ObjectStoreRecord, ObjectStoreSender
 
 __all__ = [
     "Bucket", "BroadcastGroup", "BroadcastRecord", "BroadcastSender", "InProcessRecord", "InProcessSender",
@@ -43,35 +39,25 @@ __all__ = [
     "WeightSender", "WeightsRecord", "apply", "make_sender", "open_stream", "rebucket", "weight_buckets",
 ]
 
-WeightsRecord = InProcessRecord | ObjectStoreRecord | BroadcastRecord
+WeightsRecord = InProcessRecord | ObjectStoreRecord | BroadcastRecord  # the built-ins' records
 
 
 def make_sender(config: Any) -> WeightSender:
-    """The sending end a sync node's config (`SyncConfig`) asks for."""
-    transport = config.transport
-    if transport == "auto":
+    """The sending end a sync node's config (`SyncConfig`) asks for (`transport`, see registry.py)."""
+    name = config.transport
+    if name == "auto":
         import ray
 
-        transport = "object_store" if ray.is_initialized() else "inprocess"
-    if transport == "inprocess":
-        return InProcessSender(snapshot=getattr(config, "snapshot", False))
-    if transport == "object_store":
-        return ObjectStoreSender()
-    if transport == "broadcast":
-        return BroadcastSender(receivers=config.receivers, address=config.address, port=config.port,
-                               backend=config.backend, layout=config.layout, timeout_s=config.timeout_s)
-    raise ValueError(f"unknown weight transport {transport!r}; use inprocess, object_store or broadcast")
+        name = "object_store" if ray.is_initialized() else "inprocess"
+    return registry.get(name).sender(config)
 
 
 def open_stream(record: Any, replica: int = 0) -> Stream:
     """The receiving end for `record`; `replica` is the engine's index among the receivers."""
-    if isinstance(record, InProcessRecord):
-        return InProcessStream(record)
-    if isinstance(record, ObjectStoreRecord):
-        return ObjectStoreStream(record)
-    if isinstance(record, BroadcastRecord):
-        return BroadcastStream(record, rank=1 + replica)  # rank 0 is the sender
-    raise TransferError(f"not a weights record: {type(record).__name__}; a sync node makes them")
+    transport = registry.of_record(record)
+    if transport is None:
+        raise TransferError(f"not a weights record: {type(record).__name__}; a sync node makes them")
+    return transport.stream(record, replica)
 
 
 async def apply(engine: Any, record: Any, version: int, *, replica: int = 0) -> SyncMetrics:

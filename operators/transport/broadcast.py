@@ -34,7 +34,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 import torch
@@ -50,6 +50,7 @@ from flowrl_operators.transport.base import (
     bucket_nbytes,
     from_bytes,
 )
+from flowrl_operators.transport.registry import Transport
 
 BUCKET, END, ABORT = 1, 2, 3
 Layout = Literal["flat", "per_tensor"]
@@ -343,3 +344,12 @@ class BroadcastStream(Stream):
             except TransferError:
                 if not self._ended:
                     continue
+
+
+def _sender(config: Any) -> BroadcastSender:
+    return BroadcastSender(receivers=config.receivers, address=config.address, port=config.port,
+                           backend=config.backend, layout=config.layout, timeout_s=config.timeout_s)
+
+
+TRANSPORT = Transport("broadcast", BroadcastRecord, _sender,
+                      lambda record, replica: BroadcastStream(record, rank=1 + replica))  # rank 0 sends

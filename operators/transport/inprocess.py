@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from flowrl_operators.transport.base import Bucket, Stream, bucket_nbytes
+from flowrl_operators.transport.registry import Transport
 
 
 @dataclass(frozen=True)
@@ -53,3 +54,7 @@ class InProcessStream(Stream):
 
     def _next(self) -> Bucket | None:
         return next(self._buckets, None)
+
+
+TRANSPORT = Transport("inprocess", InProcessRecord, lambda config: InProcessSender(snapshot=config.snapshot),
+                      lambda record, replica: InProcessStream(record))

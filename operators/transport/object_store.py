@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from flowrl_operators.transport.base import Bucket, Stream, TensorMeta, TransferError, as_bytes, from_bytes
+from flowrl_operators.transport.registry import Transport
 
 
 @dataclass(frozen=True)
@@ -74,3 +75,7 @@ class ObjectStoreStream(Stream):
             # The arrays map read-only shared memory; the engine only reads (and copies) them.
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
             return [(m.name, from_bytes(torch.from_numpy(a), m)) for m, a in zip(metas, arrays, strict=True)]
+
+
+TRANSPORT = Transport("object_store", ObjectStoreRecord, lambda config: ObjectStoreSender(),
+                      lambda record, replica: ObjectStoreStream(record))

@@ -1,0 +1,61 @@
+"""The weight-transport registry: entry points of the group `flowrl.transports`.
+
+A transport is one `Transport` value: its name (what `sync: {transport: NAME}` says), the type of
+the weights record its sending end produces, and two factories, the sending end from the sync
+node's config and the receiving end for one of its records. The built-ins (`inprocess`,
+`object_store`, `broadcast`) register through the same group as a plugin would (pyproject.toml),
+so a new transport is one module and one entry point:
+
+    [project.entry-points."flowrl.transports"]
+    shm = "my_pkg.shm:TRANSPORT"
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
+from importlib.metadata import entry_points
+from typing import Any
+
+from flowrl_operators.transport.base import Stream, TransferError, WeightSender
+
+GROUP = "flowrl.transports"
+
+
+@dataclass(frozen=True)
+class Transport:
+    name: str
+    record: type  # what `sender(config).send(...)` returns; small and picklable
+    sender: Callable[[Any], WeightSender]  # the sync node's config (SyncConfig) -> the sending end
+    stream: Callable[[Any, int], Stream]  # (record, the engine's index among receivers) -> receiving end
+
+
+@cache
+def transports() -> dict[str, Transport]:
+    found = {}
+    for ep in entry_points(group=GROUP):
+        transport = ep.load()
+        if not isinstance(transport, Transport) or transport.name != ep.name:
+            raise TransferError(f"entry point {ep.name} = {ep.value} is not a Transport named {ep.name!r}")
+        found[ep.name] = transport
+    return found
+
+
+def names() -> list[str]:
+    return sorted(transports())
+
+
+def get(name: str) -> Transport:
+    found = transports().get(name)
+    if found is None:
+        close = difflib.get_close_matches(name, names(), n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        raise TransferError(f"unknown weight transport '{name}' (registered: {', '.join(names())}){hint}")
+    return found
+
+
+def of_record(record: Any) -> Transport | None:
+    """The transport whose sending end made `record`, or None if it is no weights record."""
+    return next((t for t in transports().values() if isinstance(record, t.record)), None)
