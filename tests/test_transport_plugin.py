@@ -63,7 +63,7 @@ class FileStream(Stream):
             return None
         self.index += 1
         with open(Path(self.record.folder) / "received.log", "a") as f:
-            f.write(f"{self.index}\\\\n")
+            f.write(f"{self.index} ")
         return list(load_file(str(Path(self.record.folder) / f"{self.index}.safetensors")).items())
 
 
