@@ -52,13 +52,23 @@ def sample(
 
 def restrict(scaled: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
     """Set to -inf every logit outside the row's top-k, then outside its top-p nucleus."""
-    ordered, order = scaled.sort(dim=-1, descending=True)
-    ranks = torch.arange(scaled.shape[1], device=scaled.device)
     k = torch.tensor(top_k, device=scaled.device)
-    ordered = ordered.masked_fill(ranks[None, :] >= k[:, None], float("-inf"))
-    probs = torch.softmax(ordered, dim=-1)
-    # Keep a token if the mass strictly before it is below top_p (so the first token is always kept).
+    p = torch.tensor(top_p, device=scaled.device, dtype=torch.float32)
+    return scaled.masked_fill(~truncation_mask(scaled, k, p), float("-inf"))
+
+
+def truncation_mask(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """True where a row keeps a token: among its `top_k` largest scaled logits (all if top_k <= 0),
+    the tokens whose mass strictly before them, in descending order, is below `top_p` (so the first
+    is always kept; top_p >= 1 keeps all). Ties keep index order (a stable sort), so the trainer's
+    recomputation (flowrl_operators.training.kernels) keeps the same set from the same logits."""
+    vocab = scaled.shape[1]
+    ordered, order = scaled.sort(dim=-1, descending=True, stable=True)
+    ranks = torch.arange(vocab, device=scaled.device)
+    k = torch.where(top_k > 0, top_k, vocab).to(scaled.device)
+    in_k = ranks[None, :] < k[:, None]
+    probs = torch.softmax(ordered.masked_fill(~in_k, float("-inf")), dim=-1)
     before = probs.cumsum(dim=-1) - probs
-    p = torch.tensor(top_p, device=scaled.device, dtype=probs.dtype)
-    ordered = ordered.masked_fill(before >= p[:, None], float("-inf"))
-    return torch.full_like(scaled, float("-inf")).scatter(1, order, ordered)
+    p = top_p.to(device=scaled.device, dtype=probs.dtype)[:, None]
+    kept = in_k & ((before < p) | (p >= 1.0))
+    return torch.zeros_like(kept).scatter(1, order, kept)
