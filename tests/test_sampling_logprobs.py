@@ -184,3 +184,23 @@ def test_generate_node_stamps_its_sampling_on_a_trajectory_without_any(loop) -> 
                       {"workflow": "test_sampling_logprobs:hand_built", "group_size": 2}, samples=1)
     for t in group.trajectories:
         assert [(s.start, s.end, s.temperature, s.top_p) for s in t.sampling] == [(0, len(t.response_ids), 0.7, 0.9)]
+
+
+def test_mismatch_is_taken_before_the_update_with_several_epochs(loop) -> None:
+    """epochs: 2 at lr 1e-2: the second pass runs after an update that moves the logprobs; the
+    reported mismatch is the first pass's, at the step's start."""
+    groups = rollout(loop, {"temperature": 1.3})
+    trajectories = [t for g in groups for t in g.trajectories]
+
+    async def step() -> tuple[dict[str, float], torch.Tensor]:
+        config = msgspec.convert({"optim": {"lr": 1e-2}, "epochs": 2}, TrainConfig)
+        op = Train(config, OperatorContext(node="learner", seed=1, model={"path": MODEL}))
+        await op.setup()
+        metrics = (await op.train(groups, step=0)).metrics
+        after = gap(op.learner.trainer.compute_logprobs(pack(trajectories)), trajectories)
+        await op.close()
+        return metrics, after
+
+    metrics, after = asyncio.run(step())
+    assert after.mean() > 1e-3  # what a pass after an update would have reported
+    assert metrics["mismatch_logprob_mean"] < 1e-5 and metrics["mismatch_logprob_max"] < 1e-5
