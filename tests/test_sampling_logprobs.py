@@ -204,3 +204,25 @@ def test_mismatch_is_taken_before_the_update_with_several_epochs(loop) -> None:
     metrics, after = asyncio.run(step())
     assert after.mean() > 1e-3  # what a pass after an update would have reported
     assert metrics["mismatch_logprob_mean"] < 1e-5 and metrics["mismatch_logprob_max"] < 1e-5
+
+
+def test_sft_trains_the_models_own_distribution(loop) -> None:
+    """`loss: sft` on sampled trajectories (T 0.7): the loss is -mean logprob at temperature 1."""
+    groups = rollout(loop, {"temperature": 0.7}, samples=1)
+    trajectories = groups[0].trajectories
+
+    async def step() -> tuple[float, float, float]:
+        config = msgspec.convert({"optim": {"lr": 1e-3}, "loss": {"kind": "sft"}}, TrainConfig)
+        op = Train(config, OperatorContext(node="learner", seed=1, model={"path": MODEL}))
+        await op.setup()
+        trainer = op.learner.trainer
+        plain, tempered = pack(at_temperature_one(trajectories)), pack(trajectories)
+        logprobs = trainer.compute_logprobs(plain)
+        expected = -(logprobs.sum() / plain.loss_mask.sum()).item()
+        apart = (trainer.compute_logprobs(tempered) - logprobs)[plain.loss_mask > 0].abs().mean().item()
+        loss = (await op.train(groups, step=0)).metrics["loss"]
+        await op.close()
+        return loss, expected, apart
+
+    loss, expected, apart = asyncio.run(step())
+    assert abs(loss - expected) < 1e-5 and apart > 1e-2
