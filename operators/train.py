@@ -80,7 +80,7 @@ class Learner:
         batch = pack(trajectories, require_reward=not supervised)
         if supervised:  # a supervised target trains the model's own distribution, however it was drawn
             batch.temperature = batch.top_p = batch.top_k = None
-        if not supervised:  # on the whole batch: group statistics need every member of a group
+        else:  # on the whole batch: group statistics need every member of a group
             apply_kl_penalty(batch, self.loss)
             compute_advantages(batch, self.advantage)
         # Every rank of a replicated train node gets the same groups and trains on its share of rows.

@@ -47,7 +47,7 @@ class Trajectory(msgspec.Struct, kw_only=True):
     versions: list[int]
     turns: list[Turn] = []
     # How the model tokens were sampled, one span per engine call (merged while the parameters stay
-    # the same). The trainer, reference and critic compute logprobs under these distributions; a
+    # the same). The trainer and the reference compute logprobs under these distributions; a
     # response token outside every span counts as temperature 1, full vocabulary. The generate node
     # stamps its own sampling over a trajectory whose workflow recorded none.
     sampling: list[SamplingSpan] = []

@@ -7,8 +7,9 @@ tensors are *target aligned*: they have `L - 1` columns and column j describes t
 prompt and padding columns carry `loss_mask == 0`.
 
 Each trajectory's sampling spans become per-token `temperature`, `top_p` and `top_k` (None when
-every token was sampled at temperature 1 from the full vocabulary): the trainer, the reference and
-the critic compute logprobs under the distribution each token was drawn from (`sampling_inputs`).
+every token was sampled at temperature 1 from the full vocabulary): the trainer and the reference
+compute logprobs under the distribution each token was drawn from (`sampling_inputs`; the critic's
+value head reads no logits).
 
 Rewards are placed on tokens (`rewards`, with `reward_mask` marking where a reward is defined):
 a sequence reward on the last model token, a turn reward on the last token of its turn span, token
