@@ -108,12 +108,26 @@ class LossConfig(Strict):
     clip_high: Annotated[float, Meta(ge=0)] = 0.2  # > clip_low is DAPO's clip-higher
     dual_clip: Annotated[float, Meta(gt=1)] | None = None
     # Decoupled PPO: clip against the proximal policy (recomputed by the trainer) and weight by
-    # pi_proximal / pi_behaviour with the engine's logprobs.
+    # pi_proximal / pi_behaviour with the engine's logprobs. Without a correction that weight is
+    # unbounded, which is refused unless allow_unbounded_weight is true (see `unbounded_weight`).
     decoupled: bool = False
     correction: CorrectionConfig | None = None
+    allow_unbounded_weight: bool = False
     aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = "token_mean"
     kl: KLConfig = msgspec.field(default_factory=KLConfig)
     entropy_coef: float = 0.0
+
+
+UNBOUNDED_WEIGHT = (
+    "decoupled: true without a correction weights every token by pi_proximal / pi_behaviour, which is "
+    "unbounded on stale or mismatched tokens; add correction: {kind: tis} (truncated) or {kind: mis} "
+    "(masked), or set allow_unbounded_weight: true to accept it")
+
+
+def unbounded_weight(loss: Any) -> bool:
+    """Whether a loss config (the node schema's or flowrl_operators.training.losses') weights tokens
+    without bound and does not say that it allows it. (An sft loss applies no weight.)"""
+    return loss.kind != "sft" and loss.decoupled and loss.correction is None and not loss.allow_unbounded_weight
 
 
 class AdvantageConfig(Strict):

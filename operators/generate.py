@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 
 import msgspec
 
-from flowrl.data.trajectory import Group, Trajectory
+from flowrl.data.trajectory import Group, SamplingSpan, Trajectory
 from flowrl.operator import PROMPTS, TRAJECTORIES, WEIGHTS, Operator, Resources
 from flowrl_operators.config import EngineConfig, GenerateConfig
 from flowrl_operators.engine.base import SamplingParams
@@ -115,7 +115,7 @@ class Generate(Operator):
             out = await asyncio.wait_for(self.workflow(ctx, sample), self.config.episode_timeout_s)
             trajectories = [] if out is None else [out] if isinstance(out, Trajectory) else list(out)
             for j, t in enumerate(trajectories):
-                self._stamp(t, sample, step, sample_id, episode, j if len(trajectories) > 1 else None)
+                self._stamp(t, sample, step, sample_id, episode, j if len(trajectories) > 1 else None, sampling)
         except Exception as exc:  # an environment, agent or engine failure costs this episode only
             self.counts["episode_errors"] += 1
             if isinstance(exc, asyncio.TimeoutError):
@@ -132,9 +132,12 @@ class Generate(Operator):
         return trajectories
 
     def _stamp(self, t: Trajectory, sample: dict[str, Any], step: int, sample_id: str, episode: int,
-               part: int | None) -> None:
+               part: int | None, sampling: SamplingParams) -> None:
         if not isinstance(t, Trajectory):
             raise TypeError(f"workflow {self.config.workflow!r} returned {type(t).__name__}; expected Trajectory")
+        if not t.sampling and any(t.loss_mask):
+            # A workflow that built its trajectory by hand recorded no sampling: the episode's own.
+            t.sampling = [SamplingSpan(0, len(t.response_ids), sampling.temperature, sampling.top_p, sampling.top_k)]
         t.id = f"{sample_id}/{episode}" + ("" if part is None else f".{part}")
         t.group_id, t.sample_id, t.step = sample_id, sample_id, step
         t.metadata.setdefault("sample", sample)

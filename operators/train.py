@@ -3,10 +3,15 @@
 One train step, in the order verl and AReaL use:
 
     batch = pack(trajectories)                       # rewards placed on tokens
-    proximal logprobs  <- trainer (decoupled PPO / TIS / MIS only)
+    proximal logprobs  <- trainer (decoupled PPO / TIS / MIS only), then the behaviour weights
     kl penalty in the reward (kl.apply_as: reward)
     advantages         <- the configured estimator (GAE reads the critic's values)
     for epoch: forward_backward(batch, policy_loss) then optimizer step
+
+The trainer's logprobs are under each token's sampling distribution (the trajectory's recorded
+temperature / top-k / top-p; flowrl_operators.training.kernels). The train/inference mismatch
+metrics (`mismatch_*`, flowrl_operators.training.losses) are those of the first epoch, whose forward
+passes all run before the step's update.
 
 The policy record it publishes is the new weights as buckets of (HF name, tensor) copied after
 the step, so the sync node can ship them while the next step already changes the live weights.
@@ -21,8 +26,8 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from flowrl.data.trajectory import Group
-from flowrl.operator import POLICY, TRAJECTORIES, Operator, Resources, TrainResult
-from flowrl_operators.config import OptimConfig, TrainConfig
+from flowrl.operator import POLICY, TRAJECTORIES, GraphFacts, Operator, Resources, TrainResult
+from flowrl_operators.config import UNBOUNDED_WEIGHT, OptimConfig, TrainConfig, unbounded_weight
 
 
 def trainer_config(optim: OptimConfig, micro_batch_tokens: int, max_nonfinite_steps: int, steps: int, seed: int):
@@ -69,21 +74,28 @@ class Learner:
         """One step on these trajectories: (metrics, the new weights as buckets of copies)."""
         from flowrl_operators.training.advantages import compute_advantages
         from flowrl_operators.training.batch import pack, shard
-        from flowrl_operators.training.losses import apply_kl_penalty, needs_proximal
+        from flowrl_operators.training.losses import apply_kl_penalty, needs_proximal, set_behaviour_weights
 
         supervised = self.loss.kind == "sft"
         batch = pack(trajectories, require_reward=not supervised)
-        if not supervised:  # on the whole batch: group statistics need every member of a group
+        if supervised:  # a supervised target trains the model's own distribution, however it was drawn
+            batch.temperature = batch.top_p = batch.top_k = None
+        else:  # on the whole batch: group statistics need every member of a group
             apply_kl_penalty(batch, self.loss)
             compute_advantages(batch, self.advantage)
         # Every rank of a replicated train node gets the same groups and trains on its share of rows.
         batch = shard(batch, self.trainer.rank, self.trainer.world_size)
         if needs_proximal(self.loss):
             batch.proximal_logprobs = self.trainer.compute_logprobs(batch)
+            set_behaviour_weights(batch, self.loss)
         metrics: dict[str, float] = {}
-        for _ in range(self.epochs):
+        start: dict[str, float] = {}
+        for epoch in range(self.epochs):
             metrics = self.trainer.forward_backward(batch, self.loss_fn)
+            if epoch == 0:  # before any update: the mismatch at the step's start
+                start = {k: v for k, v in metrics.items() if k.startswith("mismatch_")}
             metrics |= self.trainer.step()
+        metrics |= start
         return metrics, self.policy()
 
     def policy(self) -> list:
@@ -110,6 +122,12 @@ class Train(Operator):
     inputs: ClassVar = {"trajectories": TRAJECTORIES}
     outputs: ClassVar = {"policy": POLICY}
     resources = Resources(cpus=0.5)
+
+    @classmethod
+    def check_graph(cls, config: TrainConfig, facts: GraphFacts) -> list[tuple[tuple[str, ...], str]]:
+        if unbounded_weight(config.loss):
+            return [(("loss", "decoupled"), UNBOUNDED_WEIGHT)]
+        return []
 
     async def setup(self) -> None:
         from flowrl_operators.models import import_transformers

@@ -51,6 +51,9 @@ def test_killed_real_run_resumes_to_the_uninterrupted_policy(tmp_path, uninterru
     assert report.ended and report.clean, report.problems
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(5))
+    # Every step, the resumed ones included: the engine's behaviour logprobs equal the trainer's
+    # recomputation at that version (fp32), i.e. the engine held exactly the restored policy.
+    assert max(r["train"]["mismatch_logprob_max"] for r in rows) < 1e-5
     final = weights(run_dir)
     assert final.keys() == uninterrupted.keys()
     for name, tensor in uninterrupted.items():

@@ -192,6 +192,24 @@ def test_top_k_top_p_temperature_logprobs_are_of_the_restricted_distribution(che
         assert abs(result.logprobs[i] - expected.item()) < 1e-4
 
 
+def test_truncation_from_the_head_equals_sorting_the_whole_row():
+    """`truncation_mask` decides a row from its `head` largest logits when it can: the same set as a
+    stable sort of the whole row, with ties (bf16-rounded and integer logits), top_k beyond the head
+    and nuclei wider than it (those rows fall back to the sort)."""
+    from flowrl_operators.engine.sampling import truncation_mask
+
+    g = torch.Generator().manual_seed(0)
+    rows, vocab = 35, 300
+    top_k = torch.tensor([[-1, 5, 16, 17, 100, 300, 0][i % 7] for i in range(rows)])
+    top_p = torch.tensor([[1.0, 0.5, 0.9, 0.999, 0.3][i // 7] for i in range(rows)])
+    for trial in range(9):
+        x = torch.randn(rows, vocab, generator=g) * (0.3 + 3 * torch.rand(rows, 1, generator=g))
+        x = [x, x.to(torch.bfloat16).float(), torch.randint(0, 6, (rows, vocab), generator=g).float()][trial % 3]
+        head, whole = truncation_mask(x, top_k, top_p, head=16), truncation_mask(x, top_k, top_p, head=vocab)
+        assert torch.equal(head, whole), trial
+        assert whole.sum(1).min() >= 1 and (whole.sum(1) < vocab).any() and (whole.sum(1) > 16).any()
+
+
 def test_seeded_sampling_is_reproducible_in_any_batch(checkpoints):
     params = SamplingParams(temperature=1.0, max_new_tokens=20, ignore_eos=True, seed=42)
 

@@ -19,6 +19,7 @@ from flowrl_operators.training.losses import (
     loss_config,
     needs_proximal,
     policy_loss,
+    set_behaviour_weights,
     value_loss,
 )
 
@@ -49,7 +50,10 @@ def make_batch(old=OLD, proximal=None):
 def run(config, batch=None, grad=False):
     logp = torch.tensor(LOGP, requires_grad=grad)
     output = {"logprobs": logp, "entropy": torch.tensor(ENT)}
-    loss, metrics = policy_loss(config)(output, batch or make_batch(), Normaliser.of(batch or make_batch()))
+    batch = batch or make_batch()
+    if batch.proximal_logprobs is not None:
+        set_behaviour_weights(batch, config)
+    loss, metrics = policy_loss(config)(output, batch, Normaliser.of(batch))
     return loss, metrics, logp
 
 
@@ -119,7 +123,7 @@ def test_gspo_sequence_ratio_value_and_gradient():
 def test_decoupled_ppo_weights_by_the_behaviour_ratio():
     """Decoupled PPO (no correction): r = exp(logp - prox), l = ppo_clip(r) * w with
     w = exp(prox - behav) untruncated; loss = sum m w l / N."""
-    config = LossConfig(decoupled=True)
+    config = LossConfig(decoupled=True, allow_unbounded_weight=True)
     assert needs_proximal(config)
     loss, metrics, _ = run(config, make_batch(old=BEHAV, proximal=OLD))
 
@@ -254,3 +258,63 @@ def test_the_train_node_schema_converts():
     assert (loss.correction.kind, loss.correction.level, loss.correction.threshold) == ("mis", "sequence", 3.0)
     assert loss.kl.coef == 0.01 and needs_proximal(loss)
     assert (advantage.estimator, advantage.std_normalize, advantage.gamma) == ("rloo", False, 0.9)
+
+
+def test_decoupled_without_a_correction_is_refused_unless_allowed():
+    """decoupled: true alone weights by an unbounded pi_prox / pi_behav: refused, in the loss config
+    and in the node schema's graph check, unless allow_unbounded_weight says so; tis / mis bound it."""
+    from flowrl.operator import GraphFacts
+    from flowrl_operators import config as schema
+    from flowrl_operators.train import Train
+
+    with pytest.raises(msgspec.ValidationError, match="allow_unbounded_weight: true"):
+        msgspec.convert({"decoupled": True}, LossConfig)
+    assert msgspec.convert({"decoupled": True, "allow_unbounded_weight": True}, LossConfig).decoupled
+    msgspec.convert({"decoupled": True, "correction": {"kind": "tis"}}, LossConfig)
+    msgspec.convert({"kind": "sft", "decoupled": True}, LossConfig)  # sft applies no weight
+
+    def problems(loss):
+        return Train.check_graph(msgspec.convert({"loss": loss}, schema.TrainConfig), GraphFacts())
+
+    [(path, message)] = problems({"decoupled": True})
+    assert path == ("loss", "decoupled") and "correction: {kind: tis}" in message
+    assert problems({"decoupled": True, "allow_unbounded_weight": True}) == []
+    assert problems({"decoupled": True, "correction": {"kind": "mis"}}) == []
+
+
+def test_mismatch_metrics_against_the_behaviour_logprobs():
+    """d = logp - behaviour on loss tokens: mean |d|, max |d|, share with exp(d) outside [0.8, 1.28]."""
+    _, metrics, _ = run(LossConfig(clip_high=0.28))
+    d = [LOGP[i][t] - OLD[i][t] for i, t in TOKENS]
+    assert metrics["mismatch_logprob_mean"] == pytest.approx(sum(abs(x) for x in d) / len(d), abs=1e-6)
+    assert metrics["mismatch_logprob_max"] == pytest.approx(max(abs(x) for x in d), abs=1e-6)
+    out = [not 0.8 <= math.exp(x) <= 1.28 for x in d]
+    assert 0 < sum(out) < len(out)
+    assert metrics["mismatch_out_of_clip"] == pytest.approx(sum(out) / len(out), abs=1e-6)
+    _, sft, _ = run(LossConfig(kind="sft"))
+    assert not any(k.startswith("mismatch_") for k in sft)  # supervised targets: no behaviour policy
+
+
+def test_per_token_metrics_count_only_tokens_that_carry_loss():
+    """mis (threshold 1.25, floor 0.5) gives weight 0 to two of the five loss tokens: clip fraction,
+    entropy, behaviour weight and mismatch average over the other three; masked_by_correction = 2/5."""
+    config = msgspec.convert({"correction": {"kind": "mis", "threshold": 1.25, "floor": 0.5}}, LossConfig)
+    _, metrics, _ = run(config, make_batch(old=BEHAV, proximal=OLD))
+    weights = {(i, t): math.exp(OLD[i][t] - BEHAV[i][t]) for i, t in TOKENS}
+    carried = [(i, t) for i, t in TOKENS if 0.5 <= weights[(i, t)] <= 1.25]
+    assert len(carried) == 3
+
+    def was_clipped(i, t):
+        r, a = math.exp(LOGP[i][t] - OLD[i][t]), ADV[i][t]
+        return -a * min(max(r, 0.8), 1.2) > -a * r
+
+    def mean(fn):
+        return sum(fn(i, t) for i, t in carried) / len(carried)
+
+    # Over all five loss tokens the clip fraction would be 2/5; over the carried ones it is 2/3.
+    assert sum(was_clipped(i, t) for i, t in TOKENS) / len(TOKENS) != pytest.approx(mean(was_clipped))
+    assert metrics["clip_fraction"] == pytest.approx(mean(was_clipped), abs=1e-6)
+    assert metrics["entropy"] == pytest.approx(mean(lambda i, t: ENT[i][t]), abs=1e-6)
+    assert metrics["behaviour_weight"] == pytest.approx(mean(lambda i, t: weights[(i, t)]), abs=1e-6)
+    assert metrics["mismatch_logprob_mean"] == pytest.approx(mean(lambda i, t: abs(LOGP[i][t] - BEHAV[i][t])), abs=1e-6)
+    assert metrics["masked_by_correction"] == pytest.approx(2 / 5, abs=1e-6)

@@ -43,7 +43,8 @@ def context(tmp_path: Path, node: str, batch_size: int = 2) -> OperatorContext:
 
 def test_train_node_updates_publishes_checkpoints_and_exports(tmp_path: Path) -> None:
     async def main() -> None:
-        config = msgspec.convert({"optim": {"lr": 1e-2}, "loss": {"kind": "ppo_clip", "decoupled": True}}, TrainConfig)
+        config = msgspec.convert({"optim": {"lr": 1e-2}, "loss": {"kind": "ppo_clip", "decoupled": True,
+                                                                  "correction": {"kind": "tis"}}}, TrainConfig)
         op = Train(config, context(tmp_path, "learner"))
         await op.setup()
         before = {n: t.clone() for b in op.learner.trainer.named_weights() for n, t in b}

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from flowrl.data.trajectory import Trajectory, Turn
+from flowrl.data.trajectory import SamplingSpan, Trajectory, Turn
 from flowrl_operators.training.batch import (
     Normaliser,
     micro_batch_rows,
@@ -46,6 +46,24 @@ def test_pack_credits_the_finest_reward_granularity_once():
     batch = pack([turns, tokens])
     assert batch.rewards.tolist() == [[0.5, 0, 2.0], [1.0, 0.0, -1.0]]
     assert batch.reward_mask.tolist() == [[1, 0, 1], [1, 1, 1]]
+
+
+def test_pack_lays_sampling_spans_on_the_target_columns():
+    """Per-token temperature / top_p / top_k from the spans; greedy spans and uncovered tokens get
+    temperature 1 without filters; a batch of defaults carries no sampling fields."""
+    a = traj(0, [1, 2], [7, 8, 9, 10, 11], reward=1.0, loss_mask=[1, 1, 0, 1, 1],
+             sampling=[SamplingSpan(0, 2, 0.7, 0.9, -1), SamplingSpan(3, 4, 1.3, 1.0, 5), SamplingSpan(4, 5, 0.0)])
+    b = traj(1, [3], [12, 13], reward=0.0)
+    batch = pack([a, b])
+    torch.testing.assert_close(batch.temperature, torch.tensor([[1, 0.7, 0.7, 1, 1.3, 1], [1.0] * 6]))
+    torch.testing.assert_close(batch.top_p, torch.tensor([[1, 0.9, 0.9, 1, 1, 1], [1.0] * 6]))
+    assert batch.top_k.tolist() == [[-1, -1, -1, -1, 5, -1], [-1] * 6]
+    assert batch.sampling_inputs()["temperature"].shape == batch.input_ids.shape
+    assert batch.select([1]).temperature.tolist() == [[1.0, 1.0]]
+    plain = pack([traj(0, [1], [5, 6], reward=1.0, sampling=[SamplingSpan(0, 2, 1.0), SamplingSpan(2, 2, 0.0)])])
+    assert plain.temperature is None and plain.top_p is None and plain.sampling_inputs() == {}
+    with pytest.raises(ValueError, match="sampling span lies outside"):
+        pack([traj(0, [1], [5, 6], reward=1.0, sampling=[SamplingSpan(1, 3, 0.7)])])
 
 
 def test_pack_rejects_missing_rewards_and_bad_lengths():

@@ -136,6 +136,10 @@ def test_two_ranks_match_one_rank_after_three_steps(two_ranks):
     # The run moved the weights (the comparison above is not of two untouched models).
     assert any(not torch.equal(initial[k], result["after3"][k]) for k in initial)
     assert abs(metrics["loss"] - result["metrics3"]["loss"]) < 1e-5
+    # Means add up over micro-batches and ranks; `*_max` metrics take the largest (a sum would double).
+    for key in ("mismatch_logprob_mean", "mismatch_logprob_max", "mismatch_out_of_clip", "clip_fraction"):
+        assert abs(metrics[key] - result["metrics3"][key]) < 1e-5, key
+    assert metrics["mismatch_logprob_max"] > metrics["mismatch_logprob_mean"] > 1.0
 
 
 def test_resume_from_step_two_is_bit_identical(two_ranks):
@@ -170,6 +174,8 @@ def test_a_rank_without_rows_still_trains(two_ranks):
     _, result = two_ranks
     assert result["rows_on_rank1"] == 0
     assert result["one_row"]["skipped"] == 0.0 and result["one_row"]["grad_norm"] > 0
+    # On-policy (behaviour = the trainer's own logprobs); rank 1's placeholder adds nothing to the max.
+    assert 0.0 <= result["one_row"]["mismatch_logprob_max"] < 1e-5
     assert result["logprobs_one_row"].shape[0] == 1 and (result["logprobs_one_row"] < 0).any()
 
 

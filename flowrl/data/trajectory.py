@@ -20,6 +20,19 @@ class Turn(msgspec.Struct, array_like=True):
     end: int
 
 
+class SamplingSpan(msgspec.Struct, array_like=True, frozen=True):
+    """Response tokens `[start, end)` were drawn from softmax(logits / temperature) restricted to the
+    `top_k` most likely tokens (all if <= 0), then to the smallest head of those whose mass reaches
+    `top_p`, as the engine samples (flowrl_operators.engine.sampling). Temperature 0 is greedy: the
+    engine reports the logprob at temperature 1 over the full vocabulary, and so does the trainer."""
+
+    start: int
+    end: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+
+
 class Trajectory(msgspec.Struct, kw_only=True):
     id: str
     group_id: str
@@ -33,6 +46,11 @@ class Trajectory(msgspec.Struct, kw_only=True):
     # Policy version that produced each response token (partial rollout mixes versions).
     versions: list[int]
     turns: list[Turn] = []
+    # How the model tokens were sampled, one span per engine call (merged while the parameters stay
+    # the same). The trainer and the reference compute logprobs under these distributions; a
+    # response token outside every span counts as temperature 1, full vocabulary. The generate node
+    # stamps its own sampling over a trajectory whose workflow recorded none.
+    sampling: list[SamplingSpan] = []
     # Rewards at three granularities. Training credits the finest one set (token, else turn, else
     # sequence); `reward` next to finer rewards is their total, for metrics and filters.
     reward: float | None = None
@@ -61,6 +79,8 @@ class Trajectory(msgspec.Struct, kw_only=True):
                 )
         if self.token_rewards is not None and len(self.token_rewards) != n:
             raise ValueError(f"trajectory {self.id}: token_rewards length != response length")
+        if any(not 0 <= s.start <= s.end <= n for s in self.sampling):
+            raise ValueError(f"trajectory {self.id}: a sampling span lies outside the response ({n} tokens)")
         if self.turn_rewards is not None and len(self.turn_rewards) != len(self.turns):
             raise ValueError(f"trajectory {self.id}: turn_rewards length != number of turns")
 

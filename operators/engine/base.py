@@ -56,6 +56,9 @@ class GenerateResult(msgspec.Struct, kw_only=True):
     versions: list[int] = []
     finish_reason: FinishReason = "stop"
     error: str | None = None
+    # The parameters the tokens were drawn with, set by `WorkflowContext.generate` (engines leave it
+    # unset); `TrajectoryBuilder.add_model` records it on the trajectory for the trainer.
+    sampling: SamplingParams | None = None
 
 
 # A bucket is one list of (Hugging Face parameter name, tensor); a version streams several.

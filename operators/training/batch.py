@@ -6,6 +6,11 @@ tensors are *target aligned*: they have `L - 1` columns and column j describes t
 `token_logprobs(logits[:, :-1], input_ids[:, 1:])` lines up with every per-token field, and
 prompt and padding columns carry `loss_mask == 0`.
 
+Each trajectory's sampling spans become per-token `temperature`, `top_p` and `top_k` (None when
+every token was sampled at temperature 1 from the full vocabulary): the trainer and the reference
+compute logprobs under the distribution each token was drawn from (`sampling_inputs`; the critic's
+value head reads no logits).
+
 Rewards are placed on tokens (`rewards`, with `reward_mask` marking where a reward is defined):
 a sequence reward on the last model token, a turn reward on the last token of its turn span, token
 rewards on their tokens. Where a trajectory sets several granularities their rewards add up.
@@ -36,7 +41,14 @@ TOKEN_FIELDS = (
     "advantages",
     "returns",
     "versions",
+    "temperature",
+    "top_p",
+    "top_k",
+    "behaviour_weights",
 )
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k")
+# The value of a sampling field on a token outside every span: the model's own distribution.
+SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1}
 
 
 @dataclasses.dataclass
@@ -56,6 +68,13 @@ class Batch:
     values: torch.Tensor | None = None  # critic values, filled by Critic.compute_values
     advantages: torch.Tensor | None = None  # filled by advantages.compute_advantages
     returns: torch.Tensor | None = None
+    # The distribution each token was sampled from (greedy tokens: temperature 1, no filter).
+    temperature: torch.Tensor | None = None  # (B, L-1) float
+    top_p: torch.Tensor | None = None  # (B, L-1) float
+    top_k: torch.Tensor | None = None  # (B, L-1) long; <= 0: no limit
+    # pi_proximal / pi_behaviour as the loss weights each token (decoupled PPO, tis, mis), no gradient;
+    # set by `losses.set_behaviour_weights`. A token with weight 0 carries no loss.
+    behaviour_weights: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -78,6 +97,16 @@ class Batch:
                 out[field.name] = value[index, :width]
         return Batch(**out)
 
+    def sampling_inputs(self) -> dict[str, torch.Tensor]:
+        """The sampling fields set, as `token_logprobs` keywords, widened to (B, L) with a default
+        last column so that they line up with the logits of every position."""
+        out = {}
+        for name in SAMPLING_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = torch.nn.functional.pad(value, (0, 1), value=SAMPLING_DEFAULTS[name])
+        return out
+
     def to(self, device: torch.device | str) -> Batch:
         return Batch(
             **{
@@ -88,15 +117,45 @@ class Batch:
 
 
 class Normaliser(msgspec.Struct, frozen=True):
-    """Global counts the loss divides by: loss tokens and sequences with at least one."""
+    """Global counts the loss divides by: loss tokens and sequences with at least one; and the loss
+    tokens that carry weight (behaviour weight > 0), which per-token metrics average over."""
 
     tokens: float
     sequences: float
+    weighted_tokens: float
 
     @staticmethod
     def of(batch: Batch) -> Normaliser:
         per_row = batch.loss_mask.sum(dim=1)
-        return Normaliser(tokens=float(per_row.sum()), sequences=float((per_row > 0).sum()))
+        return Normaliser(tokens=float(per_row.sum()), sequences=float((per_row > 0).sum()),
+                          weighted_tokens=float(weighted_mask(batch).sum()))
+
+
+def weighted_mask(batch: Batch) -> torch.Tensor:
+    """1.0 on the tokens that carry loss: on the loss mask, with a behaviour weight > 0 if one is set
+    (`mis` gives 0 to the tokens it masks)."""
+    carried = batch.loss_mask > 0
+    if batch.behaviour_weights is not None:
+        carried = carried & (batch.behaviour_weights > 0)
+    return carried.float()
+
+
+def _sampling_columns(traj: Trajectory) -> dict[str, list[float]] | None:
+    """Per response token temperature / top_p / top_k from the trajectory's spans; None if every
+    token has the defaults. A greedy span (temperature 0) is temperature 1 without filters, the
+    distribution whose logprob the engine reports for an argmax."""
+    if not any(s.temperature > 0 and (s.temperature != 1 or s.top_p < 1 or s.top_k > 0) for s in traj.sampling):
+        return None
+    n = len(traj.response_ids)
+    columns = {name: [value] * n for name, value in SAMPLING_DEFAULTS.items()}
+    for span in traj.sampling:
+        if span.temperature > 0:
+            values = {"temperature": span.temperature, "top_p": span.top_p, "top_k": span.top_k}
+        else:
+            values = SAMPLING_DEFAULTS
+        for name, value in values.items():
+            columns[name][span.start : span.end] = [value] * (span.end - span.start)
+    return columns
 
 
 def _token_rewards(traj: Trajectory) -> tuple[list[float], list[float]]:
@@ -158,13 +217,13 @@ def pack(trajectories: Sequence[Trajectory], require_reward: bool = True) -> Bat
             fields["reference_logprobs"].append(head + list(traj.reference_logprobs) + [0] * pad)
         if has_values:
             fields["values"].append(head + list(traj.values) + [0] * pad)
-    long = {"input_ids", "attention_mask", "position_ids", "versions"}
+    long = {"input_ids", "attention_mask", "position_ids", "versions", "top_k"}
     tensors = {name: torch.tensor(v, dtype=torch.long if name in long else torch.float32)
-               for name, v in fields.items() if v}
+               for name, v in (fields | _sampling_fields(trajectories, width)).items() if v}
     input_ids, attention_mask = tensors.pop("input_ids"), tensors.pop("attention_mask")
     position_ids, versions = tensors.pop("position_ids"), tensors.pop("versions")
     reference, values = tensors.pop("reference_logprobs", None), tensors.pop("values", None)
-    token = tensors  # loss_mask, behaviour_logprobs, rewards, reward_mask
+    token = tensors  # loss_mask, behaviour_logprobs, rewards, reward_mask, and sampling fields if any
     return Batch(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -176,6 +235,21 @@ def pack(trajectories: Sequence[Trajectory], require_reward: bool = True) -> Bat
         values=values,
         **token,
     )
+
+
+def _sampling_fields(trajectories: Sequence[Trajectory], width: int) -> dict[str, list[list[float]]]:
+    """Padded rows of the sampling fields, or {} when every token has the defaults."""
+    columns = [_sampling_columns(t) for t in trajectories]
+    if all(c is None for c in columns):
+        return {}
+    fields: dict[str, list[list[float]]] = {name: [] for name in SAMPLING_FIELDS}
+    for traj, column in zip(trajectories, columns, strict=True):
+        p, n = len(traj.prompt_ids), len(traj.response_ids)
+        for name in SAMPLING_FIELDS:
+            default = SAMPLING_DEFAULTS[name]
+            body = column[name] if column is not None else [default] * n
+            fields[name].append([default] * (p - 1) + body + [default] * (width - p - n))
+    return fields
 
 
 def response_values(batch: Batch, field: str, trajectories: Sequence[Trajectory]) -> list[list[float]]:

@@ -24,9 +24,10 @@ edge, several versions under partial rollout, the engine's numerics). With `deco
 before the update (`Trainer.compute_logprobs`), and the per-token loss is multiplied by the
 behaviour weight w = exp(prox - behav) per token, or exp(sum_t m (prox - behav)) per sequence
 (`correction.level: sequence`), without gradient:
-    decoupled, no correction   w
+    decoupled, no correction   w   (unbounded: refused unless `allow_unbounded_weight: true`)
     correction.kind tis        min(w, threshold)                    (truncated importance sampling)
     correction.kind mis        w if floor <= w <= threshold else 0  (masked importance sampling)
+`set_behaviour_weights(batch, config)` stores w on the batch once the proximal logprobs are known.
 
 Aggregation (N = loss tokens of the global batch, S = its sequences with a loss token):
     token_mean            sum_{i,t} m l / N
@@ -41,7 +42,20 @@ loss -= entropy_coef * aggregate(H).
 
 A loss function built by `policy_loss(config)` or `value_loss(config)` is called once per
 micro-batch as `fn(output, batch, normaliser) -> (loss, metrics)`; the loss and every metric are
-already divided by the global normaliser, so sums over micro-batches and ranks give the batch value.
+already divided by the global normaliser, so sums over micro-batches and ranks give the batch value
+(a metric named `*_max` is a maximum instead: the trainer takes the largest).
+
+Per-token metrics (`clip_fraction`, `entropy`, `behaviour_weight`, the mismatch metrics) average
+over the tokens that carry loss: on the loss mask with a behaviour weight > 0 (`mis` gives 0 to
+the tokens it masks; `masked_by_correction` is their share of the loss-mask tokens). The
+train/inference mismatch, with d = logp - behaviour per token (policy logprobs under each token's
+sampling distribution; meaningful on a step's first pass, before the update, where the Learner
+reads it):
+    mismatch_logprob_mean   mean |d|
+    mismatch_logprob_max    max |d|
+    mismatch_out_of_clip    share of tokens with exp(d) outside [1 - clip_low, 1 + clip_high]
+On-policy data with the engine's numerics gives ~1e-6, 1e-6 and 0; data from older versions adds
+its staleness.
 """
 
 from __future__ import annotations
@@ -52,8 +66,9 @@ from typing import Literal
 import msgspec
 import torch
 
+from flowrl_operators.config import UNBOUNDED_WEIGHT, unbounded_weight
 from flowrl_operators.training.advantages import AdvantageConfig
-from flowrl_operators.training.batch import Batch, Normaliser
+from flowrl_operators.training.batch import Batch, Normaliser, weighted_mask
 
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
 
@@ -82,6 +97,7 @@ class LossConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     dual_clip: float | None = None
     decoupled: bool = False
     correction: Correction | None = None
+    allow_unbounded_weight: bool = False  # decoupled without a correction: accept w unbounded
     aggregation: Aggregation = "token_mean"
     norm_length: float | None = None
     kl: KLConfig = msgspec.field(default_factory=KLConfig)
@@ -96,6 +112,8 @@ class LossConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ValueError("loss dual_clip must be > 1 (e.g. 3.0), or left out")
         if self.norm_length is not None and self.norm_length <= 0:
             raise ValueError("loss norm_length must be > 0")
+        if unbounded_weight(self):
+            raise ValueError(UNBOUNDED_WEIGHT)
 
 
 def loss_config(value: str | dict | msgspec.Struct) -> LossConfig:
@@ -228,6 +246,41 @@ def apply_kl_penalty(batch: Batch, config: LossConfig) -> Batch:
 LossFn = Callable[[dict[str, torch.Tensor], Batch, Normaliser], tuple[torch.Tensor, dict[str, float]]]
 
 
+def set_behaviour_weights(batch: Batch, config: LossConfig) -> Batch:
+    """Store the loss's behaviour weight w per token (`behaviour_weight`) on the batch, when the
+    loss uses one; call it once the proximal logprobs are set, before `Trainer.forward_backward`."""
+    if needs_proximal(config):
+        if batch.proximal_logprobs is None:
+            raise ValueError(f"loss {config.kind!r} needs proximal logprobs: call Trainer.compute_logprobs")
+        batch.behaviour_weights = behaviour_weight(
+            batch.proximal_logprobs, batch.behaviour_logprobs, batch.loss_mask, config.correction)
+    return batch
+
+
+def token_metrics(
+    output: dict[str, torch.Tensor], batch: Batch, normaliser: Normaliser, clipped: torch.Tensor, config: LossConfig
+) -> dict[str, float]:
+    """Per-token metrics over the tokens that carry loss, including the train/inference mismatch
+    (see the module docs)."""
+    carried = weighted_mask(batch) > 0
+
+    def mean(x: torch.Tensor) -> float:
+        return (torch.where(carried, x.detach().float(), 0.0).sum() / max(normaliser.weighted_tokens, 1.0)).item()
+
+    metrics = {"clip_fraction": mean(clipped), "entropy": mean(output["entropy"])}
+    if config.kind != "sft":  # supervised targets have no behaviour policy
+        d = output["logprobs"].detach() - batch.behaviour_logprobs
+        ratio = torch.exp(d)
+        metrics["mismatch_logprob_mean"] = mean(d.abs())
+        metrics["mismatch_logprob_max"] = float(torch.where(carried, d.abs(), 0.0).max()) if d.numel() else 0.0
+        metrics["mismatch_out_of_clip"] = mean((ratio < 1 - config.clip_low) | (ratio > 1 + config.clip_high))
+    if batch.behaviour_weights is not None:
+        metrics["behaviour_weight"] = mean(batch.behaviour_weights)
+        dropped = (batch.loss_mask > 0) & ~carried
+        metrics["masked_by_correction"] = (dropped.sum() / max(normaliser.tokens, 1.0)).item()
+    return metrics
+
+
 def policy_loss(config: LossConfig) -> LossFn:
     """The per-micro-batch loss. `output` holds `logprobs` and `entropy`, both (B, T)."""
     loss_per_token = LOSSES[config.kind]
@@ -236,13 +289,12 @@ def policy_loss(config: LossConfig) -> LossFn:
         logprobs, mask = output["logprobs"], batch.loss_mask
         if batch.advantages is None and config.kind != "sft":
             raise ValueError("the batch has no advantages: call compute_advantages first")
-        old = batch.behaviour_logprobs
-        weight = None
+        old, weight = batch.behaviour_logprobs, None
         if needs_proximal(config):
-            if batch.proximal_logprobs is None:
-                raise ValueError(f"loss {config.kind!r} needs proximal logprobs: call Trainer.compute_logprobs")
-            old = batch.proximal_logprobs
-            weight = behaviour_weight(batch.proximal_logprobs, batch.behaviour_logprobs, mask, config.correction)
+            if batch.proximal_logprobs is None or batch.behaviour_weights is None:
+                raise ValueError(f"loss {config.kind!r} needs proximal logprobs and behaviour weights: call "
+                                 "Trainer.compute_logprobs, then set_behaviour_weights")
+            old, weight = batch.proximal_logprobs, batch.behaviour_weights
         per_token, clipped = loss_per_token(logprobs, old, batch.advantages, mask, config)
         if weight is not None:
             per_token = per_token * weight
@@ -250,17 +302,8 @@ def policy_loss(config: LossConfig) -> LossFn:
         def agg(x):
             return aggregate(x, mask, normaliser, config.aggregation, config.norm_length)
 
-        def token_mean(x):  # metrics are token means whatever the loss aggregation
-            return aggregate(x.detach(), mask, normaliser, "token_mean").item()
-
         loss = agg(per_token)
-        metrics = {
-            "policy_loss": loss.item(),
-            "clip_fraction": token_mean(clipped),
-            "entropy": token_mean(output["entropy"]),
-        }
-        if weight is not None:
-            metrics["behaviour_weight"] = token_mean(weight)
+        metrics = {"policy_loss": loss.item()} | token_metrics(output, batch, normaliser, clipped, config)
         if config.kl.apply_as == "loss" and config.kl.coef > 0:
             if batch.reference_logprobs is None:
                 raise ValueError("kl in loss needs reference logprobs: add a reference node before the trainer")

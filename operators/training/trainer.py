@@ -35,7 +35,13 @@ import torch
 import torch.distributed as dist
 
 from flowrl_operators.training import checkpoint
-from flowrl_operators.training.batch import TOKEN_FIELDS, Batch, Normaliser, micro_batch_rows
+from flowrl_operators.training.batch import (
+    SAMPLING_DEFAULTS,
+    TOKEN_FIELDS,
+    Batch,
+    Normaliser,
+    micro_batch_rows,
+)
 from flowrl_operators.training.kernels import token_logprobs
 from flowrl_operators.training.losses import LossFn
 
@@ -198,9 +204,10 @@ class Trainer:
         if self.head == "value":
             return {"values": out.logits[:, :-1, 0].float()}
         # Targets shifted by one with a dummy last column: the kernel then reads the logits in place
-        # (slicing off the last position first would copy the whole logits tensor).
+        # (slicing off the last position first would copy the whole logits tensor). Logprobs are
+        # under each token's sampling distribution (temperature, top-k / top-p), as the engine's.
         targets = torch.nn.functional.pad(mb.input_ids[:, 1:], (0, 1))
-        logprobs, entropy = token_logprobs(out.logits, targets)
+        logprobs, entropy = token_logprobs(out.logits, targets, **mb.sampling_inputs())
         return {"logprobs": logprobs[:, :-1], "entropy": entropy[:, :-1]}
 
     def _plan(self, batch: Batch) -> tuple[list[list[int]], int]:
@@ -209,14 +216,16 @@ class Trainer:
         return rows, int(self._all_reduce([float(len(rows))], dist.ReduceOp.MAX)[0])
 
     def forward_backward(self, batch: Batch, loss_fn: LossFn) -> dict[str, float]:
-        """Accumulate the gradient of this rank's rows; returns metrics summed over all ranks."""
+        """Accumulate the gradient of this rank's rows; returns metrics summed over all micro-batches
+        and ranks, except those named `*_max`, which take the maximum."""
         if not self.trainable:
             raise RuntimeError("this model is frozen (a Reference); it has no backward pass")
         counts = Normaliser.of(batch)
-        tokens, sequences = self._all_reduce([counts.tokens, counts.sequences])
-        normaliser = Normaliser(tokens=tokens, sequences=sequences)
+        tokens, sequences, weighted = self._all_reduce([counts.tokens, counts.sequences, counts.weighted_tokens])
+        normaliser = Normaliser(tokens=tokens, sequences=sequences, weighted_tokens=weighted)
         rows, count = self._plan(batch)
         metrics: dict[str, float] = defaultdict(float)
+        peaks: dict[str, float] = defaultdict(lambda: -math.inf)
         nonfinite = 0.0
         for k in range(count):
             real = k < len(rows)
@@ -231,12 +240,17 @@ class Trainer:
             # FSDP averages gradients over ranks; the loss is already globally normalised, so the
             # ranks' gradients must add up: scale by the world size.
             (loss * (self.world_size if real else 0.0)).backward()
-            for key, value in values.items():
-                metrics[key] += value if real else 0.0
-        keys = sorted(metrics)
+            for key, value in values.items():  # every rank gets the same keys, placeholders too
+                if key.endswith("_max"):
+                    peaks[key] = max(peaks[key], value if real else -math.inf)
+                else:
+                    metrics[key] += value if real else 0.0
+        keys, peak_keys = sorted(metrics), sorted(peaks)
         totals = self._all_reduce([metrics[k] for k in keys] + [nonfinite])
+        maxima = self._all_reduce([peaks[k] for k in peak_keys], dist.ReduceOp.MAX)
         self._nonfinite_loss = self._nonfinite_loss or totals[-1] > 0
-        return dict(zip(keys, totals[:-1], strict=True)) | {"tokens": tokens, "sequences": sequences}
+        return (dict(zip(keys, totals[:-1], strict=True)) | dict(zip(peak_keys, maxima, strict=True))
+                | {"tokens": tokens, "sequences": sequences})
 
     def step(self) -> dict[str, float]:
         """Clip, check and apply the accumulated gradient; a non-finite one is dropped and counted."""
@@ -350,6 +364,8 @@ def _placeholder(batch: Batch) -> Batch:
             fields[name] = torch.zeros(1, dtype=value.dtype)
         elif name == "lengths":
             fields[name] = torch.full((1,), 2, dtype=value.dtype)
+        elif name in SAMPLING_DEFAULTS:
+            fields[name] = torch.full((1, 1), SAMPLING_DEFAULTS[name], dtype=value.dtype)
         elif name in TOKEN_FIELDS:
             fields[name] = torch.zeros(1, 1, dtype=value.dtype)
         else:

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import msgspec
 
-from flowrl.data.trajectory import Trajectory, Turn
+from flowrl.data.trajectory import SamplingSpan, Trajectory, Turn
 from flowrl_operators.engine.base import GenerateRequest, GenerateResult, InferenceEngine, SamplingParams
 
 
@@ -80,7 +80,7 @@ class WorkflowContext:
                 sampling, seed=derive_seed(self.seed, self.sample_id, self.episode, self.calls))
         # Unique even if the same sample runs twice at once (e.g. a greedy evaluation episode).
         request_id = f"{self.sample_id}/{self.episode}/{self.calls}-{uuid.uuid4().hex[:8]}"
-        merged = GenerateResult(request_id=request_id)
+        merged = GenerateResult(request_id=request_id, sampling=sampling)
         prefix = list(input_ids)
         for attempt in range(1000):
             request = GenerateRequest(request_id=f"{request_id}#{attempt}", input_ids=prefix, sampling=sampling)
@@ -171,7 +171,8 @@ def continuation_ids(tokenizer: Any, history: list[dict[str, Any]], observation:
 
 class TrajectoryBuilder:
     """Accumulates one trajectory: prompt, then model turns (loss mask 1) and environment tokens
-    (loss mask 0), with turn spans over the response and one reward per turn if given."""
+    (loss mask 0), with turn spans over the response, one reward per turn if given, and the
+    sampling parameters of each model turn (from `GenerateResult.sampling`)."""
 
     def __init__(self, prompt_ids: list[int]) -> None:
         self.prompt_ids = list(prompt_ids)
@@ -180,6 +181,7 @@ class TrajectoryBuilder:
         self.logprobs: list[float] = []
         self.versions: list[int] = []
         self.turns: list[Turn] = []
+        self.sampling: list[SamplingSpan] = []
         self.turn_rewards: list[float] = []
         self.finish_reason = "stop"
 
@@ -196,6 +198,19 @@ class TrajectoryBuilder:
         self.versions += result.versions
         self.turns.append(Turn(start, len(self.response_ids)))
         self.finish_reason = result.finish_reason
+        if result.sampling is not None:
+            self.add_sampling(start, result.sampling.temperature, result.sampling.top_p, result.sampling.top_k)
+
+    def add_sampling(self, start: int, temperature: float, top_p: float = 1.0, top_k: int = -1) -> None:
+        """Record that response tokens from `start` to the end so far were sampled with these
+        parameters; extends the last span when they are the same (the environment tokens in between
+        carry no loss, so their parameters do not matter)."""
+        end = len(self.response_ids)
+        last = self.sampling[-1] if self.sampling else None
+        if last is not None and (last.temperature, last.top_p, last.top_k) == (temperature, top_p, top_k):
+            self.sampling[-1] = SamplingSpan(last.start, end, temperature, top_p, top_k)
+        else:
+            self.sampling.append(SamplingSpan(start, end, temperature, top_p, top_k))
 
     def add_environment(self, ids: list[int], version: int) -> None:
         self.response_ids += ids
@@ -210,7 +225,8 @@ class TrajectoryBuilder:
         trajectory = Trajectory(
             id="", group_id="", sample_id="", prompt_ids=self.prompt_ids, response_ids=self.response_ids,
             loss_mask=self.loss_mask, behaviour_logprobs=self.logprobs, versions=self.versions,
-            turns=self.turns, reward=reward, turn_rewards=rewards, finish_reason=self.finish_reason,
+            turns=self.turns, sampling=self.sampling, reward=reward, turn_rewards=rewards,
+            finish_reason=self.finish_reason,
             metadata=dict(metadata or {}),
         )
         trajectory.validate()

@@ -19,8 +19,9 @@ async def supervised(ctx: WorkflowContext, sample: dict[str, Any]) -> Trajectory
     """The sample's known `target` text (or `target_ids`) as the response, ended by the EOS token.
 
     For supervised phases (e.g. a warm-up with `loss: {kind: sft}`): the engine is not called, the
-    target is tokenised (it is data, not model output), its logprobs are 0 and every token is
-    stamped with the serving policy version.
+    target is tokenised (it is data, not model output), its logprobs are 0, every token is stamped
+    with the serving policy version, and its sampling span is temperature 1 (the loss is on the
+    model's own distribution whatever the node's sampling).
     """
     if "target_ids" in sample:
         target = list(sample["target_ids"])
@@ -35,4 +36,5 @@ async def supervised(ctx: WorkflowContext, sample: dict[str, Any]) -> Trajectory
     builder.response_ids, builder.loss_mask = target, [1] * len(target)
     builder.logprobs, builder.versions = [0.0] * len(target), [version] * len(target)
     builder.turns = [Turn(0, len(target))]
+    builder.add_sampling(0, temperature=1.0)  # data, not sampled: trained on the model's own distribution
     return builder.build(metadata={"sample": sample})
