@@ -287,7 +287,7 @@ def plan(nodes: list[NodePlan], edges: list[EdgePlan], steps: int = 4, batch_siz
 
 def grpo(mode: str = "sync", k: int = 0, steps: int = 4, batch_size: int = 4, gen: dict | None = None,
          reward: dict | None = None, train: dict | None = None, train_ranks: int = 1, **edge_options: Any) -> Plan:
-    """generate -> reward -> train -> sync -> generate (weights): the shape of DESIGN.md's example."""
+    """generate -> reward -> train -> sync -> generate (weights): the README's example graph."""
     return plan(
         [node("rollout", "gen", **(gen or {})), node("score", "reward", **(reward or {})),
          node("learner", "train", replicas=train_ranks, **(train or {})), node("publish", "sync")],

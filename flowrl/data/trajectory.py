@@ -66,7 +66,7 @@ class Trajectory(msgspec.Struct, kw_only=True):
 
     @property
     def oldest_version(self) -> int:
-        """Staleness is measured from the oldest token (DESIGN §4)."""
+        """The oldest policy version among the model's tokens (what a record's staleness is measured from)."""
         model_versions = [v for v, m in zip(self.versions, self.loss_mask, strict=True) if m]
         return min(model_versions) if model_versions else (min(self.versions) if self.versions else 0)
 
