@@ -235,3 +235,30 @@ def test_a_run_with_a_hung_sync_environment_step_finishes_and_exits(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert rows[-1]["operators"]["rollout"]["generate/episode_timeouts"] == 1
+
+
+class SyncBroken(SyncEnv):
+    """A sync environment whose second instance raises in its first step."""
+
+    def step(self, action: str) -> tuple[str, float, bool]:
+        if self.index == 1:
+            raise ConnectionError("simulator went away")
+        return super().step(action)
+
+
+def test_a_raising_sync_environment_is_isolated_counted_and_closed():
+    from test_generate_node import make
+
+    loop = asyncio.new_event_loop()
+    op = make(loop, group_size=3, workflow="test_hangs:SyncBroken", workflow_args={"max_turns": 2},
+              sampling={"max_new_tokens": 3})
+    SyncEnv.built, SyncEnv.calls[:] = itertools.count(), []
+    try:
+        group = loop.run_until_complete(op.generate({"prompt": "guess"}, step=0, sample_id="0:0"))
+    finally:
+        loop.run_until_complete(op.close())
+        loop.close()
+    m = op.metrics()
+    assert len(group.trajectories) == 2 and m["generate/episode_errors"] == 1 and m["generate/episode_timeouts"] == 0
+    assert "simulator went away" in op.last_error
+    assert sorted(i for name, i, _ in SyncEnv.calls if name == "close") == [0, 1, 2]
