@@ -262,3 +262,58 @@ def test_a_raising_sync_environment_is_isolated_counted_and_closed():
     assert len(group.trajectories) == 2 and m["generate/episode_errors"] == 1 and m["generate/episode_timeouts"] == 0
     assert "simulator went away" in op.last_error
     assert sorted(i for name, i, _ in SyncEnv.calls if name == "close") == [0, 1, 2]
+
+
+BEATS = [0]  # the heartbeat's ticks on the event loop
+HUNG_AT: list[int] = []  # the ticks when eval_hangs began
+
+
+def eval_hangs(trajectory: Any) -> float:
+    HUNG_AT.append(BEATS[0])
+    RELEASE.wait(20)  # bounded: the old code ran it on the loop, freezing the test
+    return 1.0
+
+
+def eval_nan(trajectory: Any) -> float:
+    return float("nan")
+
+
+@pytest.mark.parametrize("reward, error", [("test_hangs:eval_hangs", "took over 0.5 s"),
+                                           ("test_hangs:eval_nan", "the eval reward of eval0:0/0 is nan")])
+def test_a_hung_or_invalid_eval_reward_fails_the_evaluation_off_the_loop(reward, error, monkeypatch):
+    import msgspec
+
+    from flowrl.operator import OperatorContext
+    from flowrl_operators import evaluate
+    from flowrl_operators.generate import Generate
+
+    monkeypatch.setattr(evaluate, "REWARD_TIMEOUT_S", 0.5)
+    RELEASE.clear()
+    data = {"source": "builtin:reverse_digits", "eval": {"every": 1, "samples": 2, "options": {"reward": reward}}}
+    op = Generate(msgspec.convert({"sampling": {"max_new_tokens": 3}}, GenerateConfig),
+                  OperatorContext(node="rollout", model={"path": "builtin:tiny-qwen2"}, data=data))
+
+    async def main() -> BaseException | None:
+        async def heartbeat() -> None:
+            while True:
+                await asyncio.sleep(0.01)
+                BEATS[0] += 1
+
+        beat = asyncio.get_running_loop().create_task(heartbeat())
+        try:
+            await op.setup()  # evaluates version 0
+        except Exception as exc:
+            return exc
+        finally:
+            beat.cancel()
+            await op.close()
+        return None
+
+    HUNG_AT.clear()
+    try:
+        failure = asyncio.run(main())
+    finally:
+        RELEASE.set()
+    assert failure is not None and error in str(failure)
+    if reward.endswith("hangs"):
+        assert BEATS[0] - HUNG_AT[0] > 20  # the loop kept running while the reward hung (0.5 s)
