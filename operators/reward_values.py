@@ -47,6 +47,10 @@ def as_rewards(values: Any, what: str, length: int, per: str) -> list[float]:
         raise InvalidReward(f"{what} is {_shown(values)}; give a list of numbers, one per {per}")
     if len(values) != length:
         raise InvalidReward(f"{what} has {len(values)} values for {length} {per}s")
+    if all(type(v) is float or type(v) is int for v in values):  # the common case, without messages
+        floats = [float(v) for v in values]
+        if all(map(math.isfinite, floats)):
+            return floats
     return [as_reward(v, f"{what}[{i}]") for i, v in enumerate(values)]
 
 
