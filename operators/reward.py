@@ -22,9 +22,10 @@ parallel, up to `concurrency` threads): one thread hop per group instead of one 
 the node's cost for 128 cheap calls from ~18 ms to ~4 ms here (`tools/bench_reward.py`). A call that
 hangs past its timeout is abandoned in its thread (a thread cannot be killed), counted as
 `reward/abandoned`, and the calls after it go to a fresh thread. The threads are daemons
-(`flowrl_operators.threads`): a hung call never keeps the process alive once the run is done. A group queued behind others waits
-while calls keep finishing; only if none finishes for `timeout_s` (every thread hung) do its calls
-time out. Scoring that waits on I/O should be an `async def`: its calls all run concurrently.
+(`flowrl_operators.threads`): a hung call never keeps the process alive once the run is done. A
+group queued behind others waits while calls keep finishing; only if none finishes for `timeout_s`
+(every thread hung) do its calls time out. Scoring that waits on I/O should be an `async def`: its
+calls all run concurrently.
 """
 
 from __future__ import annotations
@@ -192,8 +193,8 @@ class Reward(Operator):
         try:
             scores = await self._call(trajectories)
             if not isinstance(scores, list | tuple) or len(scores) != len(trajectories):
-                raise InvalidReward(f"a batched reward must return one score per trajectory ({len(trajectories)}), "
-                                f"got {scores!r:.60}")
+                raise InvalidReward(f"a batched reward must return one score per trajectory "
+                                    f"({len(trajectories)}), got {scores!r:.60}")
             for t, score in zip(trajectories, scores, strict=True):
                 apply_score(t, score)
             return True

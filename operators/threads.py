@@ -1,5 +1,5 @@
-"""Daemon threads for user code that must not run on the event loop (sync rewards, environments,
-agents).
+"""Daemon threads for user code that must not run on the event loop (sync rewards, eval rewards,
+environments, agents).
 
 A thread cannot be killed, so a call that hangs is abandoned in its thread. `concurrent.futures`'
 ThreadPoolExecutor (and asyncio's default executor, `asyncio.to_thread`) joins its threads when

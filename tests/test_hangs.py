@@ -208,12 +208,16 @@ def _flowrl_run(tmp_path: Path, spec: str, *overrides: str) -> tuple[str, float,
                              str(tmp_path / "run"), "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=env)
     lines, done = [], None
-    threading.Timer(120, proc.kill).start()  # on the old code the child never exits
-    for line in proc.stdout:
-        lines.append(line)
-        if "done after" in line:
-            done = time.monotonic()
-    proc.wait()
+    killer = threading.Timer(120, proc.kill)  # on the old code the child never exits
+    killer.start()
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if "done after" in line:
+                done = time.monotonic()
+        proc.wait()
+    finally:
+        killer.cancel()
     return "".join(lines), done or float("inf"), time.monotonic()
 
 
