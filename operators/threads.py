@@ -57,11 +57,9 @@ class DaemonExecutor:
             del item  # an idle worker must not keep the last call's arguments alive
             if future.set_running_or_notify_cancel():
                 try:
-                    result = fn(*args, **kwargs)
+                    future.set_result(fn(*args, **kwargs))
                 except BaseException as exc:  # handed to the caller, whatever it is
                     future.set_exception(exc)
-                else:
-                    future.set_result(result)
             del future, fn, args, kwargs
             with self._lock:
                 self._idle += 1
