@@ -61,9 +61,11 @@ class GenerateConfig(Strict):
     # An episode that raises (environment, agent, engine rejection) is dropped and counted; the run
     # fails once this many episodes have failed in total.
     max_episode_errors: PositiveInt = 100
-    # An episode still running after this long (a hung environment or agent) is cancelled and
-    # counted as an episode error. None: no limit.
-    episode_timeout_s: Annotated[float, Meta(gt=0)] | None = None
+    # An episode still running after this long (a hung environment, agent or engine) is cancelled
+    # and counted as an episode error (generate/episode_timeouts). The default is far above a normal
+    # episode (minutes even for long reasoning on a busy engine) and still ends a hang within the
+    # hour; null (explicit only) waits forever.
+    episode_timeout_s: Annotated[float, Meta(gt=0)] | None = 1800.0
     proxy_host: str = "127.0.0.1"  # where agent workflows' OpenAI proxy listens
     # Serve the engine at an OpenAI-compatible endpoint (e.g. for a judge node with `node:`), written
     # to <run_dir>/endpoints/<node>.url. Agent workflows always start it.

@@ -7,6 +7,10 @@ multiple of `every` (and once before training): one greedy episode per held-out 
 (`source.eval_sample(i)`), scored by the task's reward (`source.reward`, or `data.eval.options.reward:
 module:attr`). Each evaluation appends a row to `RUN_DIR/eval.jsonl`:
 `{"version", "eval_reward", "samples", "time"}` with `time` in seconds since the run's origin.
+
+A sync reward runs on a daemon thread (flowrl_operators.threads), never on the event loop; a call
+that takes over `REWARD_TIMEOUT_S`, or a value that is not a finite number
+(flowrl_operators.reward_values), fails the evaluation with a message, as a raising reward does.
 """
 
 from __future__ import annotations
@@ -19,6 +23,11 @@ from pathlib import Path
 from typing import Any
 
 from flowrl.data.source import load_source
+from flowrl_operators.reward_values import as_reward
+from flowrl_operators.threads import DaemonExecutor, call_in_thread
+from flowrl_operators.workflows.base import is_async_callable
+
+REWARD_TIMEOUT_S = 60.0  # one eval reward call
 
 
 class Evaluator:
@@ -46,6 +55,7 @@ class Evaluator:
         if run_dir is not None and (Path(run_dir) / "meta.json").exists():
             self.origin = json.loads((Path(run_dir) / "meta.json").read_text())["origin"]
         self.done: set[int] = set()
+        self.thread = DaemonExecutor(1, "flowrl-eval")
 
     def due(self, version: int) -> bool:
         return version % self.every == 0 and version not in self.done
@@ -61,13 +71,24 @@ class Evaluator:
             trajectories = group.trajectories if group is not None else []
             value = 0.0  # a rejected sample scores zero
             if trajectories:
-                value = self.reward(trajectories[0])
-                if inspect.isawaitable(value):
-                    value = await value
-            scores.append(float(value))
+                value = await self._score(trajectories[0])
+            scores.append(value)
         row = {"version": version, "eval_reward": sum(scores) / len(scores), "samples": len(scores),
                "time": round(time.time() - self.origin, 3)}
         if self.run_dir is not None:
             with open(Path(self.run_dir) / "eval.jsonl", "a") as f:
                 f.write(json.dumps(row) + "\n")
         return row
+
+    async def _score(self, trajectory: Any) -> float:
+        if is_async_callable(self.reward):
+            call = self.reward(trajectory)
+        else:
+            call = call_in_thread(self.thread, self.reward, trajectory)
+        try:
+            value = await asyncio.wait_for(call, REWARD_TIMEOUT_S)
+            if inspect.isawaitable(value):
+                value = await asyncio.wait_for(value, REWARD_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"the eval reward took over {REWARD_TIMEOUT_S} s on {trajectory.id}") from None
+        return as_reward(value, f"the eval reward of {trajectory.id}")

@@ -8,7 +8,9 @@ import threading
 import time
 
 import msgspec
+import numpy as np
 import pytest
+import torch
 
 from flowrl.data.trajectory import Group, Trajectory, Turn
 from flowrl.operator import OperatorContext
@@ -236,8 +238,95 @@ def test_bad_return_value_is_an_isolated_error():
         return out, op.metrics(), op.last_error
 
     out, metrics, last_error = run(main())
-    assert out["trajectories"].trajectories[0].reward == 0.0 and metrics["reward/exceptions"] == 1
-    assert "return a float" in last_error
+    assert out["trajectories"].trajectories[0].reward == 0.0 and metrics["reward/invalid"] == 1
+    assert metrics["reward/exceptions"] == 0 and metrics["reward/errors"] == 1
+    assert "return a float" in last_error and "Traceback" not in last_error
+
+
+VALUES: dict[str, object] = {}  # what `returns_value` gives for a trajectory's text
+
+
+def returns_value(t: Trajectory) -> object:
+    return VALUES[t.metadata["text"]]
+
+
+async def async_returns_value(t: Trajectory) -> object:
+    return VALUES[t.metadata["text"]]
+
+
+def batched_returns_values(ts: list[Trajectory]) -> list[object]:
+    return [VALUES[t.metadata["text"]] for t in ts]
+
+
+def _scored(value: object, fn: str = "test_rewards:returns_value", **config) -> tuple[Group | None, dict, str]:
+    """One group of two: "ok" scores 1.0, "v" scores `value`."""
+    VALUES.clear()
+    VALUES.update({"ok": 1.0, "v": value})
+
+    async def main():
+        op = await make(fn, **config)
+        out = await op.process({"trajectories": group(["ok", "v"])})
+        await op.close()
+        return out.get("trajectories"), op.metrics(), op.last_error or ""
+
+    return run(main())
+
+
+@pytest.mark.parametrize("value, expected", [
+    (np.float32(0.5), 0.5), (np.float64(-0.25), -0.25), (np.int64(2), 2.0), (np.array(1.5), 1.5),
+    (torch.tensor(0.75), 0.75), (torch.tensor(3, dtype=torch.int32), 3.0), (7, 7.0),
+])
+@pytest.mark.parametrize("fn", ["test_rewards:returns_value", "test_rewards:async_returns_value",
+                                "test_rewards:batched_returns_values"])
+def test_numpy_and_torch_scalars_are_floats(value, expected, fn):
+    out, metrics, _ = _scored(value, fn, batched=fn.endswith("values"))
+    assert [t.reward for t in out.trajectories] == [1.0, expected]
+    assert all(type(t.reward) is float for t in out.trajectories)
+    assert metrics["reward/errors"] == 0
+
+
+INVALID = [
+    (float("nan"), "reward is nan"), (float("inf"), "reward is inf"), (-np.inf, "reward is -inf"),
+    (np.float32("nan"), "reward is nan"), (torch.tensor(float("inf")), "reward is inf"),
+    (None, "reward returned NoneType None"), ("0.5", "reward returned str '0.5'"),
+    (True, "reward is a bool (True)"), (False, "reward is a bool (False)"), (np.bool_(True), "is a bool"),
+    (torch.tensor(True), "is a bool"), (torch.tensor([1.0, 2.0]), "shape (2,)"), (object(), "return a float"),
+    ([0.5, 0.5], "turn_rewards has 2 values for 1 turns"), ([float("nan")], "turn_rewards[0] is nan"),
+    ({"reward": float("nan")}, "reward is nan"), ({"turn_rewards": [True]}, "turn_rewards[0] is a bool"),
+    ({"token_rewards": [1.0, None]}, "token_rewards[1] is NoneType"), ({"token_rewards": [1.0]}, "1 values for 2"),
+    ({"token_rewards": np.array([1.0, 2.0])}, "give a list"), ({"reward": None}, "all None"),
+    ({"score": 1.0}, "keys ['score']"),
+]
+
+
+@pytest.mark.parametrize("value, message", INVALID, ids=[m for _, m in INVALID])
+def test_invalid_values_are_reward_errors(value, message):
+    """NaN, inf, non-numbers and bools are refused like a raising function: zeroed, counted, reported."""
+    out, metrics, last_error = _scored(value)
+    ok, bad = out.trajectories
+    assert ok.reward == 1.0 and bad.reward == 0.0 and bad.turn_rewards is None and bad.token_rewards is None
+    assert metrics["reward/invalid"] == metrics["reward/errors"] == metrics["reward/zeroed"] == 1
+    assert metrics["reward/exceptions"] == 0 and metrics["reward/mean"] == 0.5
+    assert message in last_error and "0:0/1" in last_error and "Traceback" not in last_error
+
+
+@pytest.mark.parametrize("fn", ["test_rewards:returns_value", "test_rewards:async_returns_value",
+                                "test_rewards:batched_returns_values"])
+def test_invalid_values_follow_on_error(fn):
+    batched = fn.endswith("values")
+    out, metrics, _ = _scored(float("nan"), fn, batched=batched, on_error="drop")
+    assert out is None and metrics["reward/dropped_groups"] == 1 and metrics["reward/invalid"] == 1
+    with pytest.raises(RewardFailed, match="invalid reward: reward is nan"):
+        _scored(float("nan"), fn, batched=batched, on_error="fail")
+    VALUES["v"] = True
+    with pytest.raises(RewardFailed, match="2 reward errors.*is a bool"):
+        run(_twice(fn, batched))
+
+
+async def _twice(fn: str, batched: bool) -> None:
+    op = await make(fn, batched=batched, max_errors=2)
+    for i in range(2):
+        await op.process({"trajectories": group(["v"], f"0:{i}")})
 
 
 def test_unknown_function_is_a_clear_error():

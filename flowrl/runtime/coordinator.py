@@ -176,13 +176,17 @@ class Coordinator:
 
     async def complete(self, node: str, replica: int, work_id: str, outputs: dict[str, Any],
                        version: int | None = None, metrics: dict[str, Any] | None = None,
-                       busy: float = 0.0) -> bool:
+                       busy: float = 0.0, counters: dict[str, float] | None = None) -> bool:
         """A stage finished a unit of work: consume its inputs and emit its outputs, atomically.
+        `counters`: its operator's `metrics()` after the work, so that the next step's
+        metrics.jsonl row counts it (reports come only every REPORT_EVERY_S).
 
         Waits while an async output channel is full. False if the work no longer counts (the
         run is stopping, or the work was handed to another replica meanwhile).
         """
         self.observe.busy[(node, replica)] = busy
+        if counters:
+            self.observe.operators[(node, replica)] = counters
         while any(self.channels[e.label].full for e in self.outs[node]
                   if e.kind == "data" and outputs.get(e.src_port) is not None):
             if self.stopping or work_id not in self.held[node]:

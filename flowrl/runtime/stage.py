@@ -120,7 +120,7 @@ class Stage:
                                   "generate", work)
         faults.reached("generate")
         await self.coord.complete(self.node.name, self.replica, work.id, {port: group}, version=version,
-                                  busy=self.busy)
+                                  busy=self.busy, counters=self.op.metrics())
 
     async def _update_weights(self, work: Work, partial: bool) -> None:
         if partial:
@@ -153,7 +153,8 @@ class Stage:
     async def _process_one(self, work: Work) -> None:
         outputs = await self._timed(self.op.process(work.value), "process", work)
         outputs = {port: (outputs or {}).get(port) for port in self.node.outputs}
-        await self.coord.complete(self.node.name, self.replica, work.id, outputs, busy=self.busy)
+        await self.coord.complete(self.node.name, self.replica, work.id, outputs, busy=self.busy,
+                                  counters=self.op.metrics())
 
     async def _train_loop(self) -> None:
         port = next(iter(self.node.outputs))

@@ -19,6 +19,7 @@ from typing import Any
 
 from flowrl.data.trajectory import Trajectory
 from flowrl.registry import import_path
+from flowrl_operators.reward_values import InvalidReward, as_reward
 from flowrl_operators.workflows.base import EpisodeError, WorkflowContext
 from flowrl_operators.workflows.proxy import assemble, run_agent
 
@@ -44,9 +45,12 @@ class AgentWorkflow:
             calls = proxy.close_session(session)
         trajectories = assemble(calls, ctx.version)
         reward = outcome.get("reward") if isinstance(outcome, dict) else outcome
-        if reward is not None and not isinstance(reward, int | float):
-            raise EpisodeError(f"the agent returned {type(reward).__name__}; return a float reward or None")
+        if reward is not None:  # None leaves scoring to a reward node
+            try:
+                reward = as_reward(reward, "the agent's reward")
+            except InvalidReward as e:
+                raise EpisodeError(f"{e}; return a float reward or None") from None
         for t in trajectories:
-            t.reward = None if reward is None else float(reward)
+            t.reward = reward
             t.metadata["sample"] = sample
         return trajectories

@@ -10,26 +10,42 @@ the episode:
 `reset` and `step` may be sync or async. An observation is text (a user message), one chat
 message (`{"role": "tool", "content": ...}`), or a list of messages. `step` receives the decoded
 text of the model's turn, or its token ids if the class sets `action = "ids"`. `step` may return
-`(observation, reward, done)` or add an `info` dict; a `StepResult` works too. An optional
+`(observation, reward, done)` or add an `info` dict; a `StepResult` works too. Its reward must be
+a finite number (`flowrl_operators.reward_values`); anything else fails the episode. An optional
 `close()` runs when the episode ends, however it ends.
+
+Sync code never runs on the event loop, where it would stall every stage of the process and no
+timeout could fire: an environment class with a sync `reset` or `step` is built, and its sync
+methods are called, on a daemon thread of its own (always the same one, for libraries that tie
+state to a thread). When the generate node's `episode_timeout_s` cancels an episode stuck in a
+sync call, the call is abandoned in that thread (it cannot be killed; being a daemon, it does
+not keep the process alive) and a sync `close()` is queued behind it; an async `close()` gets
+`CLOSE_TIMEOUT_S` in the background.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Any, Protocol
 
 import msgspec
 
 from flowrl.data.trajectory import Trajectory
+from flowrl_operators.reward_values import InvalidReward, as_reward
+from flowrl_operators.threads import DaemonExecutor, call_in_thread
 from flowrl_operators.workflows.base import (
     EpisodeError,
     TrajectoryBuilder,
     WorkflowContext,
     chat_ids,
     continuation_ids,
+    is_async_callable,
     maybe_await,
 )
+
+CLOSE_TIMEOUT_S = 30.0  # an abandoned episode's async close() (its sync close() queues in its thread)
+_CLOSING: set[asyncio.Task] = set()  # those closes, kept referenced until they finish
 
 
 class StepResult(msgspec.Struct):
@@ -56,12 +72,15 @@ def as_messages(observation: Any) -> list[dict[str, Any]]:
 
 
 def as_step(value: Any) -> StepResult:
-    if isinstance(value, StepResult):
-        return value
     if isinstance(value, tuple) and len(value) in (3, 4):
         observation, reward, done, *info = value
-        return StepResult(observation, float(reward), bool(done), dict(info[0] or {}) if info else {})
-    raise EpisodeError(f"step() must return (observation, reward, done[, info]) or a StepResult, got {value!r:.80}")
+        value = StepResult(observation, reward, bool(done), dict(info[0] or {}) if info else {})
+    elif not isinstance(value, StepResult):
+        raise EpisodeError(f"step() must return (observation, reward, done[, info]) or a StepResult, got {value!r:.80}")
+    try:
+        return msgspec.structs.replace(value, reward=as_reward(value.reward, "step() reward"))
+    except InvalidReward as e:
+        raise EpisodeError(str(e)) from None
 
 
 def _plain_info(info: dict[str, Any]) -> dict[str, Any]:
@@ -86,17 +105,25 @@ class EnvironmentWorkflow:
         self.max_context = max_context
 
     async def __call__(self, ctx: WorkflowContext, sample: dict[str, Any]) -> Trajectory:
-        env = self.make_env()
+        host = _Host()
         try:
-            return await self._episode(ctx, env, sample)
+            env = await host.make(self.make_env)
+            try:
+                trajectory = await self._episode(ctx, host, env, sample)
+            except asyncio.CancelledError:  # the episode timed out: do not wait on a hung call
+                host.abandon(env)
+                raise
+            except BaseException:
+                await host.close(env)
+                raise
+            await host.close(env)
+            return trajectory
         finally:
-            close = getattr(env, "close", None)
-            if callable(close):
-                await maybe_await(close())
+            host.thread.close()
 
-    async def _episode(self, ctx: WorkflowContext, env: Any, sample: dict[str, Any]) -> Trajectory:
+    async def _episode(self, ctx: WorkflowContext, host: _Host, env: Any, sample: dict[str, Any]) -> Trajectory:
         history = ([{"role": "system", "content": self.system}] if self.system else []) + as_messages(
-            await maybe_await(env.reset(sample)))
+            await host.call(env.reset, sample))
         builder = TrajectoryBuilder(chat_ids(ctx.tokenizer, history))
         limit = self.max_context or getattr(ctx.engine, "max_context", None)
         info: dict[str, Any] = {}
@@ -112,7 +139,7 @@ class EnvironmentWorkflow:
             builder.add_model(result)
             text = ctx.decode(result.output_ids)
             action = result.output_ids if getattr(env, "action", "text") == "ids" else text
-            step = as_step(await maybe_await(env.step(action)))
+            step = as_step(await host.call(env.step, action))
             builder.turn_rewards.append(step.reward)
             info.update(_plain_info(step.info))
             history.append({"role": "assistant", "content": text})
@@ -129,3 +156,47 @@ class EnvironmentWorkflow:
             builder.finish_reason = "length"  # out of turns
         metadata = {"sample": sample, "turns": len(builder.turns), "done": done, "info": info}
         return builder.build(reward=sum(builder.turn_rewards), metadata=metadata)
+
+
+class _Host:
+    """Where one episode's environment runs: sync code on a daemon thread of its own (started at
+    the first sync call, one call at a time), async code on the event loop."""
+
+    def __init__(self) -> None:
+        self.thread = DaemonExecutor(1, "flowrl-env")
+
+    async def make(self, make_env: Callable[[], Any]) -> Any:
+        """A class with a sync `reset` or `step` is built on the thread its methods will run on."""
+        if isinstance(make_env, type) and not all(
+                is_async_callable(getattr(make_env, name, None)) for name in ("reset", "step")):
+            return await call_in_thread(self.thread, make_env)
+        return make_env()
+
+    async def call(self, method: Callable[..., Any], *args: Any) -> Any:
+        if is_async_callable(method):
+            return await method(*args)
+        return await maybe_await(await call_in_thread(self.thread, method, *args))
+
+    async def close(self, env: Any) -> None:
+        close = getattr(env, "close", None)  # optional in the protocol
+        if callable(close):
+            await self.call(close)
+
+    def abandon(self, env: Any) -> None:
+        """Close without waiting: a sync close queues behind whatever call the thread is stuck in;
+        an async one runs in the background, for at most CLOSE_TIMEOUT_S."""
+        close = getattr(env, "close", None)
+        if not callable(close):
+            return
+        if not is_async_callable(close):
+            self.thread.submit(close)
+            return
+        task = asyncio.get_running_loop().create_task(asyncio.wait_for(close(), CLOSE_TIMEOUT_S))
+        _CLOSING.add(task)
+        task.add_done_callback(_closed)
+
+
+def _closed(task: asyncio.Task) -> None:
+    _CLOSING.discard(task)
+    if not task.cancelled():
+        task.exception()  # retrieved: a failed close of an abandoned episode is not reported again

@@ -17,7 +17,6 @@ address they can reach (loopback by default).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 import time
@@ -30,6 +29,7 @@ from aiohttp import web
 
 from flowrl.data.trajectory import Trajectory
 from flowrl_operators.engine.base import GenerateRequest, GenerateResult, InferenceEngine, SamplingParams
+from flowrl_operators.threads import DaemonExecutor, call_in_thread
 from flowrl_operators.workflows.base import TrajectoryBuilder, chat_ids, derive_seed, is_async_callable
 
 _MARK = "\u0002"  # brackets spliced-reply indices in a rendered template
@@ -262,7 +262,11 @@ def assemble(calls: list[Call], version: int) -> list[Trajectory]:
 
 async def run_agent(agent: Any, base_url: str, sample: dict[str, Any]) -> Any:
     """Call a user agent `agent(base_url, sample)`; a sync agent runs in a thread so that its
-    blocking HTTP calls do not stall the event loop that serves them."""
+    blocking HTTP calls do not stall the event loop that serves them. A daemon thread: an agent
+    abandoned by `episode_timeout_s` must not keep the process alive at exit."""
     if is_async_callable(agent):
         return await agent(base_url, sample)
-    return await asyncio.to_thread(agent, base_url, sample)
+    return await call_in_thread(_AGENTS, agent, base_url, sample)
+
+
+_AGENTS = DaemonExecutor(None, "flowrl-agent")  # one thread per agent in flight, reused when idle
