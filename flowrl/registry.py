@@ -6,7 +6,9 @@ package uses, so a plugin is never a second-class citizen.
 
 from __future__ import annotations
 
+import difflib
 import importlib
+from collections.abc import Iterable
 from functools import cache
 from importlib.metadata import entry_points
 
@@ -26,6 +28,12 @@ def _entry_points() -> dict[str, str]:
 
 def names() -> list[str]:
     return sorted(_entry_points())
+
+
+def did_you_mean(name: str, known: Iterable[str]) -> str:
+    """"; did you mean 'x'?" for the closest known name, or ""."""
+    close = difflib.get_close_matches(name, sorted(known), n=1)
+    return f"; did you mean '{close[0]}'?" if close else ""
 
 
 def import_path(path: str) -> object:

@@ -144,6 +144,8 @@ class OwnProcess(Strict):
 
 
 class TrainConfig(Strict):
+    # The training engine (training/engine.py): fsdp2, or one a plugin registers (flowrl.training_engines).
+    engine: str = "fsdp2"
     advantage: AdvantageConfig = msgspec.field(default_factory=AdvantageConfig)
     loss: LossConfig = msgspec.field(default_factory=LossConfig)
     optim: OptimConfig = msgspec.field(default_factory=OptimConfig)
@@ -158,11 +160,15 @@ class TrainConfig(Strict):
 
 
 class ReferenceConfig(Strict):
+    # The training engine (training/engine.py): fsdp2, or one a plugin registers (flowrl.training_engines).
+    engine: str = "fsdp2"
     model: str | None = None  # defaults to the pipeline's model
     micro_batch_tokens: PositiveInt = 8192
 
 
 class CriticConfig(Strict):
+    # The training engine (training/engine.py): fsdp2, or one a plugin registers (flowrl.training_engines).
+    engine: str = "fsdp2"
     model: str | None = None  # defaults to the pipeline's model with a value head
     optim: OptimConfig = msgspec.field(default_factory=OptimConfig)
     value_clip: Annotated[float, Meta(gt=0)] = 0.2

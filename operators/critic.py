@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from flowrl.data.trajectory import Group
-from flowrl.operator import TRAJECTORIES, Operator, Resources
+from flowrl.operator import TRAJECTORIES, GraphFacts, Operator, Resources
 from flowrl_operators.config import CriticConfig
 
 
@@ -26,16 +26,22 @@ class Critic(Operator):
     outputs: ClassVar = {"trajectories": TRAJECTORIES}
     resources = Resources(cpus=0.25)
 
+    @classmethod
+    def check_graph(cls, config: CriticConfig, facts: GraphFacts) -> list[tuple[tuple[str, ...], str]]:
+        from flowrl_operators.training.engine import check_name
+
+        return [(("engine",), problem)] if (problem := check_name(config.engine)) else []
+
     async def setup(self) -> None:
         from flowrl_operators.models import import_transformers
         from flowrl_operators.train import trainer_config
+        from flowrl_operators.training.engine import build
         from flowrl_operators.training.losses import ValueLossConfig, value_loss
-        from flowrl_operators.training.trainer import Critic as ValueModel
 
         c: CriticConfig = self.config
         config = trainer_config(c.optim, c.micro_batch_tokens, 3, 1, self.context.seed)
         import_transformers()  # here, not in two threads at once
-        self.model = await asyncio.to_thread(ValueModel, c.model or self.context.model["path"], config)
+        self.model = await asyncio.to_thread(build, c.engine, c.model or self.context.model["path"], config, "value")
         self.loss_fn = value_loss(ValueLossConfig(value_clip=c.value_clip))
         self.batch_size = int(self.context.data.get("batch_size", 1))
         self.pending: dict[int, list[Group]] = {}

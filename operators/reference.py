@@ -6,7 +6,7 @@ import asyncio
 from typing import Any, ClassVar
 
 from flowrl.data.trajectory import Group
-from flowrl.operator import TRAJECTORIES, Operator, Resources
+from flowrl.operator import TRAJECTORIES, GraphFacts, Operator, Resources
 from flowrl_operators.config import ReferenceConfig
 
 
@@ -19,15 +19,21 @@ class Reference(Operator):
     outputs: ClassVar = {"trajectories": TRAJECTORIES}
     resources = Resources(cpus=0.25)
 
+    @classmethod
+    def check_graph(cls, config: ReferenceConfig, facts: GraphFacts) -> list[tuple[tuple[str, ...], str]]:
+        from flowrl_operators.training.engine import check_name
+
+        return [(("engine",), problem)] if (problem := check_name(config.engine)) else []
+
     async def setup(self) -> None:
         from flowrl_operators.models import import_transformers
-        from flowrl_operators.training.trainer import Reference as Frozen
+        from flowrl_operators.training.engine import build
         from flowrl_operators.training.trainer import TrainerConfig
 
         config = TrainerConfig(micro_batch_tokens=self.config.micro_batch_tokens, seed=self.context.seed)
         path = self.config.model or self.context.model["path"]
         import_transformers()  # here, not in two threads at once
-        self.model = await asyncio.to_thread(Frozen, path, config)
+        self.model = await asyncio.to_thread(build, self.config.engine, path, config, "reference")
         # One forward at a time: records arrive concurrently, the model is shared.
         self.lock = asyncio.Lock()
 

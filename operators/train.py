@@ -62,11 +62,11 @@ class Learner:
     """The model side of a train step (trainer, loss, advantages), built in the train node's process
     or, with `own_process`, in a child process (flowrl_operators.training.process)."""
 
-    def __init__(self, model: str, config: Any, loss: Any, advantage: Any, epochs: int) -> None:
+    def __init__(self, engine: str, model: str, config: Any, loss: Any, advantage: Any, epochs: int) -> None:
+        from flowrl_operators.training.engine import build
         from flowrl_operators.training.losses import policy_loss
-        from flowrl_operators.training.trainer import Trainer
 
-        self.trainer = Trainer(model, config)
+        self.trainer = build(engine, model, config, "policy")
         self.loss, self.advantage, self.epochs = loss, advantage, epochs
         self.loss_fn = policy_loss(loss)
 
@@ -125,9 +125,12 @@ class Train(Operator):
 
     @classmethod
     def check_graph(cls, config: TrainConfig, facts: GraphFacts) -> list[tuple[tuple[str, ...], str]]:
+        from flowrl_operators.training.engine import check_name
+
+        problems = [(("engine",), problem)] if (problem := check_name(config.engine)) else []
         if unbounded_weight(config.loss):
-            return [(("loss", "decoupled"), UNBOUNDED_WEIGHT)]
-        return []
+            problems.append((("loss", "decoupled"), UNBOUNDED_WEIGHT))
+        return problems
 
     async def setup(self) -> None:
         from flowrl_operators.models import import_transformers
@@ -147,7 +150,7 @@ class Train(Operator):
         check_compatible(loss, advantage)
         steps = int(self.context.run.get("steps", 1000)) if hasattr(self.context, "run") else 1000
         config = trainer_config(c.optim, c.micro_batch_tokens, c.max_nonfinite_steps, max(steps, 1), self.context.seed)
-        args = (self.context.model["path"], config, loss, advantage, c.epochs)
+        args = (c.engine, self.context.model["path"], config, loss, advantage, c.epochs)
         self.learner: Learner | None = None
         self.child: Child | None = None
         if c.own_process is not None:

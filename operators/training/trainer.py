@@ -42,6 +42,7 @@ from flowrl_operators.training.batch import (
     Normaliser,
     micro_batch_rows,
 )
+from flowrl_operators.training.engine import EngineEntry
 from flowrl_operators.training.kernels import token_logprobs
 from flowrl_operators.training.losses import LossFn
 
@@ -390,3 +391,10 @@ class Critic(Trainer):
         """V(s_t) for each target-aligned token of this rank's rows, (B, T), zero off the loss mask."""
         return self._per_token(batch, "values")
 
+
+
+def _build(model_path: str, config: TrainerConfig, role: str) -> Trainer:
+    return {"policy": Trainer, "reference": Reference, "value": Critic}[role](model_path, config)
+
+
+FSDP2 = EngineEntry("fsdp2", _build)  # registered as `fsdp2` (pyproject.toml, flowrl.training_engines)

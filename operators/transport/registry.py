@@ -12,13 +12,13 @@ so a new transport is one module and one entry point:
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from importlib.metadata import entry_points
 from typing import Any
 
+from flowrl.registry import did_you_mean
 from flowrl_operators.transport.base import Stream, TransferError, WeightSender
 
 GROUP = "flowrl.transports"
@@ -50,9 +50,8 @@ def names() -> list[str]:
 def get(name: str) -> Transport:
     found = transports().get(name)
     if found is None:
-        close = difflib.get_close_matches(name, names(), n=1)
-        hint = f"; did you mean '{close[0]}'?" if close else ""
-        raise TransferError(f"unknown weight transport '{name}' (registered: {', '.join(names())}){hint}")
+        raise TransferError(f"unknown weight transport '{name}' (registered: {', '.join(names())})"
+                            f"{did_you_mean(name, names())}")
     return found
 
 
