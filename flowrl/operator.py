@@ -47,6 +47,13 @@ class OperatorContext(msgspec.Struct, kw_only=True):
     world_size: int = 1
 
 
+class Knobs(msgspec.Struct, frozen=True, kw_only=True):
+    """How the runtime drives an operator; its class says, from its config (`Operator.knobs`)."""
+
+    concurrency: int = 16  # calls in flight at once: samples (generate) or records (transforms)
+    partial_rollout: bool = False  # generate: weights are updated while generations are in flight
+
+
 class GraphFacts(msgspec.Struct, frozen=True):
     """What the compiler knows about a node's place in the graph, for `Operator.check_graph`."""
 
@@ -72,12 +79,12 @@ class Operator:
 
     What the runtime calls, per kind (flowrl/runtime/stage.py is the caller):
     - generate: `generate(sample, step=, sample_id=)` once per sample, many concurrently (up to
-      the config's `max_concurrency`); `update_weights(weights, version)` when a newer weights
-      record arrives, after the in-flight `generate` calls have returned; with config
-      `partial_rollout: true` instead `pause()`, `update_weights(...)`, `resume()` while they are
-      still in flight (they continue under the new weights).
+      `knobs(config).concurrency`); `update_weights(weights, version)` when a newer weights
+      record arrives, after the in-flight `generate` calls have returned; with
+      `knobs(config).partial_rollout` instead `pause()`, `update_weights(...)`, `resume()` while they
+      are still in flight (they continue under the new weights).
     - reward, reference, transform: `process({port: value}) -> {port: value}` once per record
-      (a Group), concurrently up to config `concurrency` (default 16). A port missing from the
+      (a Group), concurrently up to `knobs(config).concurrency` (default 16). A port missing from the
       result, or None, filters the record out on that port.
     - train: `train(groups, step=)` once per step, one at a time, with the step's groups (up to
       `data.batch_size`; fewer, even none, if some were rejected, filtered or dropped as stale);
@@ -100,6 +107,12 @@ class Operator:
     inputs: ClassVar[dict[str, str]] = {}
     outputs: ClassVar[dict[str, str]] = {}
     resources: ClassVar[Resources] = Resources()
+
+    @classmethod
+    def knobs(cls, config: msgspec.Struct) -> Knobs:
+        """How the runtime drives this operator (flowrl/runtime/stage.py; the compiler's GraphFacts)."""
+        del config
+        return Knobs()
 
     @classmethod
     def check_graph(cls, config: msgspec.Struct, facts: GraphFacts) -> list[tuple[tuple[str, ...], str]]:

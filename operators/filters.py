@@ -17,7 +17,7 @@ from typing import Annotated, Any, ClassVar
 from msgspec import Meta
 
 from flowrl.data.trajectory import Group
-from flowrl.operator import TRAJECTORIES, Operator, Resources
+from flowrl.operator import TRAJECTORIES, Knobs, Operator, Resources
 from flowrl_operators.config import PositiveInt, Strict
 
 
@@ -42,6 +42,10 @@ class DynamicSampling(Operator):
 
     kind = "transform"
     Config = DynamicSamplingConfig
+
+    @classmethod
+    def knobs(cls, config: DynamicSamplingConfig) -> Knobs:
+        return Knobs(concurrency=config.concurrency)
     inputs: ClassVar = {"trajectories": TRAJECTORIES}
     outputs: ClassVar = {"trajectories": TRAJECTORIES}
     resources = Resources(cpus=0.05)

@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 import msgspec
 
 from flowrl.data.trajectory import Group, SamplingSpan, Trajectory
-from flowrl.operator import PROMPTS, TRAJECTORIES, WEIGHTS, Operator, Resources
+from flowrl.operator import PROMPTS, TRAJECTORIES, WEIGHTS, Knobs, Operator, Resources
 from flowrl_operators.config import EngineConfig, GenerateConfig
 from flowrl_operators.engine.base import SamplingParams
 
@@ -24,6 +24,10 @@ class Generate(Operator):
 
     kind = "generate"
     Config = GenerateConfig
+
+    @classmethod
+    def knobs(cls, config: GenerateConfig) -> Knobs:
+        return Knobs(concurrency=config.max_concurrency, partial_rollout=config.partial_rollout)
     inputs: ClassVar = {"prompts": PROMPTS, "weights": WEIGHTS}
     outputs: ClassVar = {"trajectories": TRAJECTORIES}
     resources = Resources(cpus=0.5)

@@ -37,7 +37,7 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 from flowrl.data.trajectory import Group, Trajectory
-from flowrl.operator import TRAJECTORIES, Operator, Resources
+from flowrl.operator import TRAJECTORIES, Knobs, Operator, Resources
 from flowrl.registry import OperatorError, import_path
 from flowrl_operators.config import RewardConfig
 from flowrl_operators.reward_values import InvalidReward, apply_score
@@ -98,6 +98,10 @@ class Reward(Operator):
 
     kind = "reward"
     Config = RewardConfig
+
+    @classmethod
+    def knobs(cls, config: RewardConfig) -> Knobs:
+        return Knobs(concurrency=config.concurrency)
     inputs: ClassVar = {"trajectories": TRAJECTORIES}
     outputs: ClassVar = {"trajectories": TRAJECTORIES}
     resources = Resources(cpus=0.25)

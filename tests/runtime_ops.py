@@ -24,6 +24,7 @@ from flowrl.operator import (
     TRAJECTORIES,
     WEIGHTS,
     GraphFacts,
+    Knobs,
     Operator,
     Resources,
     TrainResult,
@@ -73,6 +74,10 @@ class ToyGenerate(Operator):
 
     kind = "generate"
     Config = GenConfig
+
+    @classmethod
+    def knobs(cls, config: GenConfig) -> Knobs:
+        return Knobs(concurrency=config.max_concurrency, partial_rollout=config.partial_rollout)
     inputs: ClassVar = {"prompts": PROMPTS, "weights": WEIGHTS}
     outputs: ClassVar = {"trajectories": TRAJECTORIES}
     resources = Resources(cpus=0.1)
@@ -135,6 +140,10 @@ class ToyReward(Operator):
 
     kind = "reward"
     Config = RewardConfig
+
+    @classmethod
+    def knobs(cls, config: RewardConfig) -> Knobs:
+        return Knobs(concurrency=config.concurrency)
     inputs: ClassVar = {"trajectories": TRAJECTORIES}
     outputs: ClassVar = {"trajectories": TRAJECTORIES}
     resources = Resources(cpus=0.1)
@@ -160,6 +169,10 @@ class ToyJoin(Operator):
 
     kind = "transform"
     Config = JoinConfig
+
+    @classmethod
+    def knobs(cls, config: JoinConfig) -> Knobs:
+        return Knobs(concurrency=config.concurrency)
     inputs: ClassVar = {"left": TRAJECTORIES, "right": TRAJECTORIES}
     outputs: ClassVar = {"trajectories": TRAJECTORIES}
     resources = Resources(cpus=0.1)

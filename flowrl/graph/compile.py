@@ -247,7 +247,7 @@ def _check_operators(edges, ops, configs, executor: str, loc, problems) -> None:
             continue
         upstream = nx.ancestors(data, name)
         async_in = any(d["mode"] == "async" for _, v, d in data.edges(data=True) if v == name or v in upstream)
-        partial = any(getattr(configs.get(u), "partial_rollout", False) for u in upstream)
+        partial = any(ops[u].knobs(configs[u]).partial_rollout for u in upstream if u in configs)
         facts = GraphFacts(async_upstream=async_in, partial_rollout_upstream=partial, executor=executor)
         for key_path, message in op.check_graph(configs[name], facts):
             problems.append(loc.diagnostic(("nodes", name, *key_path), message))

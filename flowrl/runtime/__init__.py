@@ -25,9 +25,9 @@ Run keys read from `plan.run`: `steps` (train steps, default 10), `executor` (in
 with a checkpoint, after this long: status "done", stopped_by "max_seconds"), `max_restarts` (restarts of a dead generate actor under Ray,
 default 3), `checkpoint_every` / `checkpoint_seconds` / `keep_checkpoints` (checkpoints.py). `data`: `source`, `batch_size`, `options` (see flowrl/data/source.py). Node
 `resources` place the stage (Ray: one actor per replica; `replicas: N` of a train node are the
-ranks of one sharded model, see flowrl/runtime/ray_executor.py). Node config
-keys the runtime reads, when the operator's Config has them: `max_concurrency` (generate,
-default 64), `concurrency` (other transforms, default 16), `partial_rollout` (generate).
+ranks of one sharded model, see flowrl/runtime/ray_executor.py). How many calls a stage keeps in
+flight and whether a generate stage updates weights mid-generation come from the operator's
+`knobs(config)` (flowrl.operator.Knobs), never from config keys read by name.
 Checkpoints are written periodically, at the end, on interrupt (SIGINT, SIGTERM) and at `max_steps`.
 
 Run directory layout (all written by the coordinator or by run()):

@@ -101,8 +101,8 @@ class Stage:
     # ---- loops per node kind -------------------------------------------------------------------
 
     async def _generate_loop(self) -> None:
-        limit = getattr(self.op.config, "max_concurrency", 64)
-        partial = getattr(self.op.config, "partial_rollout", False)
+        knobs = self.op.knobs(self.op.config)
+        limit, partial = knobs.concurrency, knobs.partial_rollout
         port = next(iter(self.node.outputs))
         while True:
             await self._wait_for_room(limit)
@@ -142,7 +142,7 @@ class Stage:
         await self.coord.loaded_weights(self.node.name, self.replica, work.version)
 
     async def _transform_loop(self) -> None:
-        limit = getattr(self.op.config, "concurrency", 16)
+        limit = self.op.knobs(self.op.config).concurrency
         while True:
             await self._wait_for_room(limit)
             work = await self._take()
