@@ -32,7 +32,7 @@ def check_names(stop_when: dict[str, float]) -> None:
     for name in stop_when:
         if name == EVAL or name in ROW_KEYS or (name.startswith("train.") and len(name) > len("train.")):
             continue
-        raise ValueError(f"run.stop_when: unknown metric {name!r}; use {EVAL}, one of "
+        raise ValueError(f"stop_when: unknown metric {name!r}; use {EVAL}, one of "
                          f"{', '.join(ROW_KEYS)}, or train.<key> (a train node metric)")
 
 
