@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -200,3 +201,19 @@ def test_a_source_may_ask_for_the_tokenizer_and_the_batch_size():
     assert load_source(data, tokenizer=given).tokenizer is given
     with pytest.raises(ValueError, match="asks for a tokenizer; the pipeline's model.path is needed"):
         load_source(data)
+
+
+def test_the_spec_checks_a_file_source_before_anything_runs(tmp_path):
+    from flowrl.spec.errors import SpecError
+    from flowrl.spec.load import load
+
+    spec = tmp_path / "p.yaml"
+    spec.write_text("flowrl: 1\nname: x\nmodel: {path: builtin:tiny-qwen2}\nnodes: {}\nedges: []\n"
+                    "data:\n  source: {file: t.parquet, messages: chat, eval_rows: 4}\n  eval: {samples: 4}\n")
+    loaded = load(spec)
+    assert loaded.spec.data.source.messages == "chat" and loaded.spec.data.source.shuffle is True
+    for override, message in (("data.eval.samples=5", "data: eval.samples (5) is more than source.eval_rows (4)"),
+                              ("data.options.x=1", "data: options apply to a module:attr source"),
+                              ("data.source.shuffle=maybe", "data.source.shuffle: expected bool")):
+        with pytest.raises(SpecError, match=re.escape(message)):
+            load(spec, [override])

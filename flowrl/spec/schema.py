@@ -58,6 +58,19 @@ class DataSpec(Strict):
     options: dict[str, Any] = {}  # passed to the source
     eval: EvalSpec | None = None
 
+    def __post_init__(self) -> None:
+        source = self.source
+        if not isinstance(source, FileSourceSpec):
+            return
+        if self.options:
+            raise ValueError("options apply to a module:attr source; a file source takes its keys under source")
+        held = (source.eval_file, source.eval_split, source.eval_rows, source.eval_fraction)
+        if self.eval is not None and self.eval.source is None and all(h is None for h in held):
+            raise ValueError("eval needs held-out rows of the file source: set source.eval_file, eval_split, "
+                             "eval_rows or eval_fraction")
+        if self.eval is not None and source.eval_rows is not None and self.eval.samples > source.eval_rows:
+            raise ValueError(f"eval.samples ({self.eval.samples}) is more than source.eval_rows ({source.eval_rows})")
+
 
 class ClusterSpec(Strict):
     """What the pipeline may use; the compiler rejects nodes asking for more."""
