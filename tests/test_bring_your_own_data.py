@@ -28,6 +28,14 @@ def digits_right(trajectory) -> float:
     return sum(a == b for a, b in zip(text, answer)) / len(answer)
 
 
+async def answer_once(ctx, sample):  # the README's workflow
+    from flowrl_operators.workflows import TrajectoryBuilder
+
+    builder = TrajectoryBuilder(ctx.prompt_ids(sample))
+    builder.add_model(await ctx.generate(builder.context_ids))
+    return builder.build(metadata={"sample": sample})
+
+
 def from_version_two(trajectory) -> float:
     """1 for an answer of policy version 2 or later: evaluations reach 1.0 exactly at version 2."""
     return float(min(trajectory.versions) >= 2)
@@ -95,7 +103,8 @@ def test_stop_when_ends_the_run_at_the_version_whose_evaluation_reached_it(proje
     monkeypatch.chdir(project)
     monkeypatch.syspath_prepend(str(project))
     code = main(["run", "pipeline.yaml", "run.steps=50", "run.stop_when={eval_reward: 1.0}",
-                 "data.eval.options.reward=my_rewards:from_version_two", "--run-dir", "stopped", "--quiet"])
+                 "data.eval.options.reward=my_rewards:from_version_two", "nodes.rollout.workflow=my_rewards:answer_once",
+                 "--run-dir", "stopped", "--quiet"])
     assert code == 0
     assert "done after 2 steps" in capsys.readouterr().out
     evals = lines(project / "stopped/eval.jsonl")

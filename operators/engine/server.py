@@ -171,8 +171,7 @@ class EngineServer:
             text = body["text"]
             batched = isinstance(text, list)
             texts = text if batched else [text]
-            # With the tokenizer's special tokens (e.g. <bos>), as SGLang encodes text.
-            return [self.tokenizer.encode(t) for t in texts], batched
+            return [self.tokenizer.encode(t, add_special_tokens=False) for t in texts], batched
         raise BadRequest("a /generate request needs input_ids (or text)")
 
     def _answer(self, result: GenerateResult, prompt_tokens: int, logprobs: bool, started: float) -> dict:
