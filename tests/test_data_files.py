@@ -91,8 +91,9 @@ def test_bad_columns_are_named(tmp_path):
 
 
 def test_missing_empty_and_malformed_files_are_located(tmp_path):
-    with pytest.raises(SourceError, match="data.source.file: no such file or folder .*missing.jsonl"):
+    with pytest.raises(SourceError, match="data.source.file: no such file or folder .*missing.jsonl") as error:
         source(file=str(tmp_path / "missing.jsonl"))
+    assert error.value.key == "file" and error.value.detail.startswith("no such file or folder")
     (tmp_path / "empty.jsonl").write_text("")
     with pytest.raises(SourceError, match="data.source.file: .*holds no rows"):
         source(file=str(tmp_path / "empty.jsonl"))

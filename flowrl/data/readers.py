@@ -20,11 +20,11 @@ EXTRA = "pip install 'flowrl[data]'  (datasets and pyarrow)"
 
 
 class SourceError(ValueError):
-    """A problem with a file source: `key` is the offending key under `data.source` (for a
-    located message), the text says what to change."""
+    """A problem with a file source: `key` is the offending key under `data.source` and `detail`
+    what to change (a validator locates it at data.source.<key>); str() has both."""
 
     def __init__(self, key: str, message: str) -> None:
-        self.key = key
+        self.key, self.detail = key, message
         super().__init__(f"data.source.{key}: {message}")
 
 
