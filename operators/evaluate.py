@@ -6,7 +6,8 @@ The generate node runs it with its own engine whenever it has loaded a policy ve
 multiple of `every` (and once before training): one greedy episode per held-out sample
 (`source.eval_sample(i)`), scored by the task's reward (`source.reward`, or `data.eval.options.reward:
 module:attr`). Each evaluation appends a row to `RUN_DIR/eval.jsonl`:
-`{"version", "eval_reward", "samples", "time"}` with `time` in seconds since the run's origin.
+`{"version", "eval_reward", "samples", "time", "seconds"}` with `time` in seconds since the run's
+origin (when the evaluation ended) and `seconds` the time the evaluation took.
 
 A sync reward runs on a daemon thread (flowrl_operators.threads), never on the event loop; a call
 that takes over `REWARD_TIMEOUT_S`, or a value that is not a finite number
@@ -31,16 +32,18 @@ REWARD_TIMEOUT_S = 60.0  # one eval reward call
 
 
 class Evaluator:
-    def __init__(self, data: dict[str, Any], seed: int, run_dir: Path | None) -> None:
+    def __init__(self, data: dict[str, Any], seed: int, run_dir: Path | None, tokenizer: Any = None) -> None:
         spec = data["eval"]
         self.every, self.samples = int(spec.get("every", 10)), int(spec.get("samples", 64))
         options = dict(spec.get("options") or {})
         reward = options.pop("reward", None)
-        self.source = load_source({**data, "source": spec.get("source") or data["source"],
-                                   "options": {**(data.get("options") or {}), **options}}, seed)
+        options = {**(data.get("options") or {}), **options}
+        self.source = load_source({**data, "source": spec.get("source") or data["source"], "options": options},
+                                  seed, tokenizer=tokenizer)
         if not callable(getattr(self.source, "eval_sample", None)):
             raise ValueError(f"data.eval needs a source with eval_sample(index) (held-out samples); "
                              f"{type(self.source).__name__} has none: set data.eval.source to one that has")
+        self.source.eval_sample(self.samples - 1)  # a source with fewer held-out samples says so now
         if reward is not None:
             from flowrl_operators.reward import load_reward
 
@@ -63,6 +66,7 @@ class Evaluator:
     async def run(self, generate: Any, version: int) -> dict[str, float]:
         """Greedy episodes of every held-out sample through `generate` (a Generate operator)."""
         self.done.add(version)
+        started = time.time()
         groups = await asyncio.gather(*(
             generate.generate(self.source.eval_sample(i), step=-1, sample_id=f"eval{version}:{i}", greedy=True)
             for i in range(self.samples)))
@@ -74,7 +78,7 @@ class Evaluator:
                 value = await self._score(trajectories[0])
             scores.append(value)
         row = {"version": version, "eval_reward": sum(scores) / len(scores), "samples": len(scores),
-               "time": round(time.time() - self.origin, 3)}
+               "time": round(time.time() - self.origin, 3), "seconds": round(time.time() - started, 3)}
         if self.run_dir is not None:
             with open(Path(self.run_dir) / "eval.jsonl", "a") as f:
                 f.write(json.dumps(row) + "\n")

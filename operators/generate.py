@@ -79,7 +79,7 @@ class Generate(Operator):
         if self.context.data.get("eval") and self.context.rank == 0:
             from flowrl_operators.evaluate import Evaluator
 
-            self.evaluator = Evaluator(self.context.data, self.context.seed, self.context.run_dir)
+            self.evaluator = Evaluator(self.context.data, self.context.seed, self.context.run_dir, self.tokenizer)
             await self.evaluate(self.engine.version)
 
     def _make_engine(self, model: str) -> Any:

@@ -3,12 +3,18 @@
 The pipeline's `data` section names a source and a batch size:
 
     data: {source: "my_pkg.tasks:Arithmetic", batch_size: 16, options: {max_digits: 4}}
+    data: {source: {file: train.parquet, messages: chat, eval_rows: 64}, batch_size: 16}
 
-`source` is `module:attr`, or `builtin:<name>` for `flowrl_operators.tasks:<name>`. The attribute
-is called once as `attr(seed=<run seed>, **options)` (any keys of `data` other than `source`,
-`batch_size`, `options` and `eval` are passed too) and must return an object with
+`source` is a dataset file (a mapping with `file`: flowrl/data/files.py), `module:attr`, or
+`builtin:<name>` for `flowrl_operators.tasks:<name>`. The attribute is called once as
+`attr(seed=<run seed>, **options)`, plus `tokenizer=<the pipeline model's tokenizer>` and
+`batch_size=<data.batch_size>` if its signature names those parameters, and must return an
+object with
 
     sample(step: int, index: int) -> dict      # a plain, msgpack-able dict
+
+and, for `data.eval`, `eval_sample(index) -> dict` (held-out samples). A finite source may define
+`__len__` (its samples per epoch).
 
 Step `s` of a run consists of samples `(s, 0) .. (s, batch_size - 1)`. `sample` must be a pure
 function of `(seed, options, step, index)`: the runtime re-issues a sample after a generate actor
@@ -17,6 +23,7 @@ dies or a run resumes, and the result must be the same sample, so resume and re-
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Protocol
 
 from flowrl.registry import OperatorError, import_path
@@ -36,23 +43,52 @@ def source_path(name: str) -> str:
     return name
 
 
-def load_source(data: dict[str, Any], seed: int = 0) -> Source:
-    """Build the source named by a pipeline's `data` section."""
+def load_source(data: dict[str, Any], seed: int = 0, model: dict[str, Any] | None = None,
+                tokenizer: Any = None) -> Source:
+    """Build the source named by a pipeline's `data` section. A factory that asks for a tokenizer
+    gets `tokenizer`, or else the one of `model["path"]` (the pipeline's `model` section)."""
     name = data.get("source")
-    if not isinstance(name, str):
-        raise ValueError("data.source is missing: name a source as module:attr or builtin:<name>")
     options = dict(data.get("options") or {})
     options.update({k: v for k, v in data.items() if k not in _RESERVED})
+    if isinstance(name, dict):
+        from flowrl.data.files import FileSource
+
+        if options:
+            raise ValueError(f"data.options {sorted(options)} apply to a module:attr source; a file source "
+                             "takes its keys under data.source")
+        return FileSource(seed=seed, batch_size=batch_size(data), **name)
+    if not isinstance(name, str):
+        raise ValueError("data.source is missing: name a file ({file: PATH}), module:attr or builtin:<name>")
     try:
         factory = import_path(source_path(name))
     except OperatorError as e:
         raise ValueError(f"data.source '{name}': {e}") from None
     if not callable(factory):
         raise ValueError(f"data.source '{name}' is not callable; it must build an object with sample(step, index)")
-    source = factory(seed=seed, **options)
+    source = factory(seed=seed, **options, **_asked(factory, data, model, tokenizer))
     if not callable(getattr(source, "sample", None)):
         raise ValueError(f"data.source '{name}' returned {type(source).__name__}, which has no sample(step, index) method")
     return source
+
+
+def _asked(factory: Any, data: dict[str, Any], model: dict[str, Any] | None, tokenizer: Any) -> dict[str, Any]:
+    """The optional factory parameters (`tokenizer`, `batch_size`) its signature names."""
+    try:
+        names = inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # a builtin or C callable without a signature
+        return {}
+    extra: dict[str, Any] = {}
+    if "batch_size" in names:
+        extra["batch_size"] = batch_size(data)
+    if "tokenizer" in names:
+        if tokenizer is None:
+            if not (model or {}).get("path"):
+                raise ValueError(f"data.source '{data['source']}' asks for a tokenizer; the pipeline's model.path is needed")
+            from flowrl_operators.models import load_tokenizer
+
+            tokenizer = load_tokenizer(model["path"])
+        extra["tokenizer"] = tokenizer
+    return extra
 
 
 def batch_size(data: dict[str, Any]) -> int:

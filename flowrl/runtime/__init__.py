@@ -11,6 +11,7 @@ Pieces (each file is short; read them in this order):
 - inprocess.py    every stage an asyncio task in this process (debugging, tests)
 - ray_executor.py every stage replica a Ray actor, the coordinator an async actor
 - run.py          run(): run directory, resume, SIGINT/SIGTERM, max_seconds
+- targets.py      run.stop_when: the metrics that end a run once they reach a value
 - checkpoints.py  when checkpoints are taken, their atomic write, disk space
 - snapshot.py     the coordinator's state in a checkpoint, and what a resume restores
 - observe.py      trace.json, metrics.jsonl, TensorBoard;  progress.py  the live view
@@ -22,8 +23,10 @@ Operators implement the methods of their kind, documented on `flowrl.operator.Op
 
 Run keys read from `plan.run`: `steps` (train steps, default 10), `executor` (inprocess | ray),
 `seed` (also `plan.seed`, handed to the data source and operators), `max_seconds` (end the run,
-with a checkpoint, after this long: status "done", stopped_by "max_seconds"), `max_restarts` (restarts of a dead generate actor under Ray,
-default 3), `checkpoint_every` / `checkpoint_seconds` / `keep_checkpoints` (checkpoints.py). `data`: `source`, `batch_size`, `options` (see flowrl/data/source.py). Node
+with a checkpoint, after this long, counted from when every stage has set up: status "done",
+stopped_by "max_seconds"), `stop_when` (the same once a metric reaches a value: stopped_by
+"stop_when", targets.py), `max_restarts` (restarts of a dead generate actor under Ray,
+default 3), `checkpoint_every` / `checkpoint_seconds` / `keep_checkpoints` (checkpoints.py). `data`: `source` (module:attr, builtin:<task>, or a dataset file: flowrl/data/files.py), `batch_size`, `options` (see flowrl/data/source.py). Node
 `resources` place the stage (Ray: one actor per replica; `replicas: N` of a train node are the
 ranks of one sharded model, see flowrl/runtime/ray_executor.py). How many calls a stage keeps in
 flight and whether a generate stage updates weights mid-generation come from the operator's

@@ -49,6 +49,7 @@ from flowrl.runtime.channel import Channel, Record, Work
 from flowrl.runtime.checkpoints import Pacing
 from flowrl.runtime.ledger import Ledger
 from flowrl.runtime.observe import Observer
+from flowrl.runtime.targets import Targets
 
 
 def admission_budgets(plan: Plan) -> tuple[dict[str, int | None], dict[str, int | None]]:
@@ -86,7 +87,7 @@ class Coordinator:
         self.steps = steps
         self.stop_at = stop_at if stop_at is not None else steps
         self.batch_size = batch_size(plan.data)
-        self.source = load_source(plan.data, plan.seed) if any(
+        self.source = load_source(plan.data, plan.seed, plan.model) if any(
             n.kind == "generate" for n in plan.nodes.values()) else None
         self.run_dir = Path(run_dir) if run_dir else None
         self.origin = origin or time.time()
@@ -140,7 +141,8 @@ class Coordinator:
         self.group_done: dict[str, dict[int, tuple[dict[str, Any], dict[str, Any] | None]]] = {
             t: {} for t in self.trains}
         self.loaded: dict[tuple[str, int], int] = {}
-        self.stopping: str | None = None  # done | time (max_seconds) | interrupt | error
+        self.stopping: str | None = None  # done | time (max_seconds) | target (stop_when) | interrupt | error
+        self.targets = Targets(plan.run.get("stop_when") or {})
         self.error: str | None = None
         self._event: asyncio.Event | None = None
         self.ledger = Ledger(self.run_dir / "ledger.jsonl" if self.run_dir else None)
@@ -223,6 +225,8 @@ class Coordinator:
         self.observe.events.extend(events)
         if metrics:
             self.observe.operators[(node, replica)] = metrics
+            if self.targets.operators(metrics):
+                self.stop("target")
 
     async def fail(self, node: str, replica: int, message: str) -> None:
         await self.abort(f"node '{node}' (replica {replica}) failed:\n{message}")
@@ -242,7 +246,7 @@ class Coordinator:
         return await result if inspect.isawaitable(result) else result
 
     def stop(self, reason: str) -> None:
-        """reason: done | time | interrupt | error. An error overrides; otherwise the first holds."""
+        """reason: done | time | target | interrupt | error. An error overrides; otherwise the first holds."""
         if self.stopping is None or reason == "error":
             self.stopping = reason
         self._notify()
@@ -256,7 +260,7 @@ class Coordinator:
         return {
             "versions": dict(self.versions), "steps": self.steps, "stopping": self.stopping,
             "error": self.error, "queues": {k: len(c) for k, c in self.channels.items()},
-            "last": self.observe.last_row, "counters": dict(self.counters),
+            "last": self.observe.last_row, "counters": dict(self.counters), "reached": self.targets.reached,
         }
 
     async def snapshot(self) -> dict[str, Any]:
@@ -483,6 +487,8 @@ class Coordinator:
             self.versions[node] = out_version
             self.observe.train_step(node, work.step, out_version, work, metrics, self._queues(), self.counters)
             self.observe.instant(node, 0, f"publish v{out_version}")
+            if self.targets.row(self.observe.last_row):
+                self.stop("target")
             if out_version >= self.stop_at and out_version < self.steps:
                 self.stop("interrupt")
             elif self.clock < self.steps:

@@ -16,7 +16,8 @@ from flowrl.graph.plan import Plan
 from flowrl.runtime import checkpoints, streams
 
 # How long stages may take to return once stopped: a train step in progress is allowed to finish.
-JOIN_TIMEOUT_S = {"done": 10.0, "error": 5.0, "interrupt": 600.0, "time": 600.0}
+JOIN_TIMEOUT_S = {"done": 10.0, "error": 5.0, "interrupt": 600.0, "time": 600.0, "target": 600.0}
+FINISHED = {"done": "steps", "time": "max_seconds", "target": "stop_when"}  # reason -> stopped_by
 FLUSH_EVERY_S = 2.0  # record streams reach the disk at least this often
 
 
@@ -26,7 +27,7 @@ class StageFailed(RuntimeError):
 
 @dataclass
 class RunResult:
-    status: str  # done (all steps, or run.max_seconds spent) | interrupted (SIGINT, max_steps): resumable
+    status: str  # done (all steps, run.max_seconds spent, run.stop_when reached) | interrupted (SIGINT, max_steps): resumable
     run_dir: Path | None
     steps: int  # train steps completed (the policy version)
     versions: dict[str, int]
@@ -34,7 +35,8 @@ class RunResult:
     seconds: float
     checkpoint: Path | None = None
     last: dict[str, Any] | None = field(default=None)  # the last metrics row
-    stopped_by: str = "steps"  # steps | max_seconds | interrupt (SIGINT or max_steps)
+    stopped_by: str = "steps"  # steps | max_seconds | stop_when | interrupt (SIGINT or max_steps)
+    reached: str | None = None  # with stopped_by stop_when: which target, e.g. "eval_reward 0.94 >= 0.9"
 
 
 def run(plan: Plan, run_dir: Path | str | None = None, executor: str | None = None, resume: bool = False,
@@ -84,7 +86,7 @@ async def _run(plan: Plan, run_dir: Path | None, executor: str | None, resume: b
         saved = None
         if run_dir is not None:
             saved = await checkpoints.write(ex, run_dir, min(status["versions"].values(), default=0), _keep(plan))
-        await ex.call("finish" if reason in ("done", "time") else "close")
+        await ex.call("finish" if reason in FINISHED else "close")
     finally:
         closing = await ex.shutdown()
     if closing:  # e.g. the final export failed: the run did not produce what it reports
@@ -93,7 +95,7 @@ async def _run(plan: Plan, run_dir: Path | None, executor: str | None, resume: b
         status="interrupted" if reason == "interrupt" else "done", run_dir=run_dir,
         steps=min(status["versions"].values(), default=0), versions=status["versions"],
         counters=status["counters"], seconds=time.time() - started, checkpoint=saved, last=status["last"],
-        stopped_by={"done": "steps", "time": "max_seconds"}.get(reason, "interrupt"),
+        stopped_by=FINISHED.get(reason, "interrupt"), reached=status.get("reached"),
     )
 
 
@@ -139,7 +141,8 @@ def _executor(name: str, plan: Plan, run_dir: Path | None, origin: float) -> Any
 async def _supervise(ex: Any, plan: Plan, run_dir: Path | None, progress: bool) -> str:
     """Wait for the run to stop, writing periodic checkpoints and streaming records meanwhile.
     SIGINT and SIGTERM stop it resumably; run.max_seconds ends it (a finished run, as a phase
-    bounded by seconds needs); the caller then writes the final checkpoint."""
+    bounded by seconds needs), and so does run.stop_when (the coordinator's "target"); the caller
+    then writes the final checkpoint. The max_seconds clock starts here, once every stage has set up."""
     loop = asyncio.get_running_loop()
     handled = []
 

@@ -70,6 +70,7 @@ class Stage:
         # pauses of 0.3-0.5 s every ~17 quickstart steps).
         gc.freeze()
         await self.coord.attach(self.node.name, self.replica, self.version)
+        await self._report()  # what setup measured (e.g. the first evaluation), before any work
 
     async def run(self) -> str | None:
         """Work until the coordinator says stop. Returns None, or the traceback of a failure."""
@@ -140,6 +141,7 @@ class Stage:
         self.events.append(span(self.pid, self.replica * 100, "update_weights", start, time.time(), self.origin,
                                 version=work.version, partial=partial))
         await self.coord.loaded_weights(self.node.name, self.replica, work.version)
+        await self._report()  # now: an evaluation of this version may end the run (run.stop_when)
 
     async def _transform_loop(self) -> None:
         limit = self.op.knobs(self.op.config).concurrency

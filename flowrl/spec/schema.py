@@ -35,11 +35,41 @@ class EvalSpec(Strict):
     options: dict[str, Any] = {}
 
 
+class FileSourceSpec(Strict):
+    """A dataset file as the data source (flowrl/data/files.py). Paths are read from the working
+    directory when relative."""
+
+    file: str  # .jsonl, .json (a list of objects), .csv, .parquet, or a datasets save_to_disk folder
+    format: Literal["jsonl", "json", "csv", "parquet", "datasets"] | None = None  # default: from the name
+    prompt: str | None = None  # column of prompt text (default: a column named prompt)
+    messages: str | None = None  # column of chat messages (default: a column named messages)
+    split: str | None = None  # the split of a datasets folder with several (default: train)
+    shuffle: bool = True  # a new order every epoch, drawn from run.seed
+    # Held-out rows for data.eval: another file, a split of the datasets folder, or rows of this file.
+    eval_file: str | None = None
+    eval_split: str | None = None
+    eval_rows: PositiveInt | None = None
+    eval_fraction: Annotated[float, Meta(gt=0, lt=1)] | None = None
+
+
 class DataSpec(Strict):
-    source: str  # builtin:<name> or module:attr
+    source: str | FileSourceSpec  # builtin:<name>, module:attr, or {file: PATH, ...}
     batch_size: PositiveInt = 16  # samples (prompt groups) per train step
     options: dict[str, Any] = {}  # passed to the source
     eval: EvalSpec | None = None
+
+    def __post_init__(self) -> None:
+        source = self.source
+        if not isinstance(source, FileSourceSpec):
+            return
+        if self.options:
+            raise ValueError("options apply to a module:attr source; a file source takes its keys under source")
+        held = (source.eval_file, source.eval_split, source.eval_rows, source.eval_fraction)
+        if self.eval is not None and self.eval.source is None and all(h is None for h in held):
+            raise ValueError("eval needs held-out rows of the file source: set source.eval_file, eval_split, "
+                             "eval_rows or eval_fraction")
+        if self.eval is not None and source.eval_rows is not None and self.eval.samples > source.eval_rows:
+            raise ValueError(f"eval.samples ({self.eval.samples}) is more than source.eval_rows ({source.eval_rows})")
 
 
 class ClusterSpec(Strict):
@@ -55,13 +85,24 @@ class RunSpec(Strict):
     seed: int = 0
     max_restarts: NonNegativeInt = 3  # of a dead generate actor under the Ray executor
     run_dir: str | None = None
-    # Wall-clock budget; the run ends cleanly (checkpoint, export) when it is spent.
+    # Wall-clock budget; the run ends cleanly (checkpoint, export) when it is spent. The clock
+    # starts once every stage has set up (models loaded, the first evaluation done) and the run's
+    # stages start taking work; a resumed run gets the whole budget again.
     max_seconds: Annotated[float, Meta(gt=0)] | None = None
+    # End the run cleanly (checkpoint, export, exit 0) once a metric reaches a value (>=); with
+    # several, when any one does. Names: eval_reward (data.eval), a number of the metrics row
+    # (reward, ...), or train.<key> (the train node's metrics). See flowrl/runtime/targets.py.
+    stop_when: dict[str, float] = {}
     # Periodic checkpoints while the run goes on (flowrl/runtime/checkpoints.py): every N policy
     # versions and/or every S seconds (neither set: every 1800 s); the newest `keep_checkpoints` stay.
     checkpoint_every: PositiveInt | None = None
     checkpoint_seconds: Annotated[float, Meta(gt=0)] | None = None
     keep_checkpoints: PositiveInt = 2
+
+    def __post_init__(self) -> None:
+        from flowrl.runtime.targets import check_names
+
+        check_names(self.stop_when)
 
 
 class EdgeSpec(Strict):
@@ -100,3 +141,7 @@ class PipelineSpec(Strict):
     run: RunSpec = msgspec.field(default_factory=RunSpec)
     phases: list[PhaseSpec] = []
     description: str = ""
+
+    def __post_init__(self) -> None:
+        if "eval_reward" in self.run.stop_when and self.data.eval is None:
+            raise ValueError("run.stop_when.eval_reward needs data.eval (the periodic evaluation it reads)")

@@ -44,7 +44,7 @@ from flowrl_operators.engine.base import (
     GenerateResult,
     PauseMode,
 )
-from flowrl_operators.engine.model import CausalLM, KVCache, load_model
+from flowrl_operators.engine.model import CausalLM, KVCache, end_token_ids, load_model
 from flowrl_operators.engine.sampling import sample
 from flowrl_operators.models import resolve_model, silence_hf
 
@@ -107,8 +107,7 @@ class EmbeddedEngine:
         self.model: CausalLM = load_model(self.folder, dtype, self.device)
         config = self.model.config
         self.vocab_size = config.vocab_size
-        eos = config.eos_token_id
-        self.eos_ids = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
+        self.eos_ids = end_token_ids(self.folder, config)
         self.max_context = max_context or min(config.max_position_embeddings, 4096)
         self.max_slots = max_slots
         self.cache = KVCache(config, max_slots, self.max_context, dtype, self.device)

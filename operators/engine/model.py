@@ -248,3 +248,19 @@ def load_model(folder: Path, dtype: torch.dtype, device: torch.device | str):
         raise ValueError(f"{folder}: checkpoint lacks {len(missing)} parameters, e.g. {missing[:3]}")
     model.eval()
     return model
+
+
+def end_token_ids(folder: Path, config) -> frozenset[int]:
+    """The model's end-of-sequence ids: config.json's `eos_token_id` and generation_config.json's
+    (an int or a list in either; instruct models often list their end-of-turn token only in the
+    latter, e.g. Llama 3's <|eot_id|>)."""
+    import json
+
+    found: set[int] = set()
+    sources = [config.eos_token_id]
+    generation = folder / "generation_config.json"
+    if generation.exists():
+        sources.append(json.loads(generation.read_text()).get("eos_token_id"))
+    for eos in sources:
+        found.update([] if eos is None else [eos] if isinstance(eos, int) else eos)
+    return frozenset(found)

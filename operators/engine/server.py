@@ -21,7 +21,8 @@ names and bodies; weight versions are strings on the wire, as in SGLang, holding
   POST /update_weight_version    {"new_version"}
   GET|POST /flush_cache          400 while requests run (nothing else is cached)
   GET  /get_weight_version, /get_model_info, /get_server_info, /health, /health_generate, /v1/models
-  POST /v1/chat/completions      OpenAI chat through the tokenizer's chat template (no streaming)
+  POST /v1/chat/completions      OpenAI chat through the tokenizer's chat template, with `stop` and
+                                 `logprobs` (no streaming; see chat.py)
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import msgspec
 import torch
 from aiohttp import web
 
+from flowrl_operators.engine import chat
 from flowrl_operators.engine.base import PAUSE_MODES, GenerateRequest, GenerateResult, SamplingParams
 from flowrl_operators.engine.embedded import EmbeddedEngine
 from flowrl_operators.engine.transfer import LOAD_FORMAT, decode_bucket, parse_dtype, weight_update_group
@@ -200,43 +202,7 @@ class EngineServer:
         body = await json_body(request)
         if self.tokenizer is None:
             raise BadRequest("this server has no tokenizer, so no chat template")
-        if body.get("stream"):
-            raise BadRequest("stream=true is not supported by the embedded engine")
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise BadRequest("messages must be a non-empty list of {role, content}")
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if not isinstance(ids, list):
-            ids = ids["input_ids"]
-        sampling = SamplingParams(
-            temperature=float(body.get("temperature", 1.0)),
-            top_p=float(body.get("top_p", 1.0)),
-            max_new_tokens=int(body.get("max_completion_tokens") or body.get("max_tokens") or 128),
-            seed=body.get("seed"),
-        )
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        count = int(body.get("n", 1))
-        results = await asyncio.gather(*[self.engine.generate(GenerateRequest(
-            request_id=f"{rid}-{i}", input_ids=ids,
-            sampling=msgspec.structs.replace(sampling, seed=None if sampling.seed is None else sampling.seed + i)))
-            for i in range(count)])
-        for result in results:
-            if result.error:
-                raise BadRequest(result.error)
-        choices = [{
-            "index": i,
-            "message": {"role": "assistant",
-                        "content": self.tokenizer.decode(result.output_ids, skip_special_tokens=True)},
-            "finish_reason": "stop" if result.finish_reason == "stop" else "length",
-            "logprobs": None,
-        } for i, result in enumerate(results)]
-        completion = sum(len(result.output_ids) for result in results)
-        return web.json_response({
-            "id": rid, "object": "chat.completion", "created": int(time.time()),
-            "model": body.get("model", self.model_name), "choices": choices,
-            "usage": {"prompt_tokens": len(ids), "completion_tokens": completion,
-                      "total_tokens": len(ids) + completion},
-        })
+        return web.json_response(await chat.complete(self.engine, self.tokenizer, body, self.model_name, BadRequest))
 
     # --- control ------------------------------------------------------------------------------------
 

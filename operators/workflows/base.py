@@ -112,7 +112,8 @@ class WorkflowContext:
         return chat_ids(self.tokenizer, messages, add_generation_prompt=True, tools=tools)
 
     def prompt_ids(self, sample: dict[str, Any]) -> list[int]:
-        """A sample's prompt: `prompt_ids`, chat `messages`, or raw `prompt` text (in that order)."""
+        """A sample's prompt: `prompt_ids` (as given), chat `messages` (the chat template, with a
+        generation prompt), or `prompt` text (with the tokenizer's special tokens), in that order."""
         # The entry keeps its sample alive, so no other object can take its id while it is cached.
         cached = self.prompt_cache.get(id(sample))
         if cached is None or cached[0] is not sample:
@@ -125,7 +126,9 @@ class WorkflowContext:
         if "messages" in sample:
             return self.chat_ids(sample["messages"])
         if "prompt" in sample:
-            return self.encode(sample["prompt"])
+            # With the special tokens the tokenizer's post-processor adds (e.g. Llama's <bos>), as the
+            # model saw text in pre-training; chat messages get them from the chat template instead.
+            return list(self.tokenizer.encode(sample["prompt"], add_special_tokens=True))
         raise EpisodeError(f"sample has none of prompt_ids, messages, prompt (keys: {sorted(sample)})")
 
 

@@ -1,0 +1,152 @@
+"""A dataset file as a data source: `data.source: {file: PATH, ...}` (see flowrl/data/source.py).
+
+Each row becomes one sample: the row's columns as they are, plus the prompt under `prompt` (text)
+or `messages` (a chat list of `{role, content}`), taken from the column `prompt:` / `messages:`
+name (default: a column called `messages`, else one called `prompt`). The generate node's
+workflow turns `messages` into tokens with the tokenizer's chat template and a text `prompt` with
+the tokenizer's special tokens; every column reaches the reward as `trajectory.metadata["sample"]`.
+
+Order: sample `(step, index)` is row position `p = step * batch_size + index` of epoch
+`p // len(self)`. With `shuffle` (the default) each epoch is its own permutation of the training
+rows, drawn from (run seed, epoch); so `sample` is a pure function of (seed, step, index) and a
+resumed or re-issued sample is the same row. Held-out rows for `data.eval` come from `eval_file`,
+from `eval_split` (a split of a `datasets` folder), or from the file itself (`eval_rows` or
+`eval_fraction`: a fixed choice of rows that depends only on the file's length, never drawn for
+training whatever the seed).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Sequence
+from typing import Any
+
+from flowrl.data.readers import Rows, SourceError, read_rows
+
+
+def _seed(*parts: Any) -> int:
+    return int.from_bytes(hashlib.sha256("\x1f".join(map(str, parts)).encode()).digest()[:8], "big")
+
+
+class _Subset(Sequence):
+    def __init__(self, rows: Rows, indices: list[int]) -> None:
+        self.rows, self.indices = rows, indices
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:  # type: ignore[override]
+        return self.rows[self.indices[i]]
+
+
+class FileSource:
+    """Samples from a jsonl, json, csv or parquet file or a `datasets` folder (module docs)."""
+
+    def __init__(self, seed: int = 0, batch_size: int = 1, *, file: str, format: str | None = None,
+                 prompt: str | None = None, messages: str | None = None, split: str | None = None,
+                 eval_file: str | None = None, eval_split: str | None = None, eval_rows: int | None = None,
+                 eval_fraction: float | None = None, shuffle: bool = True) -> None:
+        self.seed, self.batch_size, self.shuffle = seed, batch_size, shuffle
+        self.file = file
+        rows = read_rows(file, format, split)
+        if len(rows) == 0:
+            raise SourceError("file", f"{file!r} holds no rows")
+        self.key, self.column = _prompt_column(rows[0], prompt, messages, "file")
+        held = [k for k, v in (("eval_file", eval_file), ("eval_split", eval_split), ("eval_rows", eval_rows),
+                               ("eval_fraction", eval_fraction)) if v is not None]
+        if len(held) > 1 and held != ["eval_file", "eval_split"]:
+            raise SourceError(held[1], f"give one of eval_file, eval_split, eval_rows, eval_fraction (got {', '.join(held)})")
+        self.eval: Rows = []
+        if eval_file is not None or eval_split is not None:
+            key = "eval_file" if eval_file is not None else "eval_split"
+            self.eval = read_rows(eval_file or file, None if eval_file else format, eval_split, key, "eval_split")
+            if len(self.eval) == 0:
+                raise SourceError(key, "the held-out rows are empty")
+            _prompt_column(self.eval[0], self.column if self.key == "prompt" else None,
+                           self.column if self.key == "messages" else None, key)
+        self.train = rows
+        if eval_rows is not None or eval_fraction is not None:
+            self.train, self.eval = _hold_out(rows, eval_rows, eval_fraction)
+        self._orders: dict[int, list[int]] = {}
+
+    def __len__(self) -> int:
+        """Training rows (one epoch)."""
+        return len(self.train)
+
+    def sample(self, step: int, index: int) -> dict[str, Any]:
+        if not 0 <= index < self.batch_size or step < 0:
+            raise IndexError(f"sample ({step}, {index}) is outside steps >= 0 and batch size {self.batch_size}")
+        epoch, offset = divmod(step * self.batch_size + index, len(self.train))
+        return self._sample(self.train[self._order(epoch)[offset] if self.shuffle else offset])
+
+    def eval_sample(self, index: int) -> dict[str, Any]:
+        """Held-out row `index`, in file order."""
+        if not self.eval:
+            raise SourceError("eval_file", "data.eval needs held-out rows: set data.source.eval_file, eval_split, "
+                                           "eval_rows or eval_fraction")
+        if not 0 <= index < len(self.eval):
+            raise ValueError(f"data.eval.samples asks for held-out sample {index}, but data.source holds "
+                             f"{len(self.eval)} held-out rows; lower data.eval.samples")
+        return self._sample(self.eval[index])
+
+    def _order(self, epoch: int) -> list[int]:
+        """The permutation of epoch `epoch` (the two latest are kept: samples of two epochs may be in
+        flight at once; an older one asked for again, e.g. on re-issue, is drawn again, identically)."""
+        if epoch not in self._orders:
+            order = list(range(len(self.train)))
+            random.Random(_seed("flowrl-file-source", self.seed, epoch)).shuffle(order)
+            self._orders = {e: o for e, o in self._orders.items() if e >= epoch - 1} | {epoch: order}
+        return self._orders[epoch]
+
+    def _sample(self, row: dict[str, Any]) -> dict[str, Any]:
+        value = row.get(self.column)
+        _check_value(self.key, value, self.column)
+        sample = dict(row)
+        sample.pop("prompt" if self.key == "messages" else "messages", None)  # the workflow uses the chosen one
+        sample[self.key] = value
+        return sample
+
+
+def _prompt_column(row: dict[str, Any], prompt: str | None, messages: str | None, where: str) -> tuple[str, str]:
+    """(sample key, column): which column holds the prompt, checked on the first row."""
+    columns = ", ".join(map(repr, row)) or "none"
+    if prompt is not None and messages is not None:
+        raise SourceError("messages", "name either prompt (a text column) or messages (a chat column), not both")
+    if messages is not None or prompt is not None:
+        key, column = ("messages", messages) if messages is not None else ("prompt", prompt)
+        if column not in row:
+            raise SourceError(key if where == "file" else where, f"no column {column!r} (columns: {columns})")
+    elif "messages" in row:
+        key, column = "messages", "messages"
+    elif "prompt" in row:
+        key, column = "prompt", "prompt"
+    else:
+        raise SourceError(where if where != "file" else "prompt",
+                          f"the rows have no 'messages' or 'prompt' column (columns: {columns}); name the "
+                          "prompt's column with prompt: <column> (text) or messages: <column> (chat list)")
+    _check_value(key, row[column], column)
+    return key, column
+
+
+def _check_value(key: str, value: Any, column: str) -> None:
+    if key == "prompt" and not isinstance(value, str):
+        raise SourceError("prompt", f"column {column!r} must hold text, got {type(value).__name__} {value!r:.60}")
+    if key == "messages" and not (isinstance(value, list) and value and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in value)):
+        raise SourceError("messages", f"column {column!r} must hold a non-empty list of {{role, content}} "
+                                      f"messages, got {value!r:.80}")
+
+
+def _hold_out(rows: Rows, count: int | None, fraction: float | None) -> tuple[Rows, Rows]:
+    """(train, eval): `count` rows (or `fraction` of them, at least one) held out by a permutation
+    that depends only on the number of rows; both keep file order."""
+    n = len(rows)
+    k = count if count is not None else max(1, round(n * fraction))
+    if not 0 < k < n:
+        key = "eval_rows" if count is not None else "eval_fraction"
+        raise SourceError(key, f"holds out {k} of {n} rows; leave at least one row for training and hold out at least one")
+    order = list(range(n))
+    random.Random(_seed("flowrl-held-out", n)).shuffle(order)
+    return _Subset(rows, sorted(order[k:])), _Subset(rows, sorted(order[:k]))

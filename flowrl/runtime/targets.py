@@ -1,0 +1,62 @@
+"""`run.stop_when`: end a run cleanly once a metric reaches a value.
+
+    run: {steps: 500, stop_when: {eval_reward: 0.9}}
+
+Each entry is `metric: threshold` and is reached when the metric's latest value is >= the
+threshold; with several entries the run stops when any one is reached. The run then ends like
+`run.max_seconds` does: the train step in progress finishes, a final checkpoint and the export are
+written, status "done", stopped_by "stop_when", `flowrl run` exits 0. Metric names:
+
+- `eval_reward`: the greedy evaluation's mean reward (`data.eval`; the row of `eval.jsonl`), seen
+  as soon as the generate node has evaluated a policy version;
+- a number of the `metrics.jsonl` row (`reward`, `samples_per_s`, ...: ROW_KEYS), seen after each
+  train step;
+- `train.<key>`: a key of the row's `train` object (the train node's own metrics, e.g.
+  `train.entropy`).
+
+A metric that should fall (a loss) is not a stop_when target: thresholds are lower bounds.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+ROW_KEYS = ("reward", "samples_per_s", "trajectories_per_s", "step_seconds", "groups", "dropped",
+            "dropped_total", "stale_kept_total", "rejected_total", "filtered_total")
+EVAL = "eval_reward"
+EVAL_METRIC = "eval/reward"  # what the generate operator reports (flowrl_operators/generate.py)
+
+
+def check_names(stop_when: dict[str, float]) -> None:
+    """Raise ValueError naming the first metric that stop_when cannot read."""
+    for name in stop_when:
+        if name == EVAL or name in ROW_KEYS or (name.startswith("train.") and len(name) > len("train.")):
+            continue
+        raise ValueError(f"stop_when: unknown metric {name!r}; use {EVAL}, one of "
+                         f"{', '.join(ROW_KEYS)}, or train.<key> (a train node metric)")
+
+
+class Targets:
+    def __init__(self, stop_when: dict[str, float]) -> None:
+        self.wanted = {name: float(value) for name, value in stop_when.items()}
+        self.reached: str | None = None  # e.g. "eval_reward 0.94 >= 0.9"
+
+    def row(self, row: dict[str, Any] | None) -> bool:
+        """A metrics row (after a train step): has any row or train.* target been reached?"""
+        if not row:
+            return False
+        values = {name: row.get(name) for name in ROW_KEYS}
+        values.update({f"train.{k}": v for k, v in (row.get("train") or {}).items()})
+        return self._check(values)
+
+    def operators(self, metrics: dict[str, Any]) -> bool:
+        """An operator's reported metrics: has eval_reward been reached?"""
+        return self._check({EVAL: metrics.get(EVAL_METRIC)})
+
+    def _check(self, values: dict[str, Any]) -> bool:
+        for name, threshold in self.wanted.items():
+            value = values.get(name)
+            if isinstance(value, int | float) and value >= threshold:
+                self.reached = self.reached or f"{name} {value:g} >= {threshold:g}"
+                return True
+        return False
