@@ -53,6 +53,8 @@ class GraphFacts(msgspec.Struct, frozen=True):
     async_upstream: bool = False  # an async edge feeds this node, directly or further up
     partial_rollout_upstream: bool = False  # an upstream generate node continues across updates
     executor: str = "inprocess"  # run.executor: whether the stages share one process
+    # Trajectory fields filled by upstream nodes (their operators' `provides`), e.g. values.
+    upstream_provides: frozenset[str] = frozenset()
 
 
 class TrainResult(msgspec.Struct, kw_only=True):
@@ -100,6 +102,9 @@ class Operator:
     inputs: ClassVar[dict[str, str]] = {}
     outputs: ClassVar[dict[str, str]] = {}
     resources: ClassVar[Resources] = Resources()
+    # Trajectory fields this operator fills (e.g. `values`, `reference_logprobs`), so that a node
+    # downstream that needs them can say in `check_graph` when none is upstream.
+    provides: ClassVar[frozenset[str]] = frozenset()
 
     @classmethod
     def check_graph(cls, config: msgspec.Struct, facts: GraphFacts) -> list[tuple[tuple[str, ...], str]]:

@@ -10,8 +10,12 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+from flowrl.spec.refs import check_with, model_folder
+from flowrl_operators import checks
+
 PositiveInt = Annotated[int, Meta(ge=1)]
 Probability = Annotated[float, Meta(ge=0.0, le=1.0)]
+ModelPath = Annotated[str, check_with(model_folder)]  # a model folder or builtin:<name>, checked by validate
 
 
 class Strict(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -50,7 +54,7 @@ class GenerateConfig(Strict):
     engine: Literal["embedded", "sglang"] | EngineConfig = "embedded"
     group_size: PositiveInt = 1  # trajectories per sample
     sampling: SamplingConfig = msgspec.field(default_factory=SamplingConfig)
-    workflow: str = "single_turn"  # a workflow name or module:attr
+    workflow: Annotated[str, check_with(checks.workflow)] = "single_turn"  # a workflow name or module:attr
     workflow_args: dict[str, Any] = {}
     # Continue in-flight generations under new weights instead of waiting for them.
     partial_rollout: bool = False
@@ -71,7 +75,7 @@ class GenerateConfig(Strict):
 
 
 class RewardConfig(Strict):
-    fn: str  # module:attr, or builtin:<task> for a built-in task's reward
+    fn: Annotated[str, check_with(checks.reward_fn)]  # module:attr, or builtin:<task> for a built-in task's reward
     timeout_s: Annotated[float, Meta(gt=0)] = 30.0
     on_error: Literal["zero", "drop", "fail"] = "zero"  # what a raising or hanging reward does
     max_errors: PositiveInt = 100  # the run fails after this many errors in total
@@ -142,12 +146,12 @@ class TrainConfig(Strict):
 
 
 class ReferenceConfig(Strict):
-    model: str | None = None  # defaults to the pipeline's model
+    model: ModelPath | None = None  # defaults to the pipeline's model
     micro_batch_tokens: PositiveInt = 8192
 
 
 class CriticConfig(Strict):
-    model: str | None = None  # defaults to the pipeline's model with a value head
+    model: ModelPath | None = None  # defaults to the pipeline's model with a value head
     optim: OptimConfig = msgspec.field(default_factory=OptimConfig)
     value_clip: Annotated[float, Meta(gt=0)] = 0.2
     micro_batch_tokens: PositiveInt = 8192

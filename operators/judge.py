@@ -22,7 +22,7 @@ import msgspec
 from msgspec import Meta
 
 from flowrl.data.trajectory import Trajectory
-from flowrl_operators.config import PositiveInt, SamplingConfig, Strict
+from flowrl_operators.config import ModelPath, PositiveInt, SamplingConfig, Strict
 from flowrl_operators.reward import Reward
 
 DEFAULT_TEMPLATE = (
@@ -32,7 +32,7 @@ DEFAULT_TEMPLATE = (
 
 
 class JudgeConfig(Strict):
-    model: str | None = None  # an embedded engine of its own (default: the pipeline's model)
+    model: ModelPath | None = None  # an embedded engine of its own (default: the pipeline's model)
     url: str | None = None  # an OpenAI-compatible base URL (ending in /v1)
     node: str | None = None  # a generate node whose engine grades (it serves an endpoint)
     template: str = DEFAULT_TEMPLATE  # fields: {prompt} {response} {reference} {max_score}

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from flowrl.data.trajectory import Group
-from flowrl.operator import POLICY, TRAJECTORIES, Operator, Resources, TrainResult
+from flowrl.operator import POLICY, TRAJECTORIES, GraphFacts, Operator, Resources, TrainResult
 from flowrl_operators.config import OptimConfig, TrainConfig
 
 
@@ -107,6 +107,22 @@ class Train(Operator):
     inputs: ClassVar = {"trajectories": TRAJECTORIES}
     outputs: ClassVar = {"policy": POLICY}
     resources = Resources(cpus=0.5)
+
+    @classmethod
+    def check_graph(cls, config: TrainConfig, facts: GraphFacts) -> list[tuple[tuple[str, ...], str]]:
+        out: list[tuple[tuple[str, ...], str]] = []
+        kl, estimator = config.loss.kl, config.advantage.estimator
+        if estimator == "gae" and "values" not in facts.upstream_provides:
+            out.append((("advantage", "estimator"), "advantage gae needs value estimates: add a critic node "
+                        "(op: critic) between the reward and this node"))
+        if kl.coef > 0 and "reference_logprobs" not in facts.upstream_provides:
+            out.append((("loss", "kl", "coef"), f"a KL term (coef {kl.coef:g}) needs reference logprobs: add a "
+                        "reference node (op: reference) before this node, or set coef: 0"))
+        if kl.apply_as == "reward" and kl.coef > 0 and estimator in ("grpo", "dr_grpo", "rloo"):
+            out.append((("loss", "kl", "apply_as"), f"kl apply_as 'reward' has no effect with advantage "
+                        f"{estimator!r} (it normalises the rewards); use apply_as 'loss', or advantage "
+                        "reinforce_pp or gae"))
+        return out
 
     async def setup(self) -> None:
         from flowrl_operators.models import import_transformers

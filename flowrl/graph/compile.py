@@ -4,7 +4,9 @@ Every rule reports a located diagnostic; all problems of a spec are collected an
 together. Rules: unknown op, invalid node config, malformed or dangling edges, port type
 mismatch, unconnected input port, data-edge cycle (only `kind: weights` from a sync node to a
 generate node may point back), isolated node, staleness and capacity limits, duplicate edges,
-resources beyond the cluster, and each operator's own graph checks (`Operator.check_graph`).
+resources beyond the cluster, and each operator's own graph checks (`Operator.check_graph`);
+then (flowrl/graph/rules.py) fan-in into train and sync nodes, and every `module:attr`, model
+folder and data source the spec names.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import msgspec
 import networkx as nx
 
 from flowrl import registry
+from flowrl.graph import rules
 from flowrl.graph.plan import EdgePlan, NodePlan, Plan
 from flowrl.operator import PROMPTS, WEIGHTS, GraphFacts, Operator, Resources
 from flowrl.spec.errors import Diagnostic, SpecError, did_you_mean
@@ -87,7 +90,10 @@ def compile_spec(loaded: LoadedSpec) -> Compiled:
         _check_connectivity(graph, ops, edges, loc, problems)
     _check_resources(spec, resources, loc, problems)
     if not problems:
+        rules.check_fan_in(edges, ops, loc, problems)
         _check_operators(edges, ops, configs, spec.run.executor, loc, problems)
+    if not problems:  # imports the modules the spec names and builds its data source
+        rules.check_references(spec, configs, loc, problems)
     if problems:
         raise SpecError(_ordered(problems))
 
@@ -248,7 +254,9 @@ def _check_operators(edges, ops, configs, executor: str, loc, problems) -> None:
         upstream = nx.ancestors(data, name)
         async_in = any(d["mode"] == "async" for _, v, d in data.edges(data=True) if v == name or v in upstream)
         partial = any(getattr(configs.get(u), "partial_rollout", False) for u in upstream)
-        facts = GraphFacts(async_upstream=async_in, partial_rollout_upstream=partial, executor=executor)
+        provided = frozenset(field for u in upstream for field in ops[u].provides)
+        facts = GraphFacts(async_upstream=async_in, partial_rollout_upstream=partial, executor=executor,
+                           upstream_provides=provided)
         for key_path, message in op.check_graph(configs[name], facts):
             problems.append(loc.diagnostic(("nodes", name, *key_path), message))
 
