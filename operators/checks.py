@@ -3,6 +3,7 @@ before any stage starts: the same resolution `load_reward` and `load_workflow` d
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Any
 
 from flowrl.spec.refs import callable_path
@@ -40,3 +41,21 @@ def workflow(value: str, section: Any) -> str | None:
     if ":" not in value:
         return f"unknown workflow '{value}': use {', '.join(WORKFLOW_NAMES)}, builtin:<task> or module:attr"
     return callable_path(value)
+
+
+def proxy_host(value: str, section: Any) -> str | None:
+    """A generate node's `proxy_host`: loopback unless `proxy_allow_remote` says otherwise."""
+    if section.proxy_allow_remote or is_loopback(value):
+        return None
+    return (f"the OpenAI proxy has no authentication and binds loopback addresses only; '{value}' is not one: "
+            "use 127.0.0.1, or set proxy_allow_remote: true to serve agents on other machines")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` is a loopback address (or `localhost`); other names count as remote."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -68,7 +68,10 @@ class GenerateConfig(Strict):
     # An episode still running after this long (a hung environment or agent) is cancelled and
     # counted as an episode error. None: no limit.
     episode_timeout_s: Annotated[float, Meta(gt=0)] | None = None
-    proxy_host: str = "127.0.0.1"  # where agent workflows' OpenAI proxy listens
+    # Where agent workflows' OpenAI proxy listens: a loopback address, unless proxy_allow_remote
+    # (the proxy has no authentication; allow it only on a trusted network).
+    proxy_host: Annotated[str, check_with(checks.proxy_host)] = "127.0.0.1"
+    proxy_allow_remote: bool = False
     # Serve the engine at an OpenAI-compatible endpoint (e.g. for a judge node with `node:`), written
     # to <run_dir>/endpoints/<node>.url. Agent workflows always start it.
     serve_openai: bool = False

@@ -88,3 +88,60 @@ def test_no_flowrl_code_turns_ray_auth_off() -> None:
     for folder in ("flowrl", "operators"):
         for file in (ROOT / folder).rglob("*.py"):
             assert "RAY_AUTH_MODE\", \"disabled" not in file.read_text(), file
+
+
+def test_proxy_binds_loopback_unless_remote_is_allowed() -> None:
+    import asyncio
+
+    from flowrl_operators.models import load_tokenizer
+    from flowrl_operators.workflows.proxy import Proxy
+
+    tok = load_tokenizer("builtin:tiny-qwen2")
+    for host in ("0.0.0.0", "192.0.2.7", "example.org"):
+        with pytest.raises(ValueError, match="loopback addresses only"):
+            Proxy(engine=None, tokenizer=tok, host=host)
+    assert Proxy(engine=None, tokenizer=tok, host="0.0.0.0", allow_remote=True).host == "0.0.0.0"
+
+    async def serve() -> str:
+        proxy = Proxy(engine=None, tokenizer=tok, host="localhost")
+        url = await proxy.start()
+        await proxy.close()
+        return url
+
+    assert asyncio.run(serve()).startswith("http://localhost:")
+
+
+def test_validate_refuses_a_remote_proxy_host_unless_allowed(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["validate", str(BASE), "nodes.rollout.proxy_host=0.0.0.0"]) == 1
+    err = capsys.readouterr().err
+    assert "nodes.rollout.proxy_host" in err and "proxy_allow_remote: true" in err
+    assert main(["validate", str(BASE), "nodes.rollout.proxy_host=0.0.0.0", "nodes.rollout.proxy_allow_remote=true"]) == 0
+
+
+def test_environment_values_are_redacted_from_run_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    secret = "sk-test-0123456789abcdef"
+    monkeypatch.setenv("FLOWRL_TEST_SECRET", secret)
+    spec = tmp_path / "pipeline.yaml"
+    spec.write_text(BASE.read_text() + "description: 'key ${oc.env:FLOWRL_TEST_SECRET}'\n")
+    plan = compile_file(str(spec), ["name=${oc.env:FLOWRL_TEST_SECRET}"]).plan
+    assert plan.name == secret and plan.environment == ["FLOWRL_TEST_SECRET"]  # the run itself sees the value
+    record = plan.record().decode()
+    assert secret not in record
+    assert json.loads(record)["name"] == "${oc.env:FLOWRL_TEST_SECRET}"
+    assert main(["inspect", str(spec), "name=${oc.env:FLOWRL_TEST_SECRET}", "--format", "json"]) == 0
+    out = capsys.readouterr().out
+    assert secret not in out and '"name": "${oc.env:FLOWRL_TEST_SECRET}"' in out
+
+
+@pytest.mark.parametrize("name", ["../../x", "/etc/x", "a/b", ".hidden", "x" * 200])
+def test_run_name_cannot_leave_the_runs_folder(name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    spec = tmp_path / "pipeline.yaml"
+    spec.write_text(BASE.read_text().replace("name: bad", f"name: '{name}'"))
+    assert main(["validate", str(spec)]) == 1
+    err = capsys.readouterr().err
+    assert f"{spec}:2:7 name: " in err and "cannot name a folder" in err
+    phased = tmp_path / "phased.yaml"
+    phased.write_text(BASE.read_text() + f"phases:\n  - {{name: '{name}', steps: 1}}\n")
+    assert main(["validate", str(phased)]) == 1
+    assert "phases[0].name: " in capsys.readouterr().err

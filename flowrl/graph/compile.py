@@ -113,7 +113,7 @@ def compile_spec(loaded: LoadedSpec) -> Compiled:
         order=list(nx.lexicographical_topological_sort(data_graph)),
         model=msgspec.to_builtins(spec.model), data=msgspec.to_builtins(spec.data),
         run=msgspec.to_builtins(spec.run), cluster=msgspec.to_builtins(spec.cluster),
-        phases=msgspec.to_builtins(spec.phases), seed=spec.run.seed,
+        phases=msgspec.to_builtins(spec.phases), seed=spec.run.seed, environment=loaded.environment,
     )
     return Compiled(plan, graph, loaded)
 

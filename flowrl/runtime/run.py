@@ -76,7 +76,7 @@ async def _run(plan: Plan, run_dir: Path | None, executor: str | None, resume: b
         else:
             if (run_dir / "ledger.jsonl").exists():
                 raise FileExistsError(f"{run_dir} already holds a run; resume it or choose another run directory")
-            (run_dir / "plan.json").write_bytes(msgspec.json.encode(plan))
+            (run_dir / "plan.json").write_bytes(plan.record())  # environment values redacted
             meta = {"name": plan.name, "origin": origin, "executor": executor, "steps": steps, "format": 1}
             (run_dir / "meta.json").write_text(json.dumps(meta, indent=1))
     elif resume:

@@ -165,6 +165,7 @@ class LoadedSpec:
     data: dict[str, Any]  # resolved plain data (after overrides and interpolation)
     locator: Locator
     file: str
+    environment: list[str] = field(default_factory=list)  # variables read by ${oc.env:NAME}
 
 
 def load(file: str | FsPath, overrides: list[str] | None = None) -> LoadedSpec:
@@ -182,7 +183,19 @@ def load(file: str | FsPath, overrides: list[str] | None = None) -> LoadedSpec:
     except msgspec.ValidationError as e:
         raise SpecError([validation_diagnostic(e, data, (), loc, PipelineSpec)]) from None
     _check_names(spec, loc)
-    return LoadedSpec(spec, data, loc, file)
+    return LoadedSpec(spec, data, loc, file, _environment(raw))
+
+
+_ENV = re.compile(r"\$\{oc\.env:\s*([^,}\s]+)")
+
+
+def _environment(raw: Any) -> list[str]:
+    """Names of the environment variables that `${oc.env:NAME}` interpolations in `raw` read."""
+    if isinstance(raw, dict):
+        return sorted({n for v in raw.values() for n in _environment(v)})
+    if isinstance(raw, list):
+        return sorted({n for v in raw for n in _environment(v)})
+    return sorted(set(_ENV.findall(raw))) if isinstance(raw, str) else []
 
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")

@@ -64,7 +64,7 @@ def expand(loaded: LoadedSpec, model_path: str | None = None, index: int | None 
             phase_spec = msgspec.convert(data, PipelineSpec)
         except msgspec.ValidationError as e:
             raise SpecError([validation_diagnostic(e, data, (), locator, PipelineSpec)]) from None
-        out.append((phase, LoadedSpec(phase_spec, data, locator, loaded.file)))
+        out.append((phase, LoadedSpec(phase_spec, data, locator, loaded.file, loaded.environment)))
     return out
 
 
