@@ -60,11 +60,12 @@ def cmd_operators(args: argparse.Namespace) -> int:
     from flowrl.spec.describe import fields
 
     console = Console(width=140)
+    broken = []
     for name in registry.names():
         try:
             op = registry.resolve(name)
-        except registry.OperatorError as e:
-            console.print(f"[red]{name}: {e}[/red]")
+        except registry.OperatorError as e:  # a plugin that fails to load: list the others, then say so
+            broken.append(f"flowrl operators: operator '{name}' cannot be loaded: {e}")
             continue
         console.print(f"[bold]{name}[/bold]  kind {op.kind}  ({op.__module__}:{op.__qualname__})")
         console.print(f"  {summary(op)}")
@@ -80,7 +81,9 @@ def cmd_operators(args: argparse.Namespace) -> int:
         if table.row_count:
             console.print(table)
         console.print()
-    return 0
+    for line in broken:
+        print(line, file=sys.stderr)
+    return 1 if broken else 0
 
 
 def cmd_run(args: argparse.Namespace) -> int:

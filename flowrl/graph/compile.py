@@ -52,6 +52,8 @@ def compile_spec(loaded: LoadedSpec) -> Compiled:
     configs: dict[str, msgspec.Struct] = {}
     resources: dict[str, Resources] = {}
 
+    if not spec.nodes:
+        problems.append(loc.diagnostic(("nodes",), "the pipeline has no nodes"))
     for name, entry in spec.nodes.items():
         node_path = ("nodes", name)
         if not isinstance(entry, dict):

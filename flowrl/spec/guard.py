@@ -27,8 +27,11 @@ def read_text(file: str) -> str:
         raw = FsPath(file).read_bytes()
     except OSError as e:
         raise SpecError([Diagnostic(file, 0, 0, "", f"cannot read spec: {e.strerror or e}")]) from None
-    if len(raw) > MAX_BYTES:
-        raise SpecError([Diagnostic(file, 0, 0, "", f"the spec is {len(raw)} bytes; a spec may be at most {MAX_BYTES}")])
+    if len(raw) > MAX_BYTES:  # located where the limit is passed
+        line = raw.count(b"\n", 0, MAX_BYTES) + 1
+        col = MAX_BYTES - (raw.rfind(b"\n", 0, MAX_BYTES) + 1) + 1
+        raise SpecError([Diagnostic(file, line, col, "", f"the spec is {len(raw)} bytes, past the limit of "
+                                                         f"{MAX_BYTES} bytes here")])
     if raw.startswith((b"\xff\xfe", b"\xfe\xff")):
         raise SpecError([Diagnostic(file, 1, 1, "", "the spec is UTF-16 text; save it as UTF-8")])
     try:

@@ -116,7 +116,8 @@ def validation_diagnostic(
     if wrong_type:
         try:
             value = get_path(data, path[len(base):])
-            return loc.diagnostic(path, f"expected {wrong_type.group(1)}, got {value!r}")
+            shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+            return loc.diagnostic(path, f"expected {wrong_type.group(1)}, got {shown}")
         except (KeyError, IndexError, TypeError):
             pass
     return loc.diagnostic(path, message[0].lower() + message[1:])
@@ -255,12 +256,15 @@ def _override_value(text: str, where: str) -> Any:
 
 
 def _yaml_diagnostic(file: str, e: yaml.MarkedYAMLError) -> Diagnostic:
-    # A quote or bracket left open is found only at the end of the file; point at where it opens.
+    # A quote or bracket left open is found only at the end of the file: point at where it opens.
     at_end = "end of stream" in (e.problem or "") or "end of stream" in (e.context or "")
     mark = (e.context_mark if at_end else None) or e.problem_mark or e.context_mark
     line, col = (mark.line + 1, mark.column + 1) if mark else (1, 1)
-    opened = f" ({e.context} here)" if at_end and e.context_mark else ""
-    return Diagnostic(file, line, col, "", f"invalid YAML: {e.problem}{opened}")
+    context = ""
+    if e.context and e.context_mark:
+        opened = e.context_mark
+        context = f" ({e.context} here)" if at_end else f" ({e.context} at {opened.line + 1}:{opened.column + 1})"
+    return Diagnostic(file, line, col, "", f"invalid YAML: {e.problem}{context}")
 
 
 def _apply_overrides(raw: dict[str, Any], overrides: list[str], loc: Locator) -> dict[str, Any]:

@@ -1,0 +1,100 @@
+"""Hostile specs: `flowrl validate` as a process answers every one with a located message on
+stderr and exit 1, no traceback, within 5 s and 500 MB.
+
+The corpus is written to tmp files here (a binary or UTF-16 file, an alias bomb and 5,000-deep
+nesting do not belong in the repository's spec folder); tests/specs/bad holds the readable ones.
+"""
+
+from __future__ import annotations
+
+import re
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE = (ROOT / "tests/specs/good/base.yaml").read_text()
+TIME_LIMIT_S = 5.0
+MEMORY_LIMIT_MB = 500
+
+LAUGHS = "lol: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"l{i}: &{chr(98 + i)} [{', '.join([f'*{chr(97 + i)}'] * 9)}]\n" for i in range(9))
+PHASE = "phases:\n  - name: warm\n    steps: 2\n    set:\n      {key}: 0.1\n"
+
+# name -> (file content, where the message points: LINE:COL, and a word it contains)
+CORPUS: dict[str, tuple[str | bytes, str, str]] = {
+    "binary": (b"\x7fELF\x02\x01\x01\x00" + bytes(range(256)) * 4, ":", "not UTF-8"),
+    "utf16": (BASE.encode("utf-16"), "1:1", "UTF-16"),
+    "nul_byte": (BASE.replace("name: bad", "name: b\x00ad"), "2:8", "not allowed"),
+    "alias_bomb": (LAUGHS, ":", "aliases"),
+    "deep_flow_list": ("flowrl: 1\nx: " + "[" * 5000 + "]" * 5000 + "\n", "2:", "nested"),
+    "deep_flow_map": ("flowrl: 1\nx: " + "{a: " * 5000 + "1" + "}" * 5000 + "\n", "2:", "nested"),
+    "deep_block": ("flowrl: 1\nx:\n  " + "- " * 5000 + "x\n", "3:", "nested"),
+    "too_big": (BASE + "# padding\n" * 40000, ":", "limit"),
+    "inf": (BASE.replace("lr: 1.0e-3", "lr: .inf"), "18:17", "not a finite number"),
+    "nan_override": (BASE.replace("batch_size: 4", "batch_size: .NaN"), "6:15", "not a finite number"),
+    "huge_int": (BASE.replace("batch_size: 4", "batch_size: 1" + "0" * 40), "6:15", "out of range"),
+    "unclosed_quote": (BASE.replace("name: bad", 'name: "bad'), "2:7", "quoted scalar"),
+    "unclosed_bracket": (BASE.replace("optim: {lr: 1.0e-3}", "optim: {lr: 1.0e-3"), "19:10", "flow mapping at 18:12"),
+    "list_key": (BASE + "? [a, b]\n: 1\n", "26:3", "a key must be plain text"),
+    "map_key": (BASE + "? {a: 1}\n: 1\n", "26:3", "a key must be plain text"),
+    "int_key": (BASE.replace("  learner:", "  7:"), "16:3", "a key must be plain text"),
+    "python_tag": (BASE + "description: !!python/object/apply:os.system [ls]\n", "26:14", "constructor"),
+    "undefined_alias": (BASE + "description: *nope\n", "26:14", "undefined alias"),
+    "two_documents": (BASE + "---\nflowrl: 1\n", "26:1", "another document"),
+    "scalar_document": ("just text\n", "1:1", "mapping"),
+    "recursive_interpolation": (BASE + "description: ${x}\nx: ${description}\n", "26:14", "interpolation"),
+    "missing_env": (BASE + "description: ${oc.env:FLOWRL_SURELY_UNSET_VAR}\n", "26:14", "FLOWRL_SURELY_UNSET_VAR"),
+    "phase_typo": (BASE + PHASE.format(key="nodes.lerner.optim.lr"), "30:7", "did you mean 'learner'"),
+    "phase_into_scalar": (BASE + PHASE.format(key="nodes.learner.optim.lr.x"), "30:7", "not a mapping"),
+    "phase_past_list": (BASE + PHASE.format(key="edges.9"), "30:7", "list of 4 items"),
+    "phase_top_typo": (BASE + PHASE.format(key="ndoes.learner.lr"), "30:7", "did you mean 'nodes'"),
+    "phase_no_length": (BASE + "phases:\n  - {name: warm, set: {run.seed: 1}}\n", "27:5", "neither steps nor seconds"),
+    "name_escapes": (BASE.replace("name: bad", "name: ../../x"), "2:7", "cannot name a folder"),
+    "reward_not_callable": (BASE.replace("fn: builtin:reverse_digits", "fn: os:sep"), "15:9", "not something callable"),
+    "reward_import_error": (BASE.replace("fn: builtin:reverse_digits", "fn: no_such_pkg_x:f"), "15:9", "cannot import"),
+    "model_not_a_folder": (BASE.replace("path: builtin:tiny-qwen2", "path: /etc/hostname"), "3:15", "not a folder"),
+    "gae_without_critic": (BASE.replace("optim: {lr: 1.0e-3}", "advantage: {estimator: gae}"), "18:28", "critic"),
+}
+
+
+def _validate(tmp_path: Path, name: str, content: str | bytes) -> tuple[subprocess.CompletedProcess, float, Path]:
+    file = tmp_path / f"{name}.yaml"
+    if isinstance(content, bytes):
+        file.write_bytes(content)
+    else:
+        file.write_text(content)
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "flowrl.cli", "validate", str(file)], capture_output=True,
+                          text=True, errors="replace", timeout=60, cwd=tmp_path)
+    return proc, time.monotonic() - start, file
+
+
+@pytest.mark.parametrize("name", sorted(CORPUS))
+def test_hostile_spec_gets_a_located_message_quickly(name: str, tmp_path: Path) -> None:
+    content, where, word = CORPUS[name]
+    proc, seconds, file = _validate(tmp_path, name, content)
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr and "internal error" not in proc.stderr, proc.stderr
+    assert proc.stdout == ""
+    first = proc.stderr.splitlines()[0]
+    assert re.match(rf"{re.escape(str(file))}:\d+:\d+[ :]", first), first  # file:line:col
+    assert f"{file}:{where}" in first if where != ":" else True, first
+    assert word in proc.stderr, proc.stderr
+    assert seconds < TIME_LIMIT_S, f"{name} took {seconds:.1f}s"
+    peak_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024  # the largest child so far
+    assert peak_mb < MEMORY_LIMIT_MB, f"a validate process peaked at {peak_mb:.0f} MB"
+
+
+def test_alias_bomb_and_deep_nesting_are_refused_early(tmp_path: Path) -> None:
+    """Without the guard the bomb expands to 9^10 values (minutes, GBs) and the nesting recurses
+    past Python's limit; refused, each costs about a process start."""
+    for name in ("alias_bomb", "deep_flow_list", "deep_flow_map"):
+        proc, seconds, _ = _validate(tmp_path, name, CORPUS[name][0])
+        assert proc.returncode == 1 and "refusing it" in proc.stderr, proc.stderr
+        assert seconds < 3.0, f"{name} took {seconds:.1f}s"
+    assert len(CORPUS["alias_bomb"][0]) < 1024
