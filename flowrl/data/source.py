@@ -75,10 +75,16 @@ def problems(data: dict[str, Any], seed: int = 0) -> list[tuple[tuple[str, ...],
         out.append((("data", "batch_size"), f"batch_size {size} is larger than the source, which holds "
                                             f"{len(built)} samples: no step could be filled"))
     spec = data.get("eval")
-    if isinstance(spec, dict) and spec.get("source"):
+    if isinstance(spec, dict):
         options = {**(data.get("options") or {}), **(spec.get("options") or {})}
-        options.pop("reward", None)
-        out += _build({**data, "source": spec["source"], "options": options}, ("data", "eval", "source"), seed)[1]
+        reward = options.pop("reward", None)
+        if isinstance(reward, str) and not reward.startswith("builtin:"):
+            from flowrl.spec.refs import callable_path
+
+            problem = callable_path(reward)
+            out += [(("data", "eval", "options", "reward"), problem)] if problem else []
+        if spec.get("source"):
+            out += _build({**data, "source": spec["source"], "options": options}, ("data", "eval", "source"), seed)[1]
     return out
 
 
