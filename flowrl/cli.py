@@ -14,6 +14,8 @@ from pathlib import Path
 
 from flowrl.spec.errors import SpecError, UserError
 
+MAX_SHOWN = 50  # problems printed of one spec; a generated spec can have thousands
+
 
 def _compile(file: str, overrides: list[str]):
     from flowrl.graph.compile import compile_file
@@ -40,14 +42,16 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
         plan = _compile(args.target, args.overrides).plan
         text = render(plan, args.format, color=args.output is None and sys.stdout.isatty())
-    if isinstance(text, bytes):  # png
-        if not args.output:
-            raise UserError("--format png writes a file: add -o OUT.png")
-        Path(args.output).write_bytes(text)
-    elif args.output:
-        Path(args.output).write_text(text)
-    else:
-        sys.stdout.write(text)
+    if isinstance(text, bytes) and not args.output:  # png
+        raise UserError("--format png writes a file: add -o OUT.png")
+    if not args.output:
+        sys.stdout.write(text)  # type: ignore[arg-type]
+        return 0
+    try:
+        out = Path(args.output)
+        out.write_bytes(text) if isinstance(text, bytes) else out.write_text(text)
+    except OSError as e:
+        raise UserError(f"cannot write {args.output}: {e.strerror or e}") from e
     return 0
 
 
@@ -103,6 +107,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise UserError("give a pipeline file, or --resume RUN_DIR")
     except StageFailed as e:  # the message names the node and carries its own error
         raise UserError(f"the run failed: {e}") from e
+    except (FileExistsError, FileNotFoundError) as e:  # the runtime's word on the run directory
+        raise UserError(str(e)) from e
     for result in results:
         print(f"{result.run_dir}: {result.status} after {result.steps} steps in {result.seconds:.1f}s")
     return 0 if results and results[-1].status == "done" else 1
@@ -117,8 +123,10 @@ def main(argv: list[str] | None = None) -> int:
         return args.fn(args)
     except SpecError as e:
         _debug(args)
-        for diagnostic in e.diagnostics:
+        for diagnostic in e.diagnostics[:MAX_SHOWN]:
             print(diagnostic, file=sys.stderr)
+        if len(e.diagnostics) > MAX_SHOWN:
+            print(f"... and {len(e.diagnostics) - MAX_SHOWN} more problems", file=sys.stderr)
     except UserError as e:
         _debug(args)
         print(f"flowrl {args.command}: {e}", file=sys.stderr)

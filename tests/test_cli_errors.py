@@ -86,3 +86,15 @@ def test_a_flowrl_bug_is_reported_as_one(monkeypatch: pytest.MonkeyPatch, capsys
     assert main(["validate", str(BASE)]) == 1
     err = capsys.readouterr().err
     assert "internal error: KeyError" in err and "--debug" in err and "Traceback" not in err
+
+
+def test_many_problems_are_capped_and_an_unwritable_output_explained(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    spec = tmp_path / "many.yaml"
+    isolated = "".join(f"  extra{i}: {{op: sync}}\n" for i in range(80))
+    spec.write_text(BASE.read_text().replace("nodes:\n", "nodes:\n" + isolated))
+    assert main(["validate", str(spec)]) == 1
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == flowrl_cli.MAX_SHOWN + 1 and lines[-1] == "... and 30 more problems"
+    assert main(["inspect", str(BASE), "-o", str(tmp_path / "no" / "such" / "dir.txt")]) == 1
+    assert "cannot write" in capsys.readouterr().err

@@ -31,9 +31,9 @@ CORPUS: dict[str, tuple[str | bytes, str, str]] = {
     "utf16": (BASE.encode("utf-16"), "1:1", "UTF-16"),
     "nul_byte": (BASE.replace("name: bad", "name: b\x00ad"), "2:8", "not allowed"),
     "alias_bomb": (LAUGHS, ":", "aliases"),
-    "deep_flow_list": ("flowrl: 1\nx: " + "[" * 5000 + "]" * 5000 + "\n", "2:", "nested"),
-    "deep_flow_map": ("flowrl: 1\nx: " + "{a: " * 5000 + "1" + "}" * 5000 + "\n", "2:", "nested"),
-    "deep_block": ("flowrl: 1\nx:\n  " + "- " * 5000 + "x\n", "3:", "nested"),
+    "deep_flow_list": ("flowrl: 1\nx: " + "[" * 5000 + "]" * 5000 + "\n", "2:", "nest"),
+    "deep_flow_map": ("flowrl: 1\nx: " + "{a: " * 5000 + "1" + "}" * 5000 + "\n", "2:", "nest"),
+    "deep_block": ("flowrl: 1\nx:\n  " + "- " * 5000 + "x\n", "3:", "nest"),
     "too_big": (BASE + "# padding\n" * 40000, ":", "limit"),
     "inf": (BASE.replace("lr: 1.0e-3", "lr: .inf"), "18:17", "not a finite number"),
     "nan_override": (BASE.replace("batch_size: 4", "batch_size: .NaN"), "6:15", "not a finite number"),
@@ -92,9 +92,10 @@ def test_hostile_spec_gets_a_located_message_quickly(name: str, tmp_path: Path) 
 
 def test_alias_bomb_and_deep_nesting_are_refused_early(tmp_path: Path) -> None:
     """Without the guard the bomb expands to 9^10 values (minutes, GBs) and the nesting recurses
-    past Python's limit; refused, each costs about a process start."""
+    past Python's limit; refused (by the guard, or by libyaml's own depth limit of 1000 where the
+    scanner meets it first), each costs about a process start."""
     for name in ("alias_bomb", "deep_flow_list", "deep_flow_map"):
         proc, seconds, _ = _validate(tmp_path, name, CORPUS[name][0])
-        assert proc.returncode == 1 and "refusing it" in proc.stderr, proc.stderr
+        assert proc.returncode == 1 and ("refusing it" in proc.stderr or "nesting depth" in proc.stderr), proc.stderr
         assert seconds < 3.0, f"{name} took {seconds:.1f}s"
     assert len(CORPUS["alias_bomb"][0]) < 1024

@@ -43,7 +43,7 @@ def read_text(file: str) -> str:
                                                          "YAML text file")]) from None
 
 
-def check_events(loader: yaml.SafeLoader, file: str) -> None:
+def check_events(loader: Any, file: str) -> None:
     """Walk the event stream once, refusing deep nesting and alias expansion beyond the limits."""
     depth = 0
     total = 0  # nodes so far, aliases expanded
