@@ -71,7 +71,7 @@ class GenerateConfig(Strict):
     # Where agent workflows' OpenAI proxy listens: a loopback address, unless proxy_allow_remote
     # (the proxy has no authentication; allow it only on a trusted network).
     proxy_host: Annotated[str, check_with(checks.proxy_host)] = "127.0.0.1"
-    proxy_allow_remote: bool = False
+    proxy_allow_remote: bool = False  # let proxy_host be a non-loopback address (no authentication!)
     # Serve the engine at an OpenAI-compatible endpoint (e.g. for a judge node with `node:`), written
     # to <run_dir>/endpoints/<node>.url. Agent workflows always start it.
     serve_openai: bool = False

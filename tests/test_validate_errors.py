@@ -52,6 +52,7 @@ CORPUS: dict[str, tuple[str | bytes, str, str]] = {
     "phase_typo": (BASE + PHASE.format(key="nodes.lerner.optim.lr"), "30:7", "did you mean 'learner'"),
     "phase_into_scalar": (BASE + PHASE.format(key="nodes.learner.optim.lr.x"), "30:7", "not a mapping"),
     "phase_past_list": (BASE + PHASE.format(key="edges.9"), "30:7", "list of 4 items"),
+    "phase_inner_typo": (BASE + PHASE.format(key="nodes.learner.optim.lrr"), "30:7", "did you mean 'lr'"),
     "phase_top_typo": (BASE + PHASE.format(key="ndoes.learner.lr"), "30:7", "did you mean 'nodes'"),
     "phase_no_length": (BASE + "phases:\n  - {name: warm, set: {run.seed: 1}}\n", "27:5", "neither steps nor seconds"),
     "name_escapes": (BASE.replace("name: bad", "name: ../../x"), "2:7", "cannot name a folder"),

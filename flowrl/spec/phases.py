@@ -99,8 +99,10 @@ def _apply_set(data: dict[str, Any], key: str, value: Any, where: Path_, base: L
     for prefix in fresh:
         if at_key:
             locator.keys[prefix] = locator.values[prefix] = at_key
+    if at_key:
+        locator.keys[path] = at_key  # an unknown key: the phase's key
     if at_value:
-        locator.keys[path] = locator.values[path] = at_value
+        locator.values[path] = at_value  # a wrong value: the phase's value
 
 
 def _assign(data: dict[str, Any], path: Path_, value: Any, key: str, error: Any) -> list[Path_]:
