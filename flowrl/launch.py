@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from flowrl.graph.compile import compile_spec
+from flowrl.spec import guard
 from flowrl.spec.errors import UserError
 from flowrl.spec.load import LoadedSpec, load
 from flowrl.spec.phases import expand, phase_dir
@@ -36,9 +37,12 @@ def start(file: str, overrides: list[str], run_dir: Path | None = None, executor
     if (run_dir / "launch.json").exists():
         raise UserError(f"{run_dir} already holds a run; continue it with `flowrl run --resume {run_dir}` or "
                         "choose another --run-dir")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "spec.yaml").write_text(Path(file).read_text())
-    (run_dir / "launch.json").write_text(json.dumps({"file": file, "overrides": overrides, "executor": executor}))
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "spec.yaml").write_text(guard.read_text(file))
+        (run_dir / "launch.json").write_text(json.dumps({"file": file, "overrides": overrides, "executor": executor}))
+    except OSError as e:
+        raise UserError(f"cannot write the run directory {run_dir}: {e.strerror or e}") from e
     return _run_phases(loaded, run_dir, executor, progress)
 
 

@@ -8,7 +8,7 @@ default resources. The runtime instantiates it inside a stage with the validated
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
 import msgspec
 
@@ -25,9 +25,9 @@ KINDS = ("generate", "reward", "reference", "train", "sync", "transform")
 class Resources(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     """What one replica of a stage needs. Fractional CPUs let a 2-core laptop host a pipeline."""
 
-    cpus: float = 0.25
-    gpus: float = 0.0
-    replicas: int = 1
+    cpus: Annotated[float, msgspec.Meta(ge=0)] = 0.25
+    gpus: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    replicas: Annotated[int, msgspec.Meta(ge=1)] = 1
 
 
 class EmptyConfig(msgspec.Struct, forbid_unknown_fields=True):

@@ -98,6 +98,6 @@ def _build(data: dict[str, Any], path: tuple[str, ...], seed: int) -> tuple[Sour
             return None, [(path, f"unknown built-in source '{name}'; known: {known}")]
     try:
         return load_source(data, seed), []
-    except Exception as e:  # noqa: BLE001 - the user's factory may raise anything; report it at the key
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - the user's factory may raise anything; report it at the key
         message = str(e) if isinstance(e, ValueError) else f"building the source failed: {type(e).__name__}: {e}"
         return None, [(path, message)]
