@@ -23,6 +23,13 @@ MEMORY_LIMIT_MB = 500
 
 LAUGHS = "lol: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
     f"l{i}: &{chr(98 + i)} [{', '.join([f'*{chr(97 + i)}'] * 9)}]\n" for i in range(9))
+LEVELS = "abcdefghij"
+# Ten strings of ten references each to the string before: 10^10 characters once resolved.
+BOMB = "bomb:\n  a: xxxxxxxxxx\n" + "".join(
+    f"  {LEVELS[i]}: '{('${bomb.' + LEVELS[i - 1] + '}') * 10}'\n" for i in range(1, 10))
+SELECT_BOMB = BOMB.replace("${bomb.", "${oc.select:bomb.")
+LIST_BOMB = "bomb:\n  a: [" + ", ".join(["12345"] * 100) + "]\n" + "".join(
+    f"  {LEVELS[i]}: [{', '.join([repr('${bomb.' + LEVELS[i - 1] + '}')] * 10)}]\n" for i in range(1, 10))
 PHASE = "phases:\n  - name: warm\n    steps: 2\n    set:\n      {key}: 0.1\n"
 
 # name -> (file content, where the message points: LINE:COL, and a word it contains)
@@ -31,6 +38,9 @@ CORPUS: dict[str, tuple[str | bytes, str, str]] = {
     "utf16": (BASE.encode("utf-16"), "1:1", "UTF-16"),
     "nul_byte": (BASE.replace("name: bad", "name: b\x00ad"), "2:8", "not allowed"),
     "alias_bomb": (LAUGHS, ":", "aliases"),
+    "interpolation_bomb": (BASE + BOMB, "32:6", "longer than"),
+    "select_bomb": (BASE + SELECT_BOMB, "32:6", "longer than"),
+    "list_bomb": (BASE + LIST_BOMB, ":", "longer than"),
     "deep_flow_list": ("flowrl: 1\nx: " + "[" * 5000 + "]" * 5000 + "\n", "2:", "nest"),
     "deep_flow_map": ("flowrl: 1\nx: " + "{a: " * 5000 + "1" + "}" * 5000 + "\n", "2:", "nest"),
     "deep_block": ("flowrl: 1\nx:\n  " + "- " * 5000 + "x\n", "3:", "nest"),
@@ -95,7 +105,7 @@ def test_alias_bomb_and_deep_nesting_are_refused_early(tmp_path: Path) -> None:
     """Without the guard the bomb expands to 9^10 values (minutes, GBs) and the nesting recurses
     past Python's limit; refused (by the guard, or by libyaml's own depth limit of 1000 where the
     scanner meets it first), each costs about a process start."""
-    for name in ("alias_bomb", "deep_flow_list", "deep_flow_map"):
+    for name in ("alias_bomb", "interpolation_bomb", "deep_flow_list", "deep_flow_map"):
         proc, seconds, _ = _validate(tmp_path, name, CORPUS[name][0])
         assert proc.returncode == 1 and ("refusing it" in proc.stderr or "nesting depth" in proc.stderr), proc.stderr
         assert seconds < 3.0, f"{name} took {seconds:.1f}s"

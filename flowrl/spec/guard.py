@@ -9,6 +9,8 @@ stream, which PyYAML produces without recursion, and refuse such a file at the o
 from __future__ import annotations
 
 import math
+import re
+from collections.abc import Callable
 from pathlib import Path as FsPath
 from typing import Any
 
@@ -104,3 +106,55 @@ def bad_numbers(data: Any, path: Path = ()) -> list[tuple[Path, str]]:
     if isinstance(data, list | tuple):
         return [p for i, v in enumerate(data) for p in bad_numbers(v, (*path, i))]
     return []
+
+
+MAX_RESOLVED = 1_000_000  # characters a string may reach once its `${...}` references are resolved
+# A reference `${a.b}`, `${.sibling}`, `${a[0]}`, or a resolver's key argument (`${oc.select:a.b,x}`).
+_REF = re.compile(r"\$\{\s*(?:[\w.]+:\s*)?([.\w\[\]-]+)\s*[,}]")
+
+
+def check_interpolation(raw: dict[str, Any], refuse: Callable[[Path, str], SpecError]) -> None:
+    """Refuse strings whose references expand past MAX_RESOLVED characters: `${a}${a}...` nested a
+    few levels (an "interpolation bomb") would take omegaconf minutes and gigabytes to resolve."""
+    strings: dict[Path, str] = {}
+    _strings(raw, (), strings)
+    sizes: dict[Path, int] = {}
+
+    def size(path: Path, depth: int) -> int:
+        if path in sizes:
+            return sizes[path]
+        sizes[path] = 0  # a cycle counts as nothing here; omegaconf reports it
+        text = strings[path]
+        total = len(text)
+        for ref in _REF.findall(text):
+            target = _target(path, ref)  # a string, or a mapping or list: every string under it
+            for inner in [target] if target in strings else [p for p in strings if p[: len(target)] == target]:
+                if depth < 100:
+                    total += size(inner, depth + 1)
+            if total > MAX_RESOLVED:
+                raise refuse(path, f"resolving its ${{...}} references would make it longer than {MAX_RESOLVED} "
+                                   "characters; refusing it")
+        sizes[path] = total
+        return total
+
+    for path in [p for p, text in strings.items() if "${" in text]:
+        size(path, 0)
+
+
+def _strings(data: Any, path: Path, out: dict[Path, str]) -> None:
+    if isinstance(data, dict):
+        for key, value in data.items():
+            _strings(value, (*path, key), out)
+    elif isinstance(data, list):
+        for i, value in enumerate(data):
+            _strings(value, (*path, i), out)
+    else:  # a number or other scalar counts with its printed length
+        out[path] = data if isinstance(data, str) else str(data)
+
+
+def _target(path: Path, ref: str) -> Path:
+    """The path a reference written at `path` names: absolute `a.b[0]`, or relative `.x`, `..x`."""
+    dots = len(ref) - len(ref.lstrip("."))
+    base = path[: len(path) - dots] if dots else ()
+    parts = re.findall(r"[^.\[\]]+", ref[dots:])
+    return (*base, *(int(p) if p.isdigit() else p for p in parts))

@@ -297,6 +297,7 @@ def _apply_overrides(raw: dict[str, Any], overrides: list[str], loc: Locator) ->
         loc.overrides[path] = shown
     if not _interpolates(raw):  # omegaconf takes seconds on a large spec; skip it when it has nothing to do
         return raw
+    guard.check_interpolation(raw, lambda path, message: SpecError([loc.diagnostic(path, message)]))
     try:
         # Interpolation only: omegaconf's built-in resolvers read config and environment values;
         # we register none that evaluates code.
