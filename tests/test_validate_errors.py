@@ -41,6 +41,10 @@ CORPUS: dict[str, tuple[str | bytes, str, str]] = {
     "interpolation_bomb": (BASE + BOMB, "32:6", "longer than"),
     "select_bomb": (BASE + SELECT_BOMB, "32:6", "longer than"),
     "list_bomb": (BASE + LIST_BOMB, ":", "longer than"),
+    "nested_interpolation": (BASE + "description: '" + "${oc.decode:" * 300 + "1" + "}" * 300 + "'\n", "26:14",
+                             "nested more than"),
+    "interpolation_chain": (BASE + "chain:\n" + "".join(f"  a{i}: ${{chain.a{i + 1}}}\n" for i in range(3000))
+                            + "  a3000: x\n", "27:7", "interpolation failed"),
     "deep_flow_list": ("flowrl: 1\nx: " + "[" * 5000 + "]" * 5000 + "\n", "2:", "nest"),
     "deep_flow_map": ("flowrl: 1\nx: " + "{a: " * 5000 + "1" + "}" * 5000 + "\n", "2:", "nest"),
     "deep_block": ("flowrl: 1\nx:\n  " + "- " * 5000 + "x\n", "3:", "nest"),

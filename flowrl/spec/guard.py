@@ -108,6 +108,7 @@ def bad_numbers(data: Any, path: Path = ()) -> list[tuple[Path, str]]:
     return []
 
 
+MAX_NESTED_INTERPOLATION = 8  # `${a.${b}}` is 2
 MAX_RESOLVED = 1_000_000  # characters a string may reach once its `${...}` references are resolved
 # A reference `${a.b}`, `${.sibling}`, `${a[0]}`, or a resolver's key argument (`${oc.select:a.b,x}`).
 _REF = re.compile(r"\$\{\s*(?:[\w.]+:\s*)?([.\w\[\]-]+)\s*[,}]")
@@ -138,7 +139,20 @@ def check_interpolation(raw: dict[str, Any], refuse: Callable[[Path, str], SpecE
         return total
 
     for path in [p for p, text in strings.items() if "${" in text]:
+        if _nesting(strings[path]) > MAX_NESTED_INTERPOLATION:  # omegaconf's parser recurses on each level
+            raise refuse(path, f"its ${{...}} are nested more than {MAX_NESTED_INTERPOLATION} deep; refusing it")
         size(path, 0)
+
+
+def _nesting(text: str) -> int:
+    depth = deepest = 0
+    for i, char in enumerate(text):
+        if char == "$" and text[i + 1: i + 2] == "{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char == "}" and depth:
+            depth -= 1
+    return deepest
 
 
 def _strings(data: Any, path: Path, out: dict[Path, str]) -> None:

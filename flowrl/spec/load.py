@@ -302,7 +302,7 @@ def _apply_overrides(raw: dict[str, Any], overrides: list[str], loc: Locator) ->
         # Interpolation only: omegaconf's built-in resolvers read config and environment values;
         # we register none that evaluates code.
         return OmegaConf.to_container(OmegaConf.create(raw), resolve=True)  # type: ignore[return-value]
-    except OmegaConfBaseException as e:
+    except (OmegaConfBaseException, RecursionError) as e:
         key = getattr(e, "full_key", "") or ""
         path = tuple(int(p) if p.isdigit() else p for p in re.split(r"\.|\[|\]", str(key)) if p)
         message = str(e).splitlines()[0]
