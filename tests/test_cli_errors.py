@@ -98,3 +98,11 @@ def test_many_problems_are_capped_and_an_unwritable_output_explained(tmp_path: P
     assert len(lines) == flowrl_cli.MAX_SHOWN + 1 and lines[-1] == "... and 30 more problems"
     assert main(["inspect", str(BASE), "-o", str(tmp_path / "no" / "such" / "dir.txt")]) == 1
     assert "cannot write" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not Path("/dev/zero").exists(), reason="needs /dev/zero and mkfifo")
+def test_a_spec_that_is_no_regular_file_is_refused_unread(tmp_path: Path) -> None:
+    fifo = tmp_path / "pipe.yaml"
+    os.mkfifo(fifo)  # opened for reading, it would wait for a writer forever
+    for target in ("/dev/zero", str(fifo), str(tmp_path)):
+        explained(flowrl("validate", target), "not a regular file")

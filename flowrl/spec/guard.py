@@ -9,9 +9,10 @@ stream, which PyYAML produces without recursion, and refuse such a file at the o
 from __future__ import annotations
 
 import math
+import os
 import re
+import stat
 from collections.abc import Callable
-from pathlib import Path as FsPath
 from typing import Any
 
 import yaml
@@ -26,14 +27,17 @@ MAX_NODES = 100_000  # values in the spec with every alias expanded
 def read_text(file: str) -> str:
     """The spec file's text: UTF-8 (a UTF-8 byte-order mark is allowed), at most MAX_BYTES."""
     try:
-        raw = FsPath(file).read_bytes()
+        if not stat.S_ISREG(os.stat(file).st_mode):  # a folder, a pipe, /dev/zero: never read to the end
+            raise SpecError([Diagnostic(file, 0, 0, "", "cannot read spec: not a regular file")])
+        with open(file, "rb") as f:
+            raw = f.read(MAX_BYTES + 1)
     except OSError as e:
         raise SpecError([Diagnostic(file, 0, 0, "", f"cannot read spec: {e.strerror or e}")]) from None
     if len(raw) > MAX_BYTES:  # located where the limit is passed
         line = raw.count(b"\n", 0, MAX_BYTES) + 1
         col = MAX_BYTES - (raw.rfind(b"\n", 0, MAX_BYTES) + 1) + 1
-        raise SpecError([Diagnostic(file, line, col, "", f"the spec is {len(raw)} bytes, past the limit of "
-                                                         f"{MAX_BYTES} bytes here")])
+        raise SpecError([Diagnostic(file, line, col, "", f"the spec is larger than the limit of {MAX_BYTES} bytes; "
+                                                         "it passes it here")])
     if raw.startswith((b"\xff\xfe", b"\xfe\xff")):
         raise SpecError([Diagnostic(file, 1, 1, "", "the spec is UTF-16 text; save it as UTF-8")])
     try:
