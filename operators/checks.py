@@ -59,3 +59,15 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def judge_template(value: str, section: Any = None) -> str | None:
+    """A judge's `template`: only the fields the judge fills, in `str.format` syntax."""
+    del section
+    try:
+        value.format(prompt="", response="", reference="", max_score=10)
+    except (KeyError, IndexError) as e:
+        return f"the template names field {e} that the judge does not fill (it fills prompt, response, reference, max_score)"
+    except ValueError as e:
+        return f"the template is not str.format text: {e} (write a literal brace as {{{{ or }}}})"
+    return None
