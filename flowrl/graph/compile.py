@@ -48,38 +48,7 @@ def compile_file(file: str, overrides: list[str] | None = None) -> Compiled:
 def compile_spec(loaded: LoadedSpec) -> Compiled:
     spec, loc = loaded.spec, loaded.locator
     problems: list[Diagnostic] = []
-    ops: dict[str, type[Operator]] = {}
-    configs: dict[str, msgspec.Struct] = {}
-    resources: dict[str, Resources] = {}
-
-    if not spec.nodes:
-        problems.append(loc.diagnostic(("nodes",), "the pipeline has no nodes"))
-    for name, entry in spec.nodes.items():
-        node_path = ("nodes", name)
-        if not isinstance(entry, dict):
-            problems.append(loc.diagnostic(node_path, "a node is a mapping with at least an 'op' key"))
-            continue
-        op_name = entry.get("op")
-        if not isinstance(op_name, str):
-            problems.append(loc.diagnostic(node_path, "missing 'op' (an operator name or module:attr path)"))
-            continue
-        try:
-            op = registry.resolve(op_name)
-        except registry.OperatorError as e:
-            hint = did_you_mean(op_name, registry.names()) if ":" not in op_name else ""
-            message = f"unknown operator '{op_name}'{hint}" if str(e).startswith("unknown") else str(e)
-            problems.append(loc.diagnostic((*node_path, "op"), message))
-            continue
-        ops[name] = op
-        try:
-            resources[name] = msgspec.convert(entry.get("resources") or msgspec.to_builtins(op.resources), Resources)
-        except msgspec.ValidationError as e:
-            problems.append(validation_diagnostic(e, entry.get("resources"), (*node_path, "resources"), loc, Resources))
-        body = {k: v for k, v in entry.items() if k not in ("op", "resources")}
-        try:
-            configs[name] = msgspec.convert(body, op.Config)
-        except msgspec.ValidationError as e:
-            problems.append(validation_diagnostic(e, body, node_path, loc, op.Config))
+    ops, configs, resources = _read_nodes(spec.nodes, loc, problems)
 
     graph = nx.MultiDiGraph()
     for name, op in ops.items():
@@ -118,6 +87,44 @@ def compile_spec(loaded: LoadedSpec) -> Compiled:
         phases=msgspec.to_builtins(spec.phases), seed=spec.run.seed, environment=loaded.environment,
     )
     return Compiled(plan, graph, loaded)
+
+
+def _read_nodes(nodes: dict[str, Any], loc, problems: list[Diagnostic]
+                ) -> tuple[dict[str, type[Operator]], dict[str, msgspec.Struct], dict[str, Resources]]:
+    """Each node's operator, config and resources; what cannot be read is reported in `problems`."""
+    ops: dict[str, type[Operator]] = {}
+    configs: dict[str, msgspec.Struct] = {}
+    resources: dict[str, Resources] = {}
+
+    if not nodes:
+        problems.append(loc.diagnostic(("nodes",), "the pipeline has no nodes"))
+    for name, entry in nodes.items():
+        node_path = ("nodes", name)
+        if not isinstance(entry, dict):
+            problems.append(loc.diagnostic(node_path, "a node is a mapping with at least an 'op' key"))
+            continue
+        op_name = entry.get("op")
+        if not isinstance(op_name, str):
+            problems.append(loc.diagnostic(node_path, "missing 'op' (an operator name or module:attr path)"))
+            continue
+        try:
+            op = registry.resolve(op_name)
+        except registry.OperatorError as e:
+            hint = did_you_mean(op_name, registry.names()) if ":" not in op_name else ""
+            message = f"unknown operator '{op_name}'{hint}" if str(e).startswith("unknown") else str(e)
+            problems.append(loc.diagnostic((*node_path, "op"), message))
+            continue
+        ops[name] = op
+        try:
+            resources[name] = msgspec.convert(entry.get("resources") or msgspec.to_builtins(op.resources), Resources)
+        except msgspec.ValidationError as e:
+            problems.append(validation_diagnostic(e, entry.get("resources"), (*node_path, "resources"), loc, Resources))
+        body = {k: v for k, v in entry.items() if k not in ("op", "resources")}
+        try:
+            configs[name] = msgspec.convert(body, op.Config)
+        except msgspec.ValidationError as e:
+            problems.append(validation_diagnostic(e, body, node_path, loc, op.Config))
+    return ops, configs, resources
 
 
 def _parse_edges(entries, ops, nodes, loc, problems) -> list[tuple[int, EdgePlan]]:
