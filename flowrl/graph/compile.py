@@ -63,8 +63,7 @@ def compile_spec(loaded: LoadedSpec) -> Compiled:
     if not problems:
         rules.check_fan_in(edges, ops, loc, problems)
         _check_operators(edges, ops, configs, spec.run.executor, loc, problems)
-    if not problems:  # imports the modules the spec names and builds its data source
-        rules.check_references(spec, configs, loc, problems)
+    rules.check_references(spec, configs, loc, problems)  # imports the modules named, builds the data source
     if problems:
         raise SpecError(_ordered(problems))
 
