@@ -114,3 +114,21 @@ def test_alias_bomb_and_deep_nesting_are_refused_early(tmp_path: Path) -> None:
         assert proc.returncode == 1 and ("refusing it" in proc.stderr or "nesting depth" in proc.stderr), proc.stderr
         assert seconds < 3.0, f"{name} took {seconds:.1f}s"
     assert len(CORPUS["alias_bomb"][0]) < 1024
+
+
+def test_a_finite_source_smaller_than_batch_size_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    from flowrl.cli import main
+
+    (tmp_path / "few_prompts.py").write_text(
+        "class Few:\n"
+        "    def __init__(self, seed=0, n=3):\n        self.n = n\n"
+        "    def __len__(self):\n        return self.n\n"
+        "    def sample(self, step, index):\n        return {'prompt': str(index % self.n)}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    spec = tmp_path / "pipeline.yaml"
+    spec.write_text(BASE.replace("source: builtin:reverse_digits", "source: few_prompts:Few"))
+    assert main(["validate", str(spec)]) == 1
+    assert f"{spec}:6:15 data.batch_size: batch_size 4 is larger than the source, which holds 3 samples" \
+        in capsys.readouterr().err
+    assert main(["validate", str(spec), "data.options={n: 4}"]) == 0
