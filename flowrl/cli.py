@@ -1,12 +1,20 @@
-"""`flowrl` command line: validate, inspect, operators, run."""
+"""`flowrl` command line: validate, inspect, operators, run.
+
+A user's mistake never ends in a traceback: spec problems print as located diagnostics, other
+mistakes (a missing run directory, a broken plugin) as one explained line, each with exit 1.
+Anything else is flowrl's own fault and says so; `--debug` shows the traceback of either.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import traceback
 from pathlib import Path
 
-from flowrl.spec.errors import SpecError
+from flowrl.spec.errors import SpecError, UserError
+
+MAX_SHOWN = 50  # problems printed of one spec; a generated spec can have thousands
 
 
 def _compile(file: str, overrides: list[str]):
@@ -25,20 +33,25 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if target.is_dir():
         from flowrl.report import render_run
 
-        text = render_run(target, args.format)
+        try:
+            text = render_run(target, args.format)
+        except (OSError, ValueError) as e:  # not a run directory, or a record that does not parse
+            raise UserError(f"cannot inspect {target}: {e}") from e
     else:
         from flowrl.graph.render import render
 
         plan = _compile(args.target, args.overrides).plan
         text = render(plan, args.format, color=args.output is None and sys.stdout.isatty())
-    if isinstance(text, bytes):  # png
-        if not args.output:
-            raise SystemExit("flowrl inspect --format png writes a file: add -o OUT.png")
-        Path(args.output).write_bytes(text)
-    elif args.output:
-        Path(args.output).write_text(text)
-    else:
-        sys.stdout.write(text)
+    if isinstance(text, bytes) and not args.output:  # png
+        raise UserError("--format png writes a file: add -o OUT.png")
+    if not args.output:
+        sys.stdout.write(text)  # type: ignore[arg-type]
+        return 0
+    try:
+        out = Path(args.output)
+        out.write_bytes(text) if isinstance(text, bytes) else out.write_text(text)
+    except OSError as e:
+        raise UserError(f"cannot write {args.output}: {e.strerror or e}") from e
     return 0
 
 
@@ -51,11 +64,12 @@ def cmd_operators(args: argparse.Namespace) -> int:
     from flowrl.spec.describe import fields
 
     console = Console(width=140)
+    broken = []
     for name in registry.names():
         try:
             op = registry.resolve(name)
-        except registry.OperatorError as e:
-            console.print(f"[red]{name}: {e}[/red]")
+        except registry.OperatorError as e:  # a plugin that fails to load: list the others, then say so
+            broken.append(f"flowrl operators: operator '{name}' cannot be loaded: {e}")
             continue
         console.print(f"[bold]{name}[/bold]  kind {op.kind}  ({op.__module__}:{op.__qualname__})")
         console.print(f"  {summary(op)}")
@@ -71,45 +85,91 @@ def cmd_operators(args: argparse.Namespace) -> int:
         if table.row_count:
             console.print(table)
         console.print()
-    return 0
+    for line in broken:
+        print(line, file=sys.stderr)
+    return 1 if broken else 0
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     from flowrl import launch
+    from flowrl.runtime import StageFailed
+    from flowrl.runtime.checkpoints import DiskSpaceError
 
     progress = not args.quiet
-    if args.resume:
-        results = launch.resume(Path(args.resume), progress=progress)
-    elif args.file:
-        results = launch.start(args.file, args.overrides, Path(args.run_dir) if args.run_dir else None,
-                               args.executor, progress)
-    else:
-        raise SystemExit("flowrl run: give a pipeline file, or --resume RUN_DIR")
+    if args.resume and args.file:
+        raise UserError("--resume continues the run in RUN_DIR with its own spec; give no pipeline file")
+    try:
+        if args.resume:
+            results = launch.resume(Path(args.resume), progress=progress)
+        elif args.file:
+            results = launch.start(args.file, args.overrides, Path(args.run_dir) if args.run_dir else None,
+                                   args.executor, progress)
+        else:
+            raise UserError("give a pipeline file, or --resume RUN_DIR")
+    except StageFailed as e:  # the message names the node and carries its own error
+        raise UserError(f"the run failed: {e}") from e
+    except (FileExistsError, FileNotFoundError, DiskSpaceError) as e:  # the runtime's word on the run directory
+        raise UserError(str(e)) from e
     for result in results:
         print(f"{result.run_dir}: {result.status} after {result.steps} steps in {result.seconds:.1f}s")
     return 0 if results and results[-1].status == "done" else 1
 
 
 def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command == "inspect" and args.format == "png" and not Path(args.target).is_dir():
+        parser.error("--format png is for run directories")
+    try:
+        return args.fn(args)
+    except SpecError as e:
+        _debug(args)
+        for diagnostic in e.diagnostics[:MAX_SHOWN]:
+            print(diagnostic, file=sys.stderr)
+        if len(e.diagnostics) > MAX_SHOWN:
+            print(f"... and {len(e.diagnostics) - MAX_SHOWN} more problems", file=sys.stderr)
+    except UserError as e:
+        _debug(args)
+        print(f"flowrl {args.command}: {e}", file=sys.stderr)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # noqa: BLE001 - a bug in flowrl: say so, keep the traceback for --debug
+        _debug(args)
+        print(f"flowrl {args.command}: internal error: {type(e).__name__}: {e}", file=sys.stderr)
+        if not args.debug:
+            print("  this is a flowrl bug, not a mistake in your input; run again with --debug for the "
+                  "traceback", file=sys.stderr)
+    return 1
+
+
+def _debug(args: argparse.Namespace) -> None:
+    if args.debug:
+        traceback.print_exc()
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flowrl", description="Declarative RL pipelines for language models.")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    common = argparse.ArgumentParser(add_help=False)  # --debug also after the command
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("validate", help="check a pipeline spec; silent on success")
+    p = sub.add_parser("validate", parents=[common], help="check a pipeline spec; silent on success")
     p.add_argument("file")
     p.add_argument("overrides", nargs="*", metavar="key=value")
     p.set_defaults(fn=cmd_validate)
 
-    p = sub.add_parser("inspect", help="draw a pipeline (FILE) or what a run did (RUN_DIR)")
+    p = sub.add_parser("inspect", parents=[common], help="draw a pipeline (FILE) or what a run did (RUN_DIR)")
     p.add_argument("target", help="a pipeline YAML file or a run directory")
     p.add_argument("overrides", nargs="*", metavar="key=value")
     p.add_argument("--format", default="text", choices=("text", "mermaid", "dot", "html", "json", "png"))
     p.add_argument("-o", "--output", help="write to this file instead of standard output")
     p.set_defaults(fn=cmd_inspect)
 
-    p = sub.add_parser("operators", help="list registered operators, their ports and config keys")
+    p = sub.add_parser("operators", parents=[common], help="list registered operators, their ports and config keys")
     p.set_defaults(fn=cmd_operators)
 
-    p = sub.add_parser("run", help="run a pipeline")
+    p = sub.add_parser("run", parents=[common], help="run a pipeline")
     p.add_argument("file", nargs="?")
     p.add_argument("overrides", nargs="*", metavar="key=value")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted run from its directory")
@@ -117,16 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--executor", choices=("inprocess", "ray"), help="overrides run.executor")
     p.add_argument("--quiet", action="store_true", help="no live progress view")
     p.set_defaults(fn=cmd_run)
-
-    args = parser.parse_args(argv)
-    if args.command == "inspect" and args.format == "png" and not Path(args.target).is_dir():
-        parser.error("--format png is for run directories")
-    try:
-        return args.fn(args)
-    except SpecError as e:
-        for diagnostic in e.diagnostics:
-            print(diagnostic, file=sys.stderr)
-        return 1
+    return parser
 
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 
 from flowrl.graph.compile import compile_spec
+from flowrl.spec import guard
+from flowrl.spec.errors import UserError
 from flowrl.spec.load import LoadedSpec, load
 from flowrl.spec.phases import expand, phase_dir
 
@@ -30,19 +32,47 @@ def start(file: str, overrides: list[str], run_dir: Path | None = None, executor
     for _, phase_loaded in expand(loaded):  # every phase must compile before anything runs
         compile_spec(phase_loaded)
     run_dir = Path(run_dir or loaded.spec.run.run_dir or default_run_dir(loaded.spec.name))
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UserError(f"the run directory {run_dir} is a file; choose another --run-dir")
     if (run_dir / "launch.json").exists():
-        raise FileExistsError(f"{run_dir} already holds a run; resume it with --resume or choose another directory")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "spec.yaml").write_text(Path(file).read_text())
-    (run_dir / "launch.json").write_text(json.dumps({"file": file, "overrides": overrides, "executor": executor}))
+        raise UserError(f"{run_dir} already holds a run; continue it with `flowrl run --resume {run_dir}` or "
+                        "choose another --run-dir")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "spec.yaml").write_text(guard.read_text(file))
+        (run_dir / "launch.json").write_text(json.dumps({"file": file, "overrides": overrides, "executor": executor}))
+    except OSError as e:
+        raise UserError(f"cannot write the run directory {run_dir}: {e.strerror or e}") from e
     return _run_phases(loaded, run_dir, executor, progress)
 
 
 def resume(run_dir: Path, progress: bool = True) -> list:
     """Continue an interrupted `start()` from its run directory."""
-    launch = json.loads((run_dir / "launch.json").read_text())
+    launch = _launch_record(run_dir)
     loaded = load(str(run_dir / "spec.yaml"), launch["overrides"])
-    return _run_phases(loaded, run_dir, launch["executor"], progress, resuming=True)
+    phases = expand(loaded)
+    single = not loaded.spec.phases
+    if all(((run_dir if single else phase_dir(run_dir, i, phase)) / "phase.json").exists()
+           for i, (phase, _) in enumerate(phases)):
+        raise UserError(f"the run in {run_dir} has finished; nothing to resume (start a new run instead)")
+    return _run_phases(loaded, run_dir, launch.get("executor"), progress, resuming=True)
+
+
+def _launch_record(run_dir: Path) -> dict:
+    """launch.json of a run directory, or a UserError saying why `run_dir` is not one."""
+    if not run_dir.is_dir():
+        raise UserError(f"no run directory {run_dir}; --resume takes the directory of an earlier `flowrl run`")
+    record = run_dir / "launch.json"
+    if not record.is_file() or not (run_dir / "spec.yaml").is_file():
+        raise UserError(f"{run_dir} is not a run directory (no launch.json and spec.yaml); --resume takes the "
+                        "directory of an earlier `flowrl run`")
+    try:
+        launch = json.loads(record.read_text())
+        if not isinstance(launch, dict) or not isinstance(launch.get("overrides"), list):
+            raise ValueError("not a launch record")
+        return launch
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot read {record}: {e}") from e
 
 
 def _run_phases(loaded: LoadedSpec, run_dir: Path, executor: str | None, progress: bool,

@@ -8,7 +8,7 @@ default resources. The runtime instantiates it inside a stage with the validated
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
 import msgspec
 
@@ -25,9 +25,9 @@ KINDS = ("generate", "reward", "reference", "train", "sync", "transform")
 class Resources(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     """What one replica of a stage needs. Fractional CPUs let a 2-core laptop host a pipeline."""
 
-    cpus: float = 0.25
-    gpus: float = 0.0
-    replicas: int = 1
+    cpus: Annotated[float, msgspec.Meta(ge=0)] = 0.25
+    gpus: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    replicas: Annotated[int, msgspec.Meta(ge=1)] = 1
 
 
 class EmptyConfig(msgspec.Struct, forbid_unknown_fields=True):
@@ -60,6 +60,8 @@ class GraphFacts(msgspec.Struct, frozen=True):
     async_upstream: bool = False  # an async edge feeds this node, directly or further up
     partial_rollout_upstream: bool = False  # an upstream generate node continues across updates
     executor: str = "inprocess"  # run.executor: whether the stages share one process
+    # Trajectory fields filled by upstream nodes (their operators' `provides`), e.g. values.
+    upstream_provides: frozenset[str] = frozenset()
 
 
 class TrainResult(msgspec.Struct, kw_only=True):
@@ -107,6 +109,9 @@ class Operator:
     inputs: ClassVar[dict[str, str]] = {}
     outputs: ClassVar[dict[str, str]] = {}
     resources: ClassVar[Resources] = Resources()
+    # Trajectory fields this operator fills (e.g. `values`, `reference_logprobs`), so that a node
+    # downstream that needs them can say in `check_graph` when none is upstream.
+    provides: ClassVar[frozenset[str]] = frozenset()
 
     @classmethod
     def knobs(cls, config: msgspec.Struct) -> Knobs:

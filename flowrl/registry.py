@@ -45,6 +45,8 @@ def import_path(path: str) -> object:
         obj: object = importlib.import_module(module_name)
     except ImportError as e:
         raise OperatorError(f"cannot import module '{module_name}' for '{path}': {e}") from e
+    except (Exception, SystemExit) as e:  # the module itself fails as it is imported (a syntax error, a raise, exit)
+        raise OperatorError(f"importing module '{module_name}' for '{path}' failed: {type(e).__name__}: {e}") from e
     for part in attr.split("."):
         try:
             obj = getattr(obj, part)

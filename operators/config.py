@@ -10,8 +10,12 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+from flowrl.spec.refs import check_with, model_folder
+from flowrl_operators import checks
+
 PositiveInt = Annotated[int, Meta(ge=1)]
 Probability = Annotated[float, Meta(ge=0.0, le=1.0)]
+ModelPath = Annotated[str, check_with(model_folder)]  # a model folder or builtin:<name>, checked by validate
 
 
 class Strict(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -50,7 +54,7 @@ class GenerateConfig(Strict):
     engine: Literal["embedded", "sglang"] | EngineConfig = "embedded"
     group_size: PositiveInt = 1  # trajectories per sample
     sampling: SamplingConfig = msgspec.field(default_factory=SamplingConfig)
-    workflow: str = "single_turn"  # a workflow name or module:attr
+    workflow: Annotated[str, check_with(checks.workflow)] = "single_turn"  # a workflow name or module:attr
     workflow_args: dict[str, Any] = {}
     # Continue in-flight generations under new weights instead of waiting for them.
     partial_rollout: bool = False
@@ -66,14 +70,17 @@ class GenerateConfig(Strict):
     # episode (minutes even for long reasoning on a busy engine) and still ends a hang within the
     # hour; null (explicit only) waits forever.
     episode_timeout_s: Annotated[float, Meta(gt=0)] | None = 1800.0
-    proxy_host: str = "127.0.0.1"  # where agent workflows' OpenAI proxy listens
+    # Where agent workflows' OpenAI proxy listens: a loopback address, unless proxy_allow_remote
+    # (the proxy has no authentication; allow it only on a trusted network).
+    proxy_host: Annotated[str, check_with(checks.proxy_host)] = "127.0.0.1"
+    proxy_allow_remote: bool = False  # let proxy_host be a non-loopback address (no authentication!)
     # Serve the engine at an OpenAI-compatible endpoint (e.g. for a judge node with `node:`), written
     # to <run_dir>/endpoints/<node>.url. Agent workflows always start it.
     serve_openai: bool = False
 
 
 class RewardConfig(Strict):
-    fn: str  # module:attr, or builtin:<task> for a built-in task's reward
+    fn: Annotated[str, check_with(checks.reward_fn)]  # module:attr, or builtin:<task> for a built-in task's reward
     timeout_s: Annotated[float, Meta(gt=0)] = 30.0
     on_error: Literal["zero", "drop", "fail"] = "zero"  # what a raising or hanging reward does
     max_errors: PositiveInt = 100  # the run fails after this many errors in total
@@ -162,14 +169,14 @@ class TrainConfig(Strict):
 class ReferenceConfig(Strict):
     # The training engine (training/engine.py): fsdp2, or one a plugin registers (flowrl.training_engines).
     engine: str = "fsdp2"
-    model: str | None = None  # defaults to the pipeline's model
+    model: ModelPath | None = None  # defaults to the pipeline's model
     micro_batch_tokens: PositiveInt = 8192
 
 
 class CriticConfig(Strict):
     # The training engine (training/engine.py): fsdp2, or one a plugin registers (flowrl.training_engines).
     engine: str = "fsdp2"
-    model: str | None = None  # defaults to the pipeline's model with a value head
+    model: ModelPath | None = None  # defaults to the pipeline's model with a value head
     optim: OptimConfig = msgspec.field(default_factory=OptimConfig)
     value_clip: Annotated[float, Meta(gt=0)] = 0.2
     micro_batch_tokens: PositiveInt = 8192

@@ -24,6 +24,7 @@ class Critic(Operator):
     Config = CriticConfig
     inputs: ClassVar = {"trajectories": TRAJECTORIES}
     outputs: ClassVar = {"trajectories": TRAJECTORIES}
+    provides: ClassVar = frozenset({"values"})
     resources = Resources(cpus=0.25)
 
     @classmethod

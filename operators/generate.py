@@ -58,7 +58,8 @@ class Generate(Operator):
         if getattr(self.workflow, "needs_proxy", False) or self.config.serve_openai:
             from flowrl_operators.workflows.proxy import Proxy
 
-            proxy = Proxy(self.engine, self.tokenizer, self.sampling, host=self.config.proxy_host)
+            proxy = Proxy(self.engine, self.tokenizer, self.sampling, host=self.config.proxy_host,
+                          allow_remote=self.config.proxy_allow_remote)
             url = await proxy.start()
             self.services["proxy"] = proxy
             if self.context.run_dir is not None:

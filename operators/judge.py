@@ -22,7 +22,9 @@ import msgspec
 from msgspec import Meta
 
 from flowrl.data.trajectory import Trajectory
-from flowrl_operators.config import PositiveInt, SamplingConfig, Strict
+from flowrl.spec.refs import check_with
+from flowrl_operators import checks
+from flowrl_operators.config import ModelPath, PositiveInt, SamplingConfig, Strict
 from flowrl_operators.reward import Reward
 
 DEFAULT_TEMPLATE = (
@@ -32,10 +34,10 @@ DEFAULT_TEMPLATE = (
 
 
 class JudgeConfig(Strict):
-    model: str | None = None  # an embedded engine of its own (default: the pipeline's model)
+    model: ModelPath | None = None  # an embedded engine of its own (default: the pipeline's model)
     url: str | None = None  # an OpenAI-compatible base URL (ending in /v1)
     node: str | None = None  # a generate node whose engine grades (it serves an endpoint)
-    template: str = DEFAULT_TEMPLATE  # fields: {prompt} {response} {reference} {max_score}
+    template: Annotated[str, check_with(checks.judge_template)] = DEFAULT_TEMPLATE  # fields: {prompt} {response} {reference} {max_score}
     max_score: Annotated[float, Meta(gt=0)] = 10.0
     sampling: SamplingConfig = msgspec.field(default_factory=lambda: SamplingConfig(temperature=0.0,
                                                                                      max_new_tokens=32))

@@ -17,6 +17,7 @@ class Reference(Operator):
     Config = ReferenceConfig
     inputs: ClassVar = {"trajectories": TRAJECTORIES}
     outputs: ClassVar = {"trajectories": TRAJECTORIES}
+    provides: ClassVar = frozenset({"reference_logprobs"})
     resources = Resources(cpus=0.25)
 
     @classmethod

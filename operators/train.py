@@ -127,10 +127,17 @@ class Train(Operator):
     def check_graph(cls, config: TrainConfig, facts: GraphFacts) -> list[tuple[tuple[str, ...], str]]:
         from flowrl_operators.training.engine import check_name
 
-        problems = [(("engine",), problem)] if (problem := check_name(config.engine)) else []
+        out = [(("engine",), problem)] if (problem := check_name(config.engine)) else []
         if unbounded_weight(config.loss):
-            problems.append((("loss", "decoupled"), UNBOUNDED_WEIGHT))
-        return problems
+            out.append((("loss", "decoupled"), UNBOUNDED_WEIGHT))
+        kl, estimator = config.loss.kl, config.advantage.estimator
+        if estimator == "gae" and "values" not in facts.upstream_provides:
+            out.append((("advantage", "estimator"), "advantage gae needs value estimates: add a critic node "
+                        "(op: critic) between the reward and this node"))
+        if kl.coef > 0 and "reference_logprobs" not in facts.upstream_provides:
+            out.append((("loss", "kl", "coef"), f"a KL term (coef {kl.coef:g}) needs reference logprobs: add a "
+                        "reference node (op: reference) before this node, or set coef: 0"))
+        return out
 
     async def setup(self) -> None:
         from flowrl_operators.models import import_transformers

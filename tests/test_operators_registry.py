@@ -97,7 +97,7 @@ def plugin_site(tmp_path: Path) -> Path:
 
 
 def flowrl(site: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(site)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(site), os.environ.get("PYTHONPATH"))))}
     return subprocess.run([sys.executable, "-m", "flowrl.cli", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
 

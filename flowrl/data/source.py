@@ -14,7 +14,8 @@ object with
     sample(step: int, index: int) -> dict      # a plain, msgpack-able dict
 
 and, for `data.eval`, `eval_sample(index) -> dict` (held-out samples). A finite source may define
-`__len__` (its samples per epoch).
+`__len__` (its samples per epoch); `flowrl validate` then refuses a `batch_size` larger than that,
+as no step could be filled.
 
 Step `s` of a run consists of samples `(s, 0) .. (s, batch_size - 1)`. `sample` must be a pure
 function of `(seed, options, step, index)`: the runtime re-issues a sample after a generate actor
@@ -24,6 +25,7 @@ dies or a run resumes, and the result must be the same sample, so resume and re-
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sized
 from typing import Any, Protocol
 
 from flowrl.registry import OperatorError, import_path
@@ -96,3 +98,40 @@ def batch_size(data: dict[str, Any]) -> int:
     if not isinstance(size, int) or size < 1:
         raise ValueError(f"data.batch_size must be a positive integer, got {size!r}")
     return size
+
+
+def problems(data: dict[str, Any], seed: int = 0) -> list[tuple[tuple[str, ...], str]]:
+    """(key path, problem) of a pipeline's `data` section, found by building its source (and the
+    eval source) as a run would, without generating anything."""
+    built, out = _build(data, ("data", "source"), seed)
+    size = data.get("batch_size", 16)
+    if isinstance(built, Sized) and len(built) < size:
+        out.append((("data", "batch_size"), f"batch_size {size} is larger than the source, which holds "
+                                            f"{len(built)} samples: no step could be filled"))
+    spec = data.get("eval")
+    if isinstance(spec, dict):
+        options = {**(data.get("options") or {}), **(spec.get("options") or {})}
+        reward = options.pop("reward", None)
+        if isinstance(reward, str) and not reward.startswith("builtin:"):
+            from flowrl.spec.refs import callable_path
+
+            problem = callable_path(reward)
+            out += [(("data", "eval", "options", "reward"), problem)] if problem else []
+        if spec.get("source"):
+            out += _build({**data, "source": spec["source"], "options": options}, ("data", "eval", "source"), seed)[1]
+    return out
+
+
+def _build(data: dict[str, Any], path: tuple[str, ...], seed: int) -> tuple[Source | None, list[tuple[tuple[str, ...], str]]]:
+    name = data["source"]
+    if name.startswith("builtin:"):
+        from flowrl_operators.tasks import TASKS
+
+        if name.removeprefix("builtin:") not in TASKS:
+            known = ", ".join(f"builtin:{t}" for t in TASKS)
+            return None, [(path, f"unknown built-in source '{name}'; known: {known}")]
+    try:
+        return load_source(data, seed), []
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - the user's factory may raise anything; report it at the key
+        message = str(e) if isinstance(e, ValueError) else f"building the source failed: {type(e).__name__}: {e}"
+        return None, [(path, message)]

@@ -4,7 +4,9 @@ Every rule reports a located diagnostic; all problems of a spec are collected an
 together. Rules: unknown op, invalid node config, malformed or dangling edges, port type
 mismatch, unconnected input port, data-edge cycle (only `kind: weights` from a sync node to a
 generate node may point back), isolated node, staleness and capacity limits, duplicate edges,
-resources beyond the cluster, and each operator's own graph checks (`Operator.check_graph`).
+resources beyond the cluster, and each operator's own graph checks (`Operator.check_graph`);
+then (flowrl/graph/rules.py) fan-in into train and sync nodes, and every `module:attr`, model
+folder and data source the spec names.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import msgspec
 import networkx as nx
 
 from flowrl import registry
+from flowrl.graph import rules
 from flowrl.graph.plan import EdgePlan, NodePlan, Plan
 from flowrl.operator import PROMPTS, WEIGHTS, GraphFacts, Operator, Resources
 from flowrl.spec.errors import Diagnostic, SpecError, did_you_mean
@@ -45,11 +48,56 @@ def compile_file(file: str, overrides: list[str] | None = None) -> Compiled:
 def compile_spec(loaded: LoadedSpec) -> Compiled:
     spec, loc = loaded.spec, loaded.locator
     problems: list[Diagnostic] = []
+    ops, configs, resources = _read_nodes(spec.nodes, loc, problems)
+
+    graph = nx.MultiDiGraph()
+    for name, op in ops.items():
+        graph.add_node(name, kind=op.kind, op=spec.nodes[name]["op"])
+    edges = _parse_edges(spec.edges, ops, spec.nodes, loc, problems)
+    for i, edge in edges:
+        graph.add_edge(edge.src, edge.dst, index=i, plan=edge)
+
+    if not problems:  # connectivity is only meaningful once every node and edge could be read
+        _check_connectivity(graph, ops, edges, loc, problems)
+    _check_resources(spec, resources, loc, problems)
+    if not problems:
+        rules.check_fan_in(edges, ops, loc, problems)
+        _check_operators(edges, ops, configs, spec.run.executor, loc, problems)
+    rules.check_references(spec, configs, loc, problems)  # imports the modules named, builds the data source
+    if problems:
+        raise SpecError(_ordered(problems))
+
+    data_graph = nx.DiGraph([(e.src, e.dst) for _, e in edges if e.kind == "data"])
+    data_graph.add_nodes_from(ops)
+    plan = Plan(
+        name=spec.name,
+        nodes={
+            name: NodePlan(
+                name=name, kind=op.kind, op=spec.nodes[name]["op"],
+                config=msgspec.to_builtins(configs[name]), resources=resources[name],
+                inputs=dict(op.inputs), outputs=dict(op.outputs),
+            )
+            for name, op in ops.items()
+        },
+        edges=[e for _, e in edges],
+        order=list(nx.lexicographical_topological_sort(data_graph)),
+        model=msgspec.to_builtins(spec.model), data=msgspec.to_builtins(spec.data),
+        run=msgspec.to_builtins(spec.run), cluster=msgspec.to_builtins(spec.cluster),
+        phases=msgspec.to_builtins(spec.phases), seed=spec.run.seed, environment=loaded.environment,
+    )
+    return Compiled(plan, graph, loaded)
+
+
+def _read_nodes(nodes: dict[str, Any], loc, problems: list[Diagnostic]
+                ) -> tuple[dict[str, type[Operator]], dict[str, msgspec.Struct], dict[str, Resources]]:
+    """Each node's operator, config and resources; what cannot be read is reported in `problems`."""
     ops: dict[str, type[Operator]] = {}
     configs: dict[str, msgspec.Struct] = {}
     resources: dict[str, Resources] = {}
 
-    for name, entry in spec.nodes.items():
+    if not nodes:
+        problems.append(loc.diagnostic(("nodes",), "the pipeline has no nodes"))
+    for name, entry in nodes.items():
         node_path = ("nodes", name)
         if not isinstance(entry, dict):
             problems.append(loc.diagnostic(node_path, "a node is a mapping with at least an 'op' key"))
@@ -75,41 +123,7 @@ def compile_spec(loaded: LoadedSpec) -> Compiled:
             configs[name] = msgspec.convert(body, op.Config)
         except msgspec.ValidationError as e:
             problems.append(validation_diagnostic(e, body, node_path, loc, op.Config))
-
-    graph = nx.MultiDiGraph()
-    for name, op in ops.items():
-        graph.add_node(name, kind=op.kind, op=spec.nodes[name]["op"])
-    edges = _parse_edges(spec.edges, ops, spec.nodes, loc, problems)
-    for i, edge in edges:
-        graph.add_edge(edge.src, edge.dst, index=i, plan=edge)
-
-    if not problems:  # connectivity is only meaningful once every node and edge could be read
-        _check_connectivity(graph, ops, edges, loc, problems)
-    _check_resources(spec, resources, loc, problems)
-    if not problems:
-        _check_operators(edges, ops, configs, spec.run.executor, loc, problems)
-    if problems:
-        raise SpecError(_ordered(problems))
-
-    data_graph = nx.DiGraph([(e.src, e.dst) for _, e in edges if e.kind == "data"])
-    data_graph.add_nodes_from(ops)
-    plan = Plan(
-        name=spec.name,
-        nodes={
-            name: NodePlan(
-                name=name, kind=op.kind, op=spec.nodes[name]["op"],
-                config=msgspec.to_builtins(configs[name]), resources=resources[name],
-                inputs=dict(op.inputs), outputs=dict(op.outputs),
-            )
-            for name, op in ops.items()
-        },
-        edges=[e for _, e in edges],
-        order=list(nx.lexicographical_topological_sort(data_graph)),
-        model=msgspec.to_builtins(spec.model), data=msgspec.to_builtins(spec.data),
-        run=msgspec.to_builtins(spec.run), cluster=msgspec.to_builtins(spec.cluster),
-        phases=msgspec.to_builtins(spec.phases), seed=spec.run.seed,
-    )
-    return Compiled(plan, graph, loaded)
+    return ops, configs, resources
 
 
 def _parse_edges(entries, ops, nodes, loc, problems) -> list[tuple[int, EdgePlan]]:
@@ -248,7 +262,9 @@ def _check_operators(edges, ops, configs, executor: str, loc, problems) -> None:
         upstream = nx.ancestors(data, name)
         async_in = any(d["mode"] == "async" for _, v, d in data.edges(data=True) if v == name or v in upstream)
         partial = any(ops[u].knobs(configs[u]).partial_rollout for u in upstream if u in configs)
-        facts = GraphFacts(async_upstream=async_in, partial_rollout_upstream=partial, executor=executor)
+        provided = frozenset(field for u in upstream for field in ops[u].provides)
+        facts = GraphFacts(async_upstream=async_in, partial_rollout_upstream=partial, executor=executor,
+                           upstream_provides=provided)
         for key_path, message in op.check_graph(configs[name], facts):
             problems.append(loc.diagnostic(("nodes", name, *key_path), message))
 

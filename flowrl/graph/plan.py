@@ -6,6 +6,7 @@ resolved again inside each stage's process, so a plan crosses process boundaries
 
 from __future__ import annotations
 
+import os
 from typing import Any, Literal
 
 import msgspec
@@ -52,9 +53,33 @@ class Plan(msgspec.Struct, kw_only=True):
     cluster: dict[str, Any] = {}
     phases: list[dict[str, Any]] = []
     seed: int = 0
+    # Environment variables the spec reads (`${oc.env:NAME}`): their values, often secrets, are
+    # shown as the interpolation in what is written to disk (`record`).
+    environment: list[str] = []
+
+    def record(self) -> bytes:
+        """The plan as JSON for run files and `inspect`, environment values redacted."""
+        values = {os.environ[n]: f"${{oc.env:{n}}}" for n in self.environment if os.environ.get(n)}
+        return msgspec.json.encode(_redact(msgspec.to_builtins(self), values))
 
     def inputs_of(self, node: str) -> list[EdgePlan]:
         return [e for e in self.edges if e.dst == node]
 
     def outputs_of(self, node: str) -> list[EdgePlan]:
         return [e for e in self.edges if e.src == node]
+
+
+def _redact(data: Any, values: dict[str, str]) -> Any:
+    """`data` with each string equal to a value replaced by its placeholder; values of 8 characters
+    or more also where they appear inside a longer string (a header, a URL)."""
+    if isinstance(data, dict):
+        return {k: _redact(v, values) for k, v in data.items()}
+    if isinstance(data, list):
+        return [_redact(v, values) for v in data]
+    if isinstance(data, str) and values:
+        if data in values:
+            return values[data]
+        for value, placeholder in values.items():
+            if len(value) >= 8:
+                data = data.replace(value, placeholder)
+    return data

@@ -123,7 +123,7 @@ def render_dot(plan: Plan) -> str:
 
 
 def render_json(plan: Plan) -> str:
-    return msgspec.json.format(msgspec.json.encode(plan), indent=2).decode() + "\n"
+    return msgspec.json.format(plan.record(), indent=2).decode() + "\n"
 
 
 def layout(plan: Plan) -> dict[str, tuple[int, int]]:

@@ -32,6 +32,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from flowrl.graph.plan import Plan
 from flowrl.runtime.coordinator import Coordinator
+from flowrl.runtime.ray_local import init_ray
 from flowrl.runtime.stage import Stage
 
 
@@ -93,8 +94,7 @@ class RayExecutor:
 
     async def start(self, steps: int, stop_at: int | None, state: bytes | None, checkpoint: Path | None) -> None:
         if not ray.is_initialized():
-            os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-            ray.init(include_dashboard=False)
+            init_ray(include_dashboard=False)  # RAY_ADDRESS's cluster, or a loopback-only one
             self.owns_ray = True
         self.coord = ray.remote(Coordinator).options(num_cpus=0).remote(
             self.plan, self.run_dir, steps, stop_at, self.origin, state)

@@ -116,7 +116,7 @@ def _prepare(plan: Plan, run_dir: Path, executor: str, steps: int, resume: bool,
     if (run_dir / "ledger.jsonl").exists() and not resume:
         raise FileExistsError(f"{run_dir} already holds a run; resume it or choose another run directory")
     streams.truncate(run_dir, {})
-    (run_dir / "plan.json").write_bytes(msgspec.json.encode(plan))
+    (run_dir / "plan.json").write_bytes(plan.record())  # environment values redacted
     meta = {"name": plan.name, "origin": started, "executor": executor, "steps": steps, "format": 2}
     (run_dir / "meta.json").write_text(json.dumps(meta, indent=1))
     return None, None, started

@@ -45,3 +45,8 @@ class SpecError(Exception):
 def did_you_mean(word: str, choices: Iterable[str]) -> str:
     close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
     return f"; did you mean '{close[0]}'?" if close else ""
+
+
+class UserError(Exception):
+    """A mistake the user can fix that has no place in a spec file (a missing run directory, say):
+    the command line prints its message alone, with no traceback."""

@@ -17,11 +17,12 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from flowrl.spec import guard
 from flowrl.spec.errors import Diagnostic, Path, SpecError, did_you_mean, format_path
 from flowrl.spec.schema import PipelineSpec
 
 
-class _Loader(yaml.SafeLoader):
+class _Loader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # libyaml's parser where built: 5-10x faster
     """SafeLoader that also reads `1e-3` as a float (YAML 1.1 wants `1.0e-3`)."""
 
 
@@ -30,6 +31,9 @@ _Loader.add_implicit_resolver(
     re.compile(r"^[-+]?(?:\d[\d_]*)?(?:\.\d*)?[eE][-+]?\d+$"),
     list("-+0123456789."),
 )
+
+
+_TEXT_KEYS = ("tag:yaml.org,2002:str", "tag:yaml.org,2002:merge")  # `<<: *base` merges a mapping
 
 
 @dataclass
@@ -54,26 +58,29 @@ class Locator:
         return Diagnostic(self.file, 1, 1, shown, message)
 
 
-def _walk(node: yaml.Node, path: Path, loc: Locator, dups: list[Diagnostic]) -> None:
+def _walk(node: yaml.Node, path: Path, loc: Locator, problems: list[Diagnostic]) -> None:
     loc.values[path] = (node.start_mark.line + 1, node.start_mark.column + 1)
     if isinstance(node, yaml.MappingNode):
-        seen: set[Any] = set()
+        seen: set[str] = set()
         for key_node, value_node in node.value:
+            mark = key_node.start_mark
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag not in _TEXT_KEYS:
+                shown = key_node.value if isinstance(key_node, yaml.ScalarNode) else "a list or mapping"
+                problems.append(Diagnostic(loc.file, mark.line + 1, mark.column + 1, format_path(path),
+                                           f"a key must be plain text, got {shown}; quote it if it is a name"))
+                continue
             key = key_node.value
             child = (*path, key)
             if key in seen:
-                mark = key_node.start_mark
-                dups.append(
-                    Diagnostic(loc.file, mark.line + 1, mark.column + 1, format_path(child),
-                               f"duplicate key '{key}' (each name may appear once)")
-                )
+                problems.append(Diagnostic(loc.file, mark.line + 1, mark.column + 1, format_path(child),
+                                           f"duplicate key '{key}' (each name may appear once)"))
             seen.add(key)
-            loc.keys[child] = (key_node.start_mark.line + 1, key_node.start_mark.column + 1)
-            _walk(value_node, child, loc, dups)
+            loc.keys[child] = (mark.line + 1, mark.column + 1)
+            _walk(value_node, child, loc, problems)
     elif isinstance(node, yaml.SequenceNode):
         for i, item in enumerate(node.value):
             loc.keys[(*path, i)] = (item.start_mark.line + 1, item.start_mark.column + 1)
-            _walk(item, (*path, i), loc, dups)
+            _walk(item, (*path, i), loc, problems)
 
 
 def parse_msgspec_path(text: str) -> Path:
@@ -109,7 +116,8 @@ def validation_diagnostic(
     if wrong_type:
         try:
             value = get_path(data, path[len(base):])
-            return loc.diagnostic(path, f"expected {wrong_type.group(1)}, got {value!r}")
+            shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+            return loc.diagnostic(path, f"expected {wrong_type.group(1)}, got {shown}")
         except (KeyError, IndexError, TypeError):
             pass
     return loc.diagnostic(path, message[0].lower() + message[1:])
@@ -158,55 +166,125 @@ class LoadedSpec:
     data: dict[str, Any]  # resolved plain data (after overrides and interpolation)
     locator: Locator
     file: str
+    environment: list[str] = field(default_factory=list)  # variables read by ${oc.env:NAME}
 
 
 def load(file: str | FsPath, overrides: list[str] | None = None) -> LoadedSpec:
     """Read, override, interpolate and check the top-level schema. Raises SpecError."""
     file = str(file)
-    try:
-        text = FsPath(file).read_text()
-    except OSError as e:
-        raise SpecError([Diagnostic(file, 0, 0, "", f"cannot read spec: {e.strerror}")]) from None
+    text = guard.read_text(file)
     loc = Locator(file)
-    loader = _Loader(text)
-    try:
-        root = loader.get_single_node()
-        if root is None:
-            raise SpecError([Diagnostic(file, 1, 1, "", "the spec is empty")])
-        dups: list[Diagnostic] = []
-        _walk(root, (), loc, dups)
-        if dups:
-            raise SpecError(dups)
-        raw = loader.construct_document(root)
-    except yaml.MarkedYAMLError as e:
-        mark = e.problem_mark or e.context_mark
-        line, col = (mark.line + 1, mark.column + 1) if mark else (1, 1)
-        raise SpecError([Diagnostic(file, line, col, "", f"invalid YAML: {e.problem}")]) from None
-    finally:
-        loader.dispose()
-    if not isinstance(raw, dict):
-        raise SpecError([Diagnostic(file, 1, 1, "", "the spec must be a mapping of keys (flowrl, name, nodes, ...)")])
-
+    raw = _compose(text, file, loc)
     data = _apply_overrides(raw, overrides or [], loc)
+    bad = guard.bad_numbers(data)
+    if bad:
+        raise SpecError([loc.diagnostic(path, problem) for path, problem in bad])
     try:
         spec = msgspec.convert(data, PipelineSpec)
     except msgspec.ValidationError as e:
         raise SpecError([validation_diagnostic(e, data, (), loc, PipelineSpec)]) from None
-    return LoadedSpec(spec, data, loc, file)
+    _check_names(spec, loc)
+    return LoadedSpec(spec, data, loc, file, _environment(raw))
+
+
+_ENV = re.compile(r"\$\{oc\.env:\s*([^,}\s]+)")
+
+
+def _environment(raw: Any) -> list[str]:
+    """Names of the environment variables that `${oc.env:NAME}` interpolations in `raw` read."""
+    if isinstance(raw, dict):
+        return sorted({n for v in raw.values() for n in _environment(v)})
+    if isinstance(raw, list):
+        return sorted({n for v in raw for n in _environment(v)})
+    return sorted(set(_ENV.findall(raw))) if isinstance(raw, str) else []
+
+
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+
+
+def _check_names(spec: PipelineSpec, loc: Locator) -> None:
+    """The run's and phases' names become folder names (runs/<name>-<time>, phases/<i>-<name>):
+    nothing that could leave the runs folder or name a special file."""
+    named = [(("name",), spec.name)] + [(("phases", i, "name"), p.name) for i, p in enumerate(spec.phases)]
+    problems = [loc.diagnostic(path, f"{name!r} cannot name a folder: use letters, digits, '_', '-' and '.' "
+                                     "(starting with a letter or digit, at most 128)")
+                for path, name in named if not _NAME.fullmatch(name)]
+    if problems:
+        raise SpecError(problems)
+
+
+def _compose(text: str, file: str, loc: Locator) -> dict[str, Any]:
+    """Parse `text` (within the guard's limits), recording every key's position in `loc`."""
+    loader = None
+    try:
+        loader = _Loader(text)
+        guard.check_events(loader, file)
+        loader.dispose()
+        loader = _Loader(text)
+        root = loader.get_single_node()
+        if root is None:
+            raise SpecError([Diagnostic(file, 1, 1, "", "the spec is empty")])
+        problems: list[Diagnostic] = []
+        _walk(root, (), loc, problems)
+        if problems:
+            raise SpecError(problems)
+        raw = loader.construct_document(root)
+    except yaml.reader.ReaderError as e:
+        raise guard.reader_error(file, text, e) from None
+    except yaml.MarkedYAMLError as e:
+        raise SpecError([_yaml_diagnostic(file, e)]) from None
+    finally:
+        if loader is not None:
+            loader.dispose()
+    if not isinstance(raw, dict):
+        raise SpecError([Diagnostic(file, 1, 1, "", "the spec must be a mapping of keys (flowrl, name, nodes, ...)")])
+    return raw
+
+
+def _override_value(text: str, where: str) -> Any:
+    """The YAML value of a `key=value` override (the text itself if it is not YAML)."""
+    if not text:
+        return ""
+    loader = _Loader(text)
+    try:
+        guard.check_events(loader, where)
+        return yaml.load(text, Loader=_Loader)
+    except yaml.YAMLError:
+        return text
+    finally:
+        loader.dispose()
+
+
+def _yaml_diagnostic(file: str, e: yaml.MarkedYAMLError) -> Diagnostic:
+    # A quote or bracket left open is found only at the end of the file: point at where it opens.
+    at_end = "end of stream" in (e.problem or "") or "end of stream" in (e.context or "")
+    mark = (e.context_mark if at_end else None) or e.problem_mark or e.context_mark
+    line, col = (mark.line + 1, mark.column + 1) if mark else (1, 1)
+    context = ""
+    if e.context and e.context_mark:
+        opened = e.context_mark
+        context = f" ({e.context} here)" if at_end else f" ({e.context} at {opened.line + 1}:{opened.column + 1})"
+    return Diagnostic(file, line, col, "", f"invalid YAML: {e.problem}{context}")
+
+
+def _interpolates(raw: Any) -> bool:
+    if isinstance(raw, dict):
+        return any(_interpolates(k) or _interpolates(v) for k, v in raw.items())
+    if isinstance(raw, list):
+        return any(_interpolates(v) for v in raw)
+    return isinstance(raw, str) and "${" in raw
 
 
 def _apply_overrides(raw: dict[str, Any], overrides: list[str], loc: Locator) -> dict[str, Any]:
     """Set each `dotted.key=value` (list items by index: `phases.0.seconds=10`), then interpolate."""
     for item in overrides:
         key, eq, text = item.partition("=")
-        where = f"command-line override '{item}'"
+        shown = item if len(item) <= 80 else item[:77] + "..."
+        where = f"command-line override '{shown}'"
         if not eq or not key:
             raise SpecError([Diagnostic(where, 0, 0, "", "expected key=value")])
         path = tuple(int(p) if p.isdigit() else p for p in key.split("."))
-        try:
-            value = yaml.load(text, Loader=_Loader) if text else ""
-        except yaml.YAMLError:
-            value = text
+        value = _override_value(text, where)
         node: Any = raw
         try:
             for part in path[:-1]:
@@ -216,12 +294,15 @@ def _apply_overrides(raw: dict[str, Any], overrides: list[str], loc: Locator) ->
             node[path[-1]] = value
         except (IndexError, KeyError, TypeError, AttributeError):
             raise SpecError([Diagnostic(where, 0, 0, format_path(path), "no such key or list item to set")]) from None
-        loc.overrides[path] = item
+        loc.overrides[path] = shown
+    if not _interpolates(raw):  # omegaconf takes seconds on a large spec; skip it when it has nothing to do
+        return raw
+    guard.check_interpolation(raw, lambda path, message: SpecError([loc.diagnostic(path, message)]))
     try:
         # Interpolation only: omegaconf's built-in resolvers read config and environment values;
         # we register none that evaluates code.
         return OmegaConf.to_container(OmegaConf.create(raw), resolve=True)  # type: ignore[return-value]
-    except OmegaConfBaseException as e:
+    except (OmegaConfBaseException, RecursionError) as e:
         key = getattr(e, "full_key", "") or ""
         path = tuple(int(p) if p.isdigit() else p for p in re.split(r"\.|\[|\]", str(key)) if p)
         message = str(e).splitlines()[0]

@@ -22,9 +22,11 @@ from typing import Any
 
 import msgspec
 
-from flowrl.spec.errors import SpecError
+from flowrl.spec.errors import SpecError, did_you_mean
 from flowrl.spec.load import LoadedSpec, Locator, validation_diagnostic
 from flowrl.spec.schema import PhaseSpec, PipelineSpec
+
+Path_ = tuple[str | int, ...]
 
 # Steps of a phase bounded only by `seconds`: large enough never to be the limit.
 UNBOUNDED_STEPS = 10**9
@@ -41,6 +43,9 @@ def expand(loaded: LoadedSpec, model_path: str | None = None, index: int | None 
         return [(PhaseSpec(name="main"), loaded)]
     out = []
     for i, phase in enumerate(spec.phases):
+        if phase.steps is None and phase.seconds is None:
+            raise SpecError([loaded.locator.diagnostic(
+                ("phases", i), f"phase '{phase.name}' has neither steps nor seconds; give it one or both")])
         if index is not None and i != index:
             continue
         data = copy.deepcopy(loaded.data)
@@ -52,25 +57,14 @@ def expand(loaded: LoadedSpec, model_path: str | None = None, index: int | None 
         base = loaded.locator
         locator = Locator(base.file, dict(base.keys), dict(base.values), dict(base.overrides))
         for key, value in phase.set.items():
-            if key.startswith("edges.") and "->" in key:
-                path, value = _edge_entry(data, key.removeprefix("edges."), value, base, ("phases", i, "set", key))
-            else:
-                path = tuple(int(p) if p.isdigit() else p for p in key.split("."))
-            _assign(data, path, value)
-            # Errors in a value a phase set point at where the phase sets it.
-            for table in (locator.keys, locator.values):
-                for old in [p for p in table if p[: len(path)] == path]:
-                    del table[old]
-            where = base.values.get(("phases", i, "set", key))
-            if where:
-                locator.keys[path] = locator.values[path] = where
+            _apply_set(data, key, value, ("phases", i, "set", key), base, locator)
         if model_path is not None and i > 0:
             data["model"]["path"] = model_path
         try:
             phase_spec = msgspec.convert(data, PipelineSpec)
         except msgspec.ValidationError as e:
             raise SpecError([validation_diagnostic(e, data, (), locator, PipelineSpec)]) from None
-        out.append((phase, LoadedSpec(phase_spec, data, locator, loaded.file)))
+        out.append((phase, LoadedSpec(phase_spec, data, locator, loaded.file, loaded.environment)))
     return out
 
 
@@ -89,8 +83,56 @@ def _edge_entry(data: dict[str, Any], text: str, options: Any, locator: Locator,
     raise SpecError([locator.diagnostic(where, f"no edge '{text}' to set; the graph's edges: {known}", at_key=True)])
 
 
-def _assign(data: dict[str, Any], path: tuple[str | int, ...], value: Any) -> None:
+def _apply_set(data: dict[str, Any], key: str, value: Any, where: Path_, base: Locator, locator: Locator) -> None:
+    """Set one dotted key of a phase's `set` in `data`; problems are located at the phase's key."""
+    if key.startswith("edges.") and "->" in key:
+        path, value = _edge_entry(data, key.removeprefix("edges."), value, base, where)
+    else:
+        path = tuple(int(p) if p.isdigit() else p for p in key.split("."))
+    fresh = _assign(data, path, value, key, lambda message: base.diagnostic(where, message, at_key=True))
+    # Errors in a value a phase set point at where the phase sets it; a key the phase added
+    # (a typo included) at the phase's key.
+    for table in (locator.keys, locator.values):
+        for old in [p for p in table if p[: len(path)] == path]:
+            del table[old]
+    at_key, at_value = base.keys.get(where), base.values.get(where)
+    for prefix in fresh:
+        if at_key:
+            locator.keys[prefix] = locator.values[prefix] = at_key
+    if at_key:
+        locator.keys[path] = at_key  # an unknown key: the phase's key
+    if at_value:
+        locator.values[path] = at_value  # a wrong value: the phase's value
+
+
+def _assign(data: dict[str, Any], path: Path_, value: Any, key: str, error: Any) -> list[Path_]:
+    """Set `path` in `data`; returns the prefixes of `path` it had to create."""
+    if any(part == "" for part in path):
+        raise SpecError([error(f"'{key}' is not a dotted key (an empty part)")])
     node: Any = data
-    for part in path[:-1]:
-        node = node.setdefault(part, {}) if isinstance(node, dict) else node[part]
-    node[path[-1]] = value
+    fresh: list[Path_] = []
+    for depth, part in enumerate(path):
+        here, last = path[: depth + 1], depth == len(path) - 1
+        if isinstance(node, dict):
+            if part not in node:
+                if here[:1] == ("nodes",) and depth == 1:
+                    raise SpecError([error(f"no node '{part}' to set" + did_you_mean(str(part), map(str, node)))])
+                fresh.append(here)
+                if not last:
+                    node[part] = {}
+            if last:
+                node[part] = value
+            else:
+                node = node[part]
+        elif isinstance(node, list):
+            if not isinstance(part, int) or part >= len(node):
+                shown = ".".join(map(str, here[:-1]))
+                raise SpecError([error(f"'{shown}' is a list of {len(node)} items; '{part}' is no index in it")])
+            if last:
+                node[part] = value
+            else:
+                node = node[part]
+        else:
+            shown = ".".join(map(str, here[:-1]))
+            raise SpecError([error(f"'{shown}' is a value ({node!r:.40}), not a mapping; it has no key '{part}'")])
+    return fresh

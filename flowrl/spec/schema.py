@@ -12,6 +12,7 @@ import msgspec
 from msgspec import Meta
 
 from flowrl.operator import Resources
+from flowrl.spec.refs import check_with, model_folder
 
 PositiveInt = Annotated[int, Meta(ge=1)]
 NonNegativeInt = Annotated[int, Meta(ge=0)]
@@ -22,7 +23,7 @@ class Strict(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class ModelSpec(Strict):
-    path: str  # a local Hugging Face directory, or builtin:<name>
+    path: Annotated[str, check_with(model_folder)]  # a local Hugging Face directory, or builtin:<name>
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
 
 

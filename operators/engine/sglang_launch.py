@@ -152,7 +152,9 @@ def launch_servers(model_path: str, engines: int, server_args: dict[str, Any] | 
         gpus = float(args.get("tp_size", args.get("tp", 1)))
     bundle = {"CPU": 1.0, **({"GPU": gpus} if gpus else {})}
     if not ray.is_initialized():  # e.g. the in-process executor: a local Ray for the server actors
-        ray.init(include_dashboard=False)
+        from flowrl.runtime.ray_local import init_ray
+
+        init_ray(include_dashboard=False)
     have = ray.cluster_resources().get("GPU", 0.0)
     if gpus and have < gpus * engines:  # a placement group would wait for them forever
         raise RuntimeError(f"engine: sglang launches {engines} server(s) on {gpus:g} GPU(s) each, but the Ray "

@@ -11,8 +11,10 @@ a new trajectory. The model's tokens are always the engine's ids, never the re-r
 an agent sends back a reply the proxy gave it, the prompt is built with that reply's original ids
 spliced in (see `Proxy.render`), so multi-turn conversations chain even when decoding is lossy.
 
-It is plain HTTP on a socket, so agents may run in other processes or Ray actors; bind `host` to an
-address they can reach (loopback by default).
+It is plain HTTP on a socket, so agents may run in other processes or Ray actors. It has no
+authentication: anyone who reaches it drives the policy's engine. It binds loopback only (as the
+engine server does), unless `allow_remote` (the generate node's `proxy_allow_remote: true`) lets
+`host` be another address, for agents on other machines of a trusted network.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import msgspec
 from aiohttp import web
 
 from flowrl.data.trajectory import Trajectory
+from flowrl_operators.checks import is_loopback
 from flowrl_operators.engine.base import GenerateRequest, GenerateResult, InferenceEngine, SamplingParams
 from flowrl_operators.threads import DaemonExecutor, call_in_thread
 from flowrl_operators.workflows.base import TrajectoryBuilder, chat_ids, derive_seed, is_async_callable
@@ -66,7 +69,11 @@ class Proxy:
     """Serves `/sessions/<id>/v1/chat/completions` (recorded) and `/v1/chat/completions` (not)."""
 
     def __init__(self, engine: InferenceEngine, tokenizer: Any, sampling: SamplingParams | None = None,
-                 host: str = "127.0.0.1", port: int = 0, model_name: str = "flowrl-policy") -> None:
+                 host: str = "127.0.0.1", port: int = 0, model_name: str = "flowrl-policy",
+                 allow_remote: bool = False) -> None:
+        if not allow_remote and not is_loopback(host):
+            raise ValueError(f"proxy host {host!r}: the OpenAI proxy binds loopback addresses only (127.0.0.1); "
+                             "set proxy_allow_remote: true to serve agents on other machines")
         self.engine, self.tokenizer = engine, tokenizer
         self.sampling = sampling or SamplingParams()
         self.host, self.port, self.model_name = host, port, model_name

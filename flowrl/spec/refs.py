@@ -1,0 +1,89 @@
+"""Config keys whose value names code or files, checked when a spec is validated.
+
+A key such as a reward's `fn` (`module:attr`) or `model.path` (a folder) is declared with
+`Annotated[str, check_with(fn)]`; the compiler calls `fn(value, section)` for each such key
+(the section is the Struct holding it) and reports the problem it returns at the key. Checking
+`module:attr` imports the module: `flowrl validate` runs the module's top-level code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from msgspec import Meta
+
+from flowrl.registry import OperatorError, import_path
+
+Check = Callable[[str, Any], "str | None"]
+
+# A Hugging Face model folder holds its config and one of these tokenizer files.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def check_with(fn: Check) -> Meta:
+    """Metadata for a config key checked by `fn(value, section) -> problem | None`."""
+    return Meta(extra={"check": fn})
+
+
+def callable_path(value: str) -> str | None:
+    """`module:attr` imports and names something callable."""
+    try:
+        target = import_path(value)
+    except OperatorError as e:
+        return str(e)
+    return None if callable(target) else f"'{value}' is a {type(target).__name__}, not something callable"
+
+
+def model_folder(value: str, section: Any = None) -> str | None:
+    """A local Hugging Face folder (config.json and a tokenizer), or `builtin:<name>`."""
+    del section
+    if value.startswith("builtin:"):
+        from flowrl_operators.models import BUILTIN_MODELS
+
+        name = value.removeprefix("builtin:")
+        known = ", ".join(f"builtin:{n}" for n in BUILTIN_MODELS)
+        return None if name in BUILTIN_MODELS else f"unknown built-in model '{value}'; known: {known}"
+    folder = Path(value).expanduser()
+    if not folder.is_dir():
+        return f"no model folder '{value}' ({'not a folder' if folder.exists() else 'it does not exist'})"
+    if not (folder / "config.json").is_file():
+        return f"'{value}' is not a Hugging Face model folder: it has no config.json"
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        return f"the model folder '{value}' has no tokenizer (one of {', '.join(TOKENIZER_FILES)})"
+    return None
+
+
+def problems(section: msgspec.Struct, path: tuple[str | int, ...] = ()) -> list[tuple[tuple[str | int, ...], str]]:
+    """(key path, problem) of every checked key in `section` and the Structs nested in it."""
+    import typing
+
+    out: list[tuple[tuple[str | int, ...], str]] = []
+    hints = typing.get_type_hints(type(section), include_extras=True)
+    for name in section.__struct_fields__:
+        value = getattr(section, name)
+        if isinstance(value, msgspec.Struct):
+            out += problems(value, (*path, name))
+            continue
+        for check in _checks(hints[name]):
+            if isinstance(value, str):
+                try:
+                    problem = check(value, section)
+                except Exception as e:  # noqa: BLE001 - a checker's own failure is reported, not raised
+                    problem = f"cannot check '{value}': {type(e).__name__}: {e}"
+                if problem:
+                    out.append(((*path, name), problem))
+    return out
+
+
+def _checks(hint: Any) -> list[Check]:
+    import typing
+
+    found: list[Check] = []
+    for arg in [hint, *typing.get_args(hint)]:
+        if typing.get_origin(arg) is typing.Annotated:
+            found += [m.extra["check"] for m in arg.__metadata__
+                      if isinstance(m, Meta) and m.extra and "check" in m.extra]
+    return found
