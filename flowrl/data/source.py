@@ -100,10 +100,10 @@ def batch_size(data: dict[str, Any]) -> int:
     return size
 
 
-def problems(data: dict[str, Any], seed: int = 0) -> list[tuple[tuple[str, ...], str]]:
+def problems(data: dict[str, Any], seed: int = 0, model: dict[str, Any] | None = None) -> list[tuple[tuple[str, ...], str]]:
     """(key path, problem) of a pipeline's `data` section, found by building its source (and the
     eval source) as a run would, without generating anything."""
-    built, out = _build(data, ("data", "source"), seed)
+    built, out = _build(data, ("data", "source"), seed, model)
     size = data.get("batch_size", 16)
     if isinstance(built, Sized) and len(built) < size:
         out.append((("data", "batch_size"), f"batch_size {size} is larger than the source, which holds "
@@ -118,20 +118,26 @@ def problems(data: dict[str, Any], seed: int = 0) -> list[tuple[tuple[str, ...],
             problem = callable_path(reward)
             out += [(("data", "eval", "options", "reward"), problem)] if problem else []
         if spec.get("source"):
-            out += _build({**data, "source": spec["source"], "options": options}, ("data", "eval", "source"), seed)[1]
+            out += _build({**data, "source": spec["source"], "options": options}, ("data", "eval", "source"), seed,
+                          model)[1]
     return out
 
 
-def _build(data: dict[str, Any], path: tuple[str, ...], seed: int) -> tuple[Source | None, list[tuple[tuple[str, ...], str]]]:
+def _build(data: dict[str, Any], path: tuple[str, ...], seed: int,
+           model: dict[str, Any] | None) -> tuple[Source | None, list[tuple[tuple[str, ...], str]]]:
+    from flowrl.data.readers import SourceError
+
     name = data["source"]
-    if name.startswith("builtin:"):
+    if isinstance(name, str) and name.startswith("builtin:"):
         from flowrl_operators.tasks import TASKS
 
         if name.removeprefix("builtin:") not in TASKS:
             known = ", ".join(f"builtin:{t}" for t in TASKS)
             return None, [(path, f"unknown built-in source '{name}'; known: {known}")]
     try:
-        return load_source(data, seed), []
+        return load_source(data, seed, model), []
+    except SourceError as e:  # a file source: located at its own key
+        return None, [((*path, e.key), e.detail)]
     except (Exception, SystemExit) as e:  # noqa: BLE001 - the user's factory may raise anything; report it at the key
         message = str(e) if isinstance(e, ValueError) else f"building the source failed: {type(e).__name__}: {e}"
         return None, [(path, message)]
