@@ -45,6 +45,11 @@ class OperatorContext(msgspec.Struct, kw_only=True):
     data: dict[str, Any] = {}
     rank: int = 0
     world_size: int = 1
+    # The run this stage belongs to (one phase of a file with phases): its length in train steps
+    # (None when only `seconds` bounds it), the phase's name and the executor.
+    steps: int | None = None
+    phase: str = "main"
+    executor: str = "inprocess"
 
 
 class GraphFacts(msgspec.Struct, frozen=True):

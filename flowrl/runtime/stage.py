@@ -20,14 +20,16 @@ from flowrl.graph.plan import Plan
 from flowrl.operator import Operator, OperatorContext, TrainResult
 from flowrl.runtime.channel import Work
 from flowrl.runtime.observe import node_pids, span
+from flowrl.spec.phases import UNBOUNDED_STEPS
 
 REPORT_EVERY_S = 1.0
 
 
 class Stage:
     def __init__(self, plan: Plan, node: str, replica: int, coord: Any, run_dir: str | None,
-                 origin: float) -> None:
+                 origin: float, executor: str = "inprocess") -> None:
         self.plan = plan
+        self.executor = executor
         self.node = plan.nodes[node]
         self.replica = replica
         self.coord = coord
@@ -51,11 +53,7 @@ class Stage:
         """Build and set up the operator; restore it from a checkpoint directory if given."""
         cls = registry.resolve(self.node.op)
         config = msgspec.convert(self.node.config, cls.Config)
-        context = OperatorContext(
-            node=self.node.name, run_dir=self.run_dir, seed=self.plan.seed, model=self.plan.model,
-            data=self.plan.data, rank=self.replica, world_size=self.node.resources.replicas,
-        )
-        self.op = cls(config, context)
+        self.op = cls(config, self.context())
         await self.op.setup()
         if checkpoint is not None:
             path = Path(checkpoint)
@@ -68,6 +66,14 @@ class Stage:
         # pauses of 0.3-0.5 s every ~17 quickstart steps).
         gc.freeze()
         await self.coord.attach(self.node.name, self.replica, self.version)
+
+    def context(self) -> OperatorContext:
+        """What the operator learns about its place in the run."""
+        return OperatorContext(
+            node=self.node.name, run_dir=self.run_dir, seed=self.plan.seed, model=self.plan.model,
+            data=self.plan.data, rank=self.replica, world_size=self.node.resources.replicas,
+            steps=run_steps(self.plan), phase=str(self.plan.run.get("phase", "main")), executor=self.executor,
+        )
 
     async def run(self) -> str | None:
         """Work until the coordinator says stop. Returns None, or the traceback of a failure."""
@@ -238,6 +244,12 @@ class Stage:
         op = getattr(self, "op", None)
         metrics = op.metrics() if op is not None else {}
         await self.coord.report(self.node.name, self.replica, events, busy, metrics)
+
+
+def run_steps(plan: Plan) -> int | None:
+    """The run's (phase's) length in train steps; None for a phase bounded only by `seconds`."""
+    steps = int(plan.run.get("steps", 10))
+    return None if steps >= UNBOUNDED_STEPS else steps
 
 
 class _Failed(Exception):
