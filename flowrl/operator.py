@@ -112,6 +112,13 @@ class Operator:
         del config, facts
         return []
 
+    @classmethod
+    def oversampling(cls, config: msgspec.Struct) -> tuple[float, float] | None:
+        """A filter that drops groups may ask generate to over-sample: (samples issued per step at
+        first, at most) as multiples of data.batch_size (see flowrl/runtime/coordinator.py)."""
+        del config
+        return None
+
     def __init__(self, config: msgspec.Struct, context: OperatorContext) -> None:
         self.config = config
         self.context = context
