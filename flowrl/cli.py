@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from flowrl.runtime.run import StageFailed
 from flowrl.spec.errors import SpecError
 
 
@@ -126,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     except SpecError as e:
         for diagnostic in e.diagnostics:
             print(diagnostic, file=sys.stderr)
+        return 1
+    except StageFailed as e:  # its message names the node and carries an operator's own traceback
+        print(f"flowrl: the run failed: {e}", file=sys.stderr)
         return 1
 
 

@@ -19,7 +19,9 @@ Rules (see also flowrl/runtime/__init__.py):
   lost sample keeps every later batch one sample short of what was admitted, and with budget 1
   the trainer waits each step for a sample that only its next version admits (AReaL's
   StalenessManager counts accepted samples for the same reason). A generate node that reaches
-  no train node is not limited.
+  no train node is not limited. A filter that over-samples (dynamic_sampling) turns batch_size
+  here into the step's initial sample count and caps the credit (flowrl/runtime/quota.py); over a
+  sync input a lost sample is replaced by an extra sample of the same step instead.
 - Staleness: a consumer at version v (a train node's own version; the clock for other stages)
   that takes a record from an async edge with version < v - limit (`Channel.limit`) applies the
   edge's `on_stale`: `drop` (ledger `drop`, counted) or `keep` (delivered, counted).
@@ -48,7 +50,7 @@ from flowrl.graph.plan import EdgePlan, Plan
 from flowrl.runtime.channel import Channel, Record, Work
 from flowrl.runtime.ledger import Ledger
 from flowrl.runtime.observe import Observer
-from flowrl.runtime.quota import Quota
+from flowrl.runtime.quota import Quota, exhausted
 
 
 def admission_budgets(plan: Plan) -> tuple[dict[str, int | None], dict[str, int | None]]:
@@ -345,7 +347,7 @@ class Coordinator:
             return self._hold(node, replica, work)
         budget, credit, quota = self.budget[node], len(self.lost[node]), self.quota[node]
         issued = self._issued(node)
-        refill = self._refill_step(node)
+        refill = quota.refill_step(self.cursor[node][0], self.ended[node])
         if refill is not None:  # a replacement for a lost sample of an earlier step (flowrl/runtime/quota.py)
             step, index = refill, quota.issue(refill)
         else:
@@ -425,25 +427,13 @@ class Coordinator:
         oversampling = self.plan.nodes[filters[0]].oversampling if filters else None
         return Quota(self.batch_size, oversampling, refills=not credited, filter_node=filters[0] if filters else None)
 
-    def _refill_step(self, node: str) -> int | None:
-        """The earliest step, all of whose samples were issued, that needs a replacement sample."""
-        quota = self.quota[node]
-        if not quota.refills:
-            return None
-        return next((s for s in sorted(quota.fate) if s < self.cursor[node][0] and s not in self.ended[node]
-                     and quota.wants(s)), None)
-
     def _oversampled(self, node: str) -> bool:
         return any(self.quota[g].declared for g in self.upstream[node])
 
     def _exhausted(self, node: str, t: int) -> None:
         """An over-sampled step with no group left: stop the run rather than publish a version with
         no update (DAPO raises at max_num_gen_batches likewise)."""
-        filters = sorted({self.quota[g].filter for g in self.upstream[node] if self.quota[g].declared})
-        caps = sorted({self.quota[g].cap for g in self.upstream[node] if self.quota[g].declared})
-        self.error = (f"train node '{node}' step {t}: no group left after {caps[-1]} samples per step (the cap "
-                      f"max_oversample x data.batch_size of {', '.join(filters)}): every group's rewards tied or "
-                      "were dropped. Raise nodes." + f"{filters[0]}.max_oversample, or check the task and reward.")
+        self.error = exhausted(node, t, [self.quota[g] for g in self.upstream[node]])
         self.stop("error")
 
     def _more_may_come(self, node: str, t: int) -> bool:

@@ -59,6 +59,13 @@ class Quota:
         issued, _, lost = self.fate.get(step, [0, 0, 0])
         return self.refills and issued - lost < self.batch_size and issued < self.cap
 
+    def refill_step(self, cursor_step: int, ended: set[int]) -> int | None:
+        """The earliest open step, all of whose first per_step samples were issued (it is before the
+        cursor's step), that wants a replacement sample."""
+        if not self.refills:
+            return None
+        return next((s for s in sorted(self.fate) if s < cursor_step and s not in ended and self.wants(s)), None)
+
     def settled(self, step: int) -> bool:
         """Whether the generate node may end `step`: nothing of it in flight, nothing more wanted."""
         if not self.refills:
@@ -68,3 +75,12 @@ class Quota:
 
     def forget(self, step: int) -> None:
         self.fate.pop(step, None)
+
+
+def exhausted(node: str, step: int, quotas: list[Quota]) -> str:
+    """The error of a train step that found no group at the cap."""
+    declared = [q for q in quotas if q.declared]
+    filters = ", ".join(sorted({q.filter or "?" for q in declared}))
+    return (f"train node '{node}' step {step}: no group left after {max(q.cap for q in declared)} samples per step "
+            f"(the cap max_oversample x data.batch_size of {filters}): every group's rewards tied or were "
+            f"dropped. Raise nodes.{declared[0].filter}.max_oversample, or check the task and reward.")
