@@ -9,7 +9,7 @@ group is replaced by a new sample of the same step until the step has `batch_siz
 differ or has issued floor(max_oversample x batch_size) samples (the cap, replacements included:
 DAPO's max_num_gen_batches with a generation batch of batch_size); over async edges each dropped
 group credits admission one more sample, at most the cap's worth a step. The train node takes the
-first `batch_size` groups; one that finds none at the cap stops the run. The counts are in
+first `batch_size` groups; a step that would get none waits for more, past the cap. The counts are in
 `metrics()` (`dynamic_sampling/dropped`, `keep_rate`) and in each metrics row (`filtered`,
 `oversampled`).
 """

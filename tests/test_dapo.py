@@ -14,12 +14,12 @@ import toy_tasks
 from flowrl.graph.compile import compile_spec
 from flowrl.runtime import check
 from flowrl.runtime.ledger import read
-from flowrl.runtime.run import StageFailed, run
+from flowrl.runtime.run import run
 from flowrl.spec.load import load
 from flowrl.spec.phases import expand
 
 ROOT = Path(__file__).resolve().parents[1]
-FAST = ["data.source=toy_tasks:AnswerWithDigits", "data.options={}", "data.batch_size=4",
+FAST = ["data.source=toy_tasks:AnswerWithDigits", "data.options={}", "data.eval=null", "data.batch_size=4",
         "nodes.rollout.group_size=4", "nodes.rollout.sampling.max_new_tokens=2",
         "nodes.rollout.engine.threads=1", "nodes.score.fn=toy_tasks:first_is_digit",
         "nodes.filter.max_oversample=8", "phases.1.seconds=null", "phases.1.steps=3"]
@@ -60,8 +60,15 @@ def test_every_batch_is_full_of_groups_that_differ(tmp_path: Path, mode: str) ->
     assert report.clean and report.ended, report.problems
 
 
-def test_a_step_with_every_group_tied_at_the_cap_stops_the_run(tmp_path: Path) -> None:
-    with pytest.raises(StageFailed, match="no group left after 8 samples per step .*filter.max_oversample"):
-        # The untrained model never copies a number exactly: every group ties at 0.
-        dapo(tmp_path, "nodes.score.fn=flowrl_operators.tasks.digits:exact_match", "data.source=builtin:copy_digits",
-             "nodes.filter.max_oversample=2")
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_step_whose_groups_all_tie_waits_for_more_and_never_publishes(tmp_path: Path, mode: str) -> None:
+    # The untrained model never copies a number exactly: every group ties at 0. The step goes on
+    # past the cap (8 samples) and no version is published until the phase's seconds run out.
+    result = dapo(tmp_path, "nodes.score.fn=flowrl_operators.tasks.digits:exact_match",
+                  "data.source=builtin:copy_digits", "nodes.filter.max_oversample=2", "phases.1.steps=null",
+                  "phases.1.seconds=4", *([ASYNC] if mode == "async" else []))
+    assert result.status == "done" and result.stopped_by == "max_seconds"
+    metrics = tmp_path / "metrics.jsonl"
+    assert result.steps == 0 and not (metrics.exists() and metrics.read_text().strip())
+    issued = [e for e in read(tmp_path) if e["event"] == "issue"]
+    assert 8 < result.counters["filtered"] <= len(issued)

@@ -50,7 +50,7 @@ from flowrl.graph.plan import EdgePlan, Plan
 from flowrl.runtime.channel import Channel, Record, Work
 from flowrl.runtime.ledger import Ledger
 from flowrl.runtime.observe import Observer
-from flowrl.runtime.quota import Quota, exhausted
+from flowrl.runtime.quota import Quota
 
 
 def admission_budgets(plan: Plan) -> tuple[dict[str, int | None], dict[str, int | None]]:
@@ -264,7 +264,7 @@ class Coordinator:
             "versions": self.versions, "latest_weights": self.latest_weights, "cursor": self.cursor,
             "reissue": self.reissue, "ended": self.ended, "counters": self.counters, "lost": self.lost,
             "lost_before": self.lost_before, "arrived": self.arrived,
-            "quota_fate": {g: q.fate for g, q in self.quota.items()},
+            "quota": {g: (q.fate, q.bonus) for g, q in self.quota.items()},
             "observe": self.observe.state(),
         })
 
@@ -400,9 +400,13 @@ class Coordinator:
                     buffer.append(record)
             if len(buffer) < self.batch_size and self._more_may_come(node, t):
                 return None
+            if not buffer and self._oversampled(node):  # wait for more (flowrl/runtime/quota.py)
+                for g in self.upstream[node]:
+                    if self.quota[g].declared:
+                        self.quota[g].starved()
+                self._notify()
+                return None
             records, self.buffers[node] = buffer, []
-        if not records and self._oversampled(node):
-            return self._exhausted(node, t)
         work = Work(f"v{t + 1}", "batch", t, t, [{ch.edge.dst_port: r.value} for r in records],
                     {ch.edge.label: records}, at=t, lags=[t - r.version for r in records])
         return self._hold(node, replica, work)
@@ -429,12 +433,6 @@ class Coordinator:
 
     def _oversampled(self, node: str) -> bool:
         return any(self.quota[g].declared for g in self.upstream[node])
-
-    def _exhausted(self, node: str, t: int) -> None:
-        """An over-sampled step with no group left: stop the run rather than publish a version with
-        no update (DAPO raises at max_num_gen_batches likewise)."""
-        self.error = exhausted(node, t, [self.quota[g] for g in self.upstream[node]])
-        self.stop("error")
 
     def _more_may_come(self, node: str, t: int) -> bool:
         """Whether records for train step t can still arrive: some are in flight, or a generate node
@@ -632,8 +630,8 @@ class Coordinator:
         self.ended = state["ended"]
         self.counters = state["counters"]
         self.lost, self.lost_before, self.arrived = state["lost"], state["lost_before"], state["arrived"]
-        for g, fate in state["quota_fate"].items():
-            self.quota[g].fate = fate
+        for g, (fate, bonus) in state["quota"].items():
+            self.quota[g].fate, self.quota[g].bonus = fate, bonus
         self.observe.restore(state["observe"])
         self.ledger.write("resume", "", "", min(self.versions.values(), default=0), self.clock)
 

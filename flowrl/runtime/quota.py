@@ -11,7 +11,11 @@ With (initial, maximum) = (o, m) declared and B = data.batch_size:
   issued. The step ends for the generate node only when every sample it issued has arrived or been
   lost and no more are wanted, so the train node's step t waits for its replacements;
 - over async train inputs a lost sample credits admission one more sample (a later step's), as
-  without a filter, but at most (cap - per_step) per step admitted.
+  without a filter, but at most (cap - per_step) per step admitted;
+- a train step that would get no group at all waits for more instead (an empty batch must not
+  publish a version with no update): over a sync input its replacements go on past the cap, over
+  an async one the credit grows by another cap's worth (`starved`). A task whose groups always tie
+  thus generates until run.max_seconds or Ctrl-C, with `oversampled` growing in the live view.
 Without a declaration per_step is B and there is no cap (the credit is unbounded, as before).
 """
 
@@ -31,6 +35,7 @@ class Quota:
         self.refills = refills and oversampling is not None
         # Per step, for refills: [samples issued, arrived at the train node, lost on the way].
         self.fate: dict[int, list[int]] = {}
+        self.bonus = 0  # credit granted past the cap to async batches that found nothing (starved)
 
     @property
     def declared(self) -> bool:
@@ -38,7 +43,7 @@ class Quota:
 
     def credit(self, lost: int, steps: int) -> int:
         """Admission credit for `lost` samples over `steps` admitted steps."""
-        return lost if self.cap is None else min(lost, steps * (self.cap - self.per_step))
+        return lost if self.cap is None else min(lost, steps * (self.cap - self.per_step) + self.bonus)
 
     def issue(self, step: int) -> int:
         """Count a sample of `step` as issued; returns its index within the step."""
@@ -57,7 +62,8 @@ class Quota:
     def wants(self, step: int) -> bool:
         """Whether `step` (all of whose first per_step samples were issued) needs a replacement."""
         issued, _, lost = self.fate.get(step, [0, 0, 0])
-        return self.refills and issued - lost < self.batch_size and issued < self.cap
+        # Past the cap only while nothing of the step has arrived or may still arrive.
+        return self.refills and issued - lost < self.batch_size and (issued < self.cap or issued == lost)
 
     def refill_step(self, cursor_step: int, ended: set[int]) -> int | None:
         """The earliest open step, all of whose first per_step samples were issued (it is before the
@@ -76,11 +82,7 @@ class Quota:
     def forget(self, step: int) -> None:
         self.fate.pop(step, None)
 
+    def starved(self) -> None:
+        """An async batch found nothing and nothing more may come: admit another cap's worth."""
+        self.bonus += self.cap - self.per_step + self.batch_size
 
-def exhausted(node: str, step: int, quotas: list[Quota]) -> str:
-    """The error of a train step that found no group at the cap."""
-    declared = [q for q in quotas if q.declared]
-    filters = ", ".join(sorted({q.filter or "?" for q in declared}))
-    return (f"train node '{node}' step {step}: no group left after {max(q.cap for q in declared)} samples per step "
-            f"(the cap max_oversample x data.batch_size of {filters}): every group's rewards tied or were "
-            f"dropped. Raise nodes.{declared[0].filter}.max_oversample, or check the task and reward.")
