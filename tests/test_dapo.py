@@ -72,3 +72,23 @@ def test_a_step_whose_groups_all_tie_waits_for_more_and_never_publishes(tmp_path
     assert result.steps == 0 and not (metrics.exists() and metrics.read_text().strip())
     issued = [e for e in read(tmp_path) if e["event"] == "issue"]
     assert 8 < result.counters["filtered"] <= len(issued)
+
+
+def test_an_interrupted_dapo_run_resumes_with_its_replacements(tmp_path: Path) -> None:
+    toy_tasks.SCORED.clear()
+    (_, loaded), = expand(load(str(ROOT / "pipelines/dapo.yaml"), FAST), index=1)
+    plan = compile_spec(loaded).plan
+    first = run(plan, tmp_path, progress=False, max_steps=1)
+    assert first.status == "interrupted" and first.steps == 1
+    second = run(plan, tmp_path, progress=False, resume=True)
+    assert second.status == "done" and second.steps == 3
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["groups"] for r in rows] == [4, 4, 4]
+    batches: dict[int, list[str]] = {}
+    for e in read(tmp_path):
+        if e["event"] == "consume" and e.get("consumer") == "learner":
+            batches.setdefault(e["consumer_version"], []).append(e["id"])
+    assert all(int(i.split(":")[0]) == step for step, ids in batches.items() for i in ids)
+    assert all(len(set(toy_tasks.SCORED[i])) > 1 for ids in batches.values() for i in ids)
+    report = check(tmp_path)
+    assert report.clean and report.ended, report.problems
