@@ -45,6 +45,11 @@ class OperatorContext(msgspec.Struct, kw_only=True):
     data: dict[str, Any] = {}
     rank: int = 0
     world_size: int = 1
+    # The run this stage belongs to (one phase of a file with phases): its length in train steps
+    # (None when only `seconds` bounds it), the phase's name and the executor.
+    steps: int | None = None
+    phase: str = "main"
+    executor: str = "inprocess"
 
 
 class Knobs(msgspec.Struct, frozen=True, kw_only=True):
@@ -124,6 +129,13 @@ class Operator:
         """Rules that need the graph (e.g. a loss must correct stale data). Returns (key path, message)."""
         del config, facts
         return []
+
+    @classmethod
+    def oversampling(cls, config: msgspec.Struct) -> tuple[float, float] | None:
+        """A filter that drops groups may ask generate to over-sample: (samples issued per step at
+        first, at most) as multiples of data.batch_size (see flowrl/runtime/coordinator.py)."""
+        del config
+        return None
 
     def __init__(self, config: msgspec.Struct, context: OperatorContext) -> None:
         self.config = config

@@ -94,6 +94,9 @@ class OptimConfig(Strict):
     weight_decay: Annotated[float, Meta(ge=0)] = 0.0
     warmup_steps: Annotated[int, Meta(ge=0)] = 0
     schedule: Literal["constant", "linear", "cosine"] = "constant"
+    # The horizon of a linear / cosine schedule in train steps (one per policy version); None: the
+    # run's (phase's) `steps`. The decay spans total_steps x epochs optimizer steps, warm-up included.
+    total_steps: PositiveInt | None = None
     grad_clip: Annotated[float, Meta(gt=0)] | None = 1.0
 
 

@@ -35,12 +35,14 @@ class Critic(Operator):
 
     async def setup(self) -> None:
         from flowrl_operators.models import import_transformers
-        from flowrl_operators.train import trainer_config
+        from flowrl_operators.train import schedule_horizon, trainer_config
         from flowrl_operators.training.engine import build
         from flowrl_operators.training.losses import ValueLossConfig, value_loss
 
         c: CriticConfig = self.config
-        config = trainer_config(c.optim, c.micro_batch_tokens, 3, 1, self.context.seed)
+        # One optimizer step per train step's batch (see _update): its own horizon, from its own optim.
+        config = trainer_config(c.optim, c.micro_batch_tokens, 3, schedule_horizon(c.optim, self.context, 1),
+                                self.context.seed)
         import_transformers()  # here, not in two threads at once
         self.model = await asyncio.to_thread(build, c.engine, c.model or self.context.model["path"], config, "value")
         self.loss_fn = value_loss(ValueLossConfig(value_clip=c.value_clip))

@@ -2,11 +2,16 @@
 group-relative signal, so they are dropped, and the generate side over-samples to keep the train
 batch full.
 
-How the batch stays full: the operator declares, through `oversampling(config)`, how many samples
-per step the runtime should issue as a multiple of `data.batch_size`: `oversample` at first, and
-more as groups are dropped, up to `max_oversample` in total. The train node takes the first
-`batch_size` groups that survive; a runtime that does not read the declaration simply trains on
-fewer groups. The live keep rate is in `metrics()` (`dynamic_sampling/keep_rate`).
+How the batch stays full (flowrl/runtime/quota.py): the operator declares, through
+`oversampling(config)`, (oversample, max_oversample) as multiples of `data.batch_size`. Each step
+starts with ceil(oversample x batch_size) samples; over a sync edge to the train node every dropped
+group is replaced by a new sample of the same step until the step has `batch_size` groups that
+differ or has issued floor(max_oversample x batch_size) samples (the cap, replacements included:
+DAPO's max_num_gen_batches with a generation batch of batch_size); over async edges each dropped
+group credits admission one more sample, at most the cap's worth a step. The train node takes the
+first `batch_size` groups; a step that would get none waits for more, past the cap. The counts are in
+`metrics()` (`dynamic_sampling/dropped`, `keep_rate`) and in each metrics row (`filtered`,
+`oversampled`).
 """
 
 from __future__ import annotations
@@ -24,8 +29,8 @@ from flowrl_operators.config import PositiveInt, Strict
 class DynamicSamplingConfig(Strict):
     # A group is kept when the spread (max - min) of its rewards exceeds this.
     min_spread: Annotated[float, Meta(ge=0)] = 0.0
-    oversample: Annotated[float, Meta(ge=1)] = 1.0  # samples issued per step / batch_size, at first
-    max_oversample: Annotated[float, Meta(ge=1)] = 4.0  # at most, after refills
+    oversample: Annotated[float, Meta(ge=1)] = 1.0  # samples a step starts with / batch_size
+    max_oversample: Annotated[float, Meta(ge=1)] = 4.0  # samples a step may issue / batch_size, replacements included
     concurrency: PositiveInt = 16
 
 

@@ -26,7 +26,15 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from flowrl.data.trajectory import Group
-from flowrl.operator import POLICY, TRAJECTORIES, GraphFacts, Operator, Resources, TrainResult
+from flowrl.operator import (
+    POLICY,
+    TRAJECTORIES,
+    GraphFacts,
+    Operator,
+    OperatorContext,
+    Resources,
+    TrainResult,
+)
 from flowrl_operators.config import UNBOUNDED_WEIGHT, OptimConfig, TrainConfig, unbounded_weight
 
 
@@ -39,6 +47,19 @@ def trainer_config(optim: OptimConfig, micro_batch_tokens: int, max_nonfinite_st
         schedule=optim.schedule, total_steps=steps, grad_clip=optim.grad_clip,
         micro_batch_tokens=micro_batch_tokens, max_nonfinite_steps=max_nonfinite_steps, seed=seed,
     )
+
+
+def schedule_horizon(optim: OptimConfig, context: OperatorContext, per_step: int) -> int:
+    """Optimizer steps a linear / cosine schedule decays over: `optim.total_steps`, else the run's
+    (phase's) steps, times the optimizer steps of one train step (its epochs; micro-batches
+    accumulate into one step). A constant schedule needs no horizon (1 is returned)."""
+    if optim.schedule == "constant":
+        return 1
+    steps = optim.total_steps or context.steps
+    if steps is None:
+        raise ValueError(f"node '{context.node}': optim.schedule {optim.schedule!r} decays over the run's steps, but "
+                         f"phase '{context.phase}' is bounded only by seconds; set optim.total_steps")
+    return steps * per_step
 
 
 def _join_train_group(rank: int, world_size: int) -> None:
@@ -155,8 +176,8 @@ class Train(Operator):
             _join_train_group(self.context.rank, self.context.world_size)
         loss, advantage = loss_config(c.loss), advantage_config(c.advantage)
         check_compatible(loss, advantage)
-        steps = int(self.context.run.get("steps", 1000)) if hasattr(self.context, "run") else 1000
-        config = trainer_config(c.optim, c.micro_batch_tokens, c.max_nonfinite_steps, max(steps, 1), self.context.seed)
+        horizon = schedule_horizon(c.optim, self.context, c.epochs)
+        config = trainer_config(c.optim, c.micro_batch_tokens, c.max_nonfinite_steps, horizon, self.context.seed)
         args = (c.engine, self.context.model["path"], config, loss, advantage, c.epochs)
         self.learner: Learner | None = None
         self.child: Child | None = None

@@ -22,3 +22,14 @@ class AnswerWithDigits:
 def digit_fraction(trajectory: Trajectory) -> float:
     text = trajectory.metadata["text"]
     return sum(c.isdigit() for c in text[:3]) / 3
+
+
+SCORED: dict[str, list[float]] = {}  # group id -> rewards given (tests/test_dapo.py reads it back)
+
+
+def first_is_digit(trajectory: Trajectory) -> float:
+    """1 if the response starts with a digit, else 0: about 10% for the untrained tiny model, so most
+    groups of 4 tie at 0 and some do not."""
+    reward = float(trajectory.metadata["text"][:1].isdigit())
+    SCORED.setdefault(trajectory.group_id, []).append(reward)
+    return reward

@@ -75,7 +75,7 @@ def compile_spec(loaded: LoadedSpec) -> Compiled:
             name: NodePlan(
                 name=name, kind=op.kind, op=spec.nodes[name]["op"],
                 config=msgspec.to_builtins(configs[name]), resources=resources[name],
-                inputs=dict(op.inputs), outputs=dict(op.outputs),
+                inputs=dict(op.inputs), outputs=dict(op.outputs), oversampling=op.oversampling(configs[name]),
             )
             for name, op in ops.items()
         },

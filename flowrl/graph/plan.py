@@ -22,6 +22,8 @@ class NodePlan(msgspec.Struct, kw_only=True):
     resources: Resources
     inputs: dict[str, str]  # port name -> port type
     outputs: dict[str, str]
+    # (initial, maximum) samples per step / batch_size that this filter asks of generate (Operator.oversampling).
+    oversampling: tuple[float, float] | None = None
 
 
 class EdgePlan(msgspec.Struct, kw_only=True):

@@ -19,7 +19,9 @@ Rules (see also flowrl/runtime/__init__.py):
   lost sample keeps every later batch one sample short of what was admitted, and with budget 1
   the trainer waits each step for a sample that only its next version admits (AReaL's
   StalenessManager counts accepted samples for the same reason). A generate node that reaches
-  no train node is not limited.
+  no train node is not limited. A filter that over-samples (dynamic_sampling) turns batch_size
+  here into the step's initial sample count and caps the credit (flowrl/runtime/quota.py); over a
+  sync input a lost sample is replaced by an extra sample of the same step instead.
 - Staleness: a consumer at version v (a train node's own version; the clock for other stages)
   that takes a record from an async edge with version < v - limit (`Channel.limit`) applies the
   edge's `on_stale`: `drop` (ledger `drop`, counted) or `keep` (delivered, counted).
@@ -49,6 +51,7 @@ from flowrl.runtime.channel import Channel, Record, Work
 from flowrl.runtime.checkpoints import Pacing
 from flowrl.runtime.ledger import Ledger
 from flowrl.runtime.observe import Observer
+from flowrl.runtime.quota import Quota
 from flowrl.runtime.targets import Targets
 
 
@@ -114,13 +117,16 @@ class Coordinator:
             self.ins[t][0].mode == "async" for t in self.trains if path(g, t))}
         self.credits_to = {n: [g for g in gens if g in credited and path(g, n)] for n in plan.nodes}
         self.downstream = {n: [t for t in self.trains if path(n, t)] for n in plan.nodes}
+        self.quota = {g: self._quota(g, g in credited, path) for g in gens}
+        # Generate nodes whose step t waits for replacements of its samples lost at (or before) a node.
+        self.refilled_by = {n: [g for g in gens if self.quota[g].refills and path(g, n)] for n in plan.nodes}
         # State that a checkpoint keeps (see snapshot()).
         self.versions = {t: 0 for t in self.trains}
         self.latest_weights: dict[str, Record] = {}
         self.cursor = {n: [0, 0] for n, p in plan.nodes.items() if p.kind == "generate"}
         self.reissue: dict[str, list[Work]] = {n: [] for n in self.cursor}
         self.ended: dict[str, set[int]] = {n: set() for n in plan.nodes}
-        self.counters = {"dropped": 0, "stale_kept": 0, "rejected": 0, "filtered": 0}
+        self.counters = {"dropped": 0, "stale_kept": 0, "rejected": 0, "filtered": 0, "oversampled": 0}
         # Sample ids that will never reach a train node: per credited generate node (its admission
         # credit), and per train node those lost before its input channel (what is not in flight).
         self.lost: dict[str, set[str]] = {n: set() for n in self.cursor}
@@ -365,12 +371,22 @@ class Coordinator:
             work.version = version
             self.ledger.write("reissue", f"data -> {node}", work.id, work.step, version, replica=replica)
             return self._hold(node, replica, work)
-        step, index = self.cursor[node]
-        budget, credit = self.budget[node], len(self.lost[node])
-        if step >= self.steps or (budget is not None and self._issued(node) >= self._admitted(node, version)):
-            return None
+        budget, credit, quota = self.budget[node], len(self.lost[node]), self.quota[node]
+        issued = self._issued(node)
+        refill = quota.refill_step(self.cursor[node][0], self.ended[node])
+        if refill is not None:  # a replacement for a lost sample of an earlier step (flowrl/runtime/quota.py)
+            step, index = refill, quota.issue(refill)
+        else:
+            step, index = self.cursor[node]
+            if issued >= self._limit(node) or (budget is not None and issued >= self._admitted(node, version)):
+                return None
+            self.cursor[node] = [step, index + 1] if index + 1 < quota.per_step else [step + 1, 0]
+            if quota.refills:
+                quota.issue(step)
+        if index >= self.batch_size or (node in self.credits_to[node] and refill is None
+                                        and issued >= (version + budget + 1) * quota.per_step):
+            self.counters["oversampled"] += 1  # beyond the step's batch_size, or admitted by credit
         sample = self.source.sample(step, index)
-        self.cursor[node] = [step, index + 1] if index + 1 < self.batch_size else [step + 1, 0]
         work = Work(f"{step}:{index}", "sample", step, version, sample)
         self.ledger.write("issue", f"data -> {node}", work.id, step, version, admitted_version=version,
                           budget=budget, credit=credit, replica=replica)
@@ -401,6 +417,10 @@ class Coordinator:
             if t not in ch.ended:
                 return None
             records = [ch.pop(r.id) for r in ch.of_step(t)]
+            if self._oversampled(node):  # the first batch_size by index; the rest were not needed
+                for record in records[self.batch_size:]:
+                    self._drop(ch, record, "surplus")
+                records = records[:self.batch_size]
         else:
             buffer = self.buffers[node]
             for rid in list(ch.records):
@@ -412,24 +432,45 @@ class Coordinator:
                     buffer.append(record)
             if len(buffer) < self.batch_size and self._more_may_come(node, t):
                 return None
+            if not buffer and self._oversampled(node):  # wait for more (flowrl/runtime/quota.py)
+                for g in self.upstream[node]:
+                    if self.quota[g].declared:
+                        self.quota[g].starved()
+                self._notify()
+                return None
             records, self.buffers[node] = buffer, []
         work = Work(f"v{t + 1}", "batch", t, t, [{ch.edge.dst_port: r.value} for r in records],
                     {ch.edge.label: records}, at=t, lags=[t - r.version for r in records])
         return self._hold(node, replica, work)
 
     def _issued(self, node: str) -> int:
-        """Samples a generate node has been handed so far."""
-        return self.cursor[node][0] * self.batch_size + self.cursor[node][1]
+        """Samples a generate node has been handed so far (replacements of lost ones aside)."""
+        return self.cursor[node][0] * self.quota[node].per_step + self.cursor[node][1]
 
     def _admitted(self, node: str, version: int) -> int:
         """Samples a generate node (with a budget) may have been handed at `version` (the docstring's rule)."""
-        return (version + self.budget[node] + 1) * self.batch_size + len(self.lost[node])
+        steps = version + self.budget[node] + 1
+        return steps * self.quota[node].per_step + self.quota[node].credit(len(self.lost[node]), steps)
+
+    def _limit(self, node: str) -> int:
+        """Samples a generate node may be handed in the whole run (replacements aside)."""
+        quota = self.quota[node]
+        extra = quota.credit(len(self.lost[node]), self.steps) if quota.declared else 0
+        return self.steps * quota.per_step + extra
+
+    def _quota(self, node: str, credited: bool, path: Any) -> Quota:
+        filters = [n for n in self.plan.order if self.plan.nodes[n].oversampling and path(node, n) and self.downstream[n]]
+        oversampling = self.plan.nodes[filters[0]].oversampling if filters else None
+        return Quota(self.batch_size, oversampling, refills=not credited, filter_node=filters[0] if filters else None)
+
+    def _oversampled(self, node: str) -> bool:
+        return any(self.quota[g].declared for g in self.upstream[node])
 
     def _more_may_come(self, node: str, t: int) -> bool:
         """Whether records for train step t can still arrive: some are in flight, or a generate node
         upstream may issue more before the step ends (admission at version t, credit included)."""
         issued = sum(self._issued(g) for g in self.upstream[node])
-        if any(self._issued(g) < min(self.steps * self.batch_size, self._admitted(g, t)) or self.reissue[g]
+        if any(self._issued(g) < min(self._limit(g), self._admitted(g, t)) or self.reissue[g]
                for g in self.upstream[node]):
             return True
         return issued - self.arrived[node] - len(self.lost_before[node]) > 0
@@ -508,6 +549,8 @@ class Coordinator:
         if kind == "train" and work.kind != "publish":
             self._end(node, work.step)
         self._advance(node)
+        for g in self.refilled_by[node]:  # a sample arrived or was lost: its step may end, or want more
+            self._advance(g)
         self._check_done()
 
     def _emit(self, edge: EdgePlan, record: Record) -> None:
@@ -520,6 +563,8 @@ class Coordinator:
             self.channels[edge.label].put(record)
             if edge.dst in self.arrived:
                 self.arrived[edge.dst] += 1
+                for g in self.refilled_by[edge.dst]:
+                    self.quota[g].arrived(record.step)
 
     def _lose(self, node: str, sample_id: str, arrived: bool = False) -> None:
         """Sample `sample_id` will not reach the train nodes after `node` (rejected or filtered by it,
@@ -529,6 +574,8 @@ class Coordinator:
         if not arrived:
             for t in self.downstream[node]:
                 self.lost_before[t].add(sample_id)
+            for g in self.refilled_by[node]:
+                self.quota[g].lost(int(sample_id.split(":")[0]))
 
     def _end(self, node: str, step: int) -> None:
         self.ended[node].add(step)
@@ -545,7 +592,9 @@ class Coordinator:
         if kind == "generate":
             busy = {w.step for _, w in self.held[node].values()} | {w.step for w in self.reissue[node]}
             for s in sorted(set(range(self.cursor[node][0])) - self.ended[node] - busy):
-                self._end(node, s)
+                if self.quota[node].settled(s):  # no replacement of a lost sample may still be wanted
+                    self.quota[node].forget(s)
+                    self._end(node, s)
             return
         channels = [self.channels[e.label] for e in self.ins[node]]
         for s in sorted(set.intersection(*(c.ended for c in channels)) - self.ended[node]):

@@ -30,7 +30,7 @@ class InProcessExecutor:
                                  self.origin, state)
         run_dir = str(self.run_dir) if self.run_dir else None
         names = self.plan.order + [n for n in self.plan.nodes if n not in self.plan.order]
-        self.stages = [Stage(self.plan, name, replica, self.coord, run_dir, self.origin)
+        self.stages = [Stage(self.plan, name, replica, self.coord, run_dir, self.origin, "inprocess")
                        for name in names for replica in range(self.plan.nodes[name].resources.replicas)]
         # Set up together: a trainer's child process imports torch and builds its model while the
         # engine loads here (measured: ~6 s of each async quickstart phase). shutdown() closes

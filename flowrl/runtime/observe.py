@@ -84,9 +84,15 @@ class Observer:
             "queues": queues, "staleness": staleness, "dropped": self.dropped - self._mark["dropped"],
             "dropped_total": counters["dropped"], "stale_kept_total": counters["stale_kept"],
             "rejected_total": counters["rejected"], "filtered_total": counters["filtered"],
+            # Since the previous row: groups filtered out (e.g. dynamic_sampling's tied groups) and
+            # samples issued beyond the step's batch_size or by admission credit (flowrl/runtime/quota.py).
+            "filtered": counters["filtered"] - self._mark.get("filtered", 0),
+            "oversampled": counters["oversampled"] - self._mark.get("oversampled", 0),
+            "oversampled_total": counters["oversampled"],
             "idle": idle, "train": metrics, "operators": self._operator_totals(),
         }
-        self._mark = {"time": now, "busy": dict(self.busy), "dropped": self.dropped}
+        self._mark = {"time": now, "busy": dict(self.busy), "dropped": self.dropped,
+                      "filtered": counters["filtered"], "oversampled": counters["oversampled"]}
         self.rows.append(row)
         self.last_row = row
         self.events.append(span(self.pids[node], 0, "step", now - dt, now, self.origin, step=step))

@@ -56,7 +56,7 @@ class StageActor:
         # The plan travels as msgspec JSON: small arguments are inlined in the actor's creation
         # task, so a restart never depends on an object-store copy.
         self.stage = Stage(msgspec.json.decode(plan, type=Plan), node, replica, RemoteCoordinator(coord),
-                           run_dir, origin)
+                           run_dir, origin, "ray")
 
     async def start(self, checkpoint: str | None, env: dict[str, str] | None = None) -> int:
         os.environ.update(env or {})

@@ -40,6 +40,7 @@ def take(coord: Any) -> bytes:
                                  [Record(r.id, r.step, r.version, None) for r in records],
                                  coord.channels[label].ended) for label, records in channels.items()}
     state["reissue"] = reissue
+    state["quota"] = {g: (q.fate, q.bonus) for g, q in coord.quota.items()}
     state["observe"] = coord.observe.state()
     return pickle.dumps(state)
 
@@ -60,6 +61,8 @@ def restore(coord: Any, blob: bytes) -> None:
             else:
                 ch.put(r)
     coord.reissue = state["reissue"]
+    for g, (fate, bonus) in state["quota"].items():
+        coord.quota[g].fate, coord.quota[g].bonus = fate, bonus
     coord.observe.restore(state["observe"])
     coord.ledger.write("resume", "", "", min(coord.versions.values(), default=0), coord.clock)
     # Every train node publishes its restored policy; engines load it before issuing anything.

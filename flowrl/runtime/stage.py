@@ -21,14 +21,16 @@ from flowrl.operator import Operator, OperatorContext, TrainResult
 from flowrl.runtime import faults
 from flowrl.runtime.channel import Work
 from flowrl.runtime.observe import node_pids, span
+from flowrl.spec.phases import UNBOUNDED_STEPS
 
 REPORT_EVERY_S = 1.0
 
 
 class Stage:
     def __init__(self, plan: Plan, node: str, replica: int, coord: Any, run_dir: str | None,
-                 origin: float) -> None:
+                 origin: float, executor: str = "inprocess") -> None:
         self.plan = plan
+        self.executor = executor
         self.node = plan.nodes[node]
         self.replica = replica
         self.coord = coord
@@ -52,11 +54,7 @@ class Stage:
         """Build and set up the operator; restore it from a checkpoint directory if given."""
         cls = registry.resolve(self.node.op)
         config = msgspec.convert(self.node.config, cls.Config)
-        context = OperatorContext(
-            node=self.node.name, run_dir=self.run_dir, seed=self.plan.seed, model=self.plan.model,
-            data=self.plan.data, rank=self.replica, world_size=self.node.resources.replicas,
-        )
-        self.op = cls(config, context)
+        self.op = cls(config, self.context())
         await self.op.setup()
         if checkpoint is not None:
             path = Path(checkpoint)
@@ -71,6 +69,14 @@ class Stage:
         gc.freeze()
         await self.coord.attach(self.node.name, self.replica, self.version)
         await self._report()  # what setup measured (e.g. the first evaluation), before any work
+
+    def context(self) -> OperatorContext:
+        """What the operator learns about its place in the run."""
+        return OperatorContext(
+            node=self.node.name, run_dir=self.run_dir, seed=self.plan.seed, model=self.plan.model,
+            data=self.plan.data, rank=self.replica, world_size=self.node.resources.replicas,
+            steps=run_steps(self.plan), phase=str(self.plan.run.get("phase", "main")), executor=self.executor,
+        )
 
     async def run(self) -> str | None:
         """Work until the coordinator says stop. Returns None, or the traceback of a failure."""
@@ -249,6 +255,12 @@ class Stage:
         op = getattr(self, "op", None)
         metrics = op.metrics() if op is not None else {}
         await self.coord.report(self.node.name, self.replica, events, busy, metrics)
+
+
+def run_steps(plan: Plan) -> int | None:
+    """The run's (phase's) length in train steps; None for a phase bounded only by `seconds`."""
+    steps = int(plan.run.get("steps", 10))
+    return None if steps >= UNBOUNDED_STEPS else steps
 
 
 class _Failed(Exception):

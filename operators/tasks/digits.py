@@ -83,6 +83,13 @@ class copy_digits(_Digits):  # noqa: N801
         return digits
 
 
+def exact_match(trajectory: Trajectory) -> float:
+    """Sequence-level reward for the digit tasks (`fn: flowrl_operators.tasks.digits:exact_match`):
+    1 if the answer is the target exactly, else 0. A group's answers then often tie (all wrong, or
+    all right), which is what DAPO's dynamic sampling filters (pipelines/dapo.yaml)."""
+    return float(response_text(trajectory).strip() == sample_of(trajectory)["target"])
+
+
 def position_rewards(trajectory: Trajectory) -> dict[str, Any]:
     """Per-token credit for the digit tasks (`fn: flowrl_operators.tasks.digits:position_rewards`):
     each character scores 1 in its place if right, 0 if wrong, -1 past the target's end; the end

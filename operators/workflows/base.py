@@ -38,6 +38,41 @@ def derive_seed(*parts: Any) -> int:
     return int.from_bytes(digest[:8], "big") >> 1
 
 
+def resubmit_seed(seed: int | None, generated: int) -> int | None:
+    """The seed of a request resubmitted after `generated` tokens. An engine draws each token's
+    noise from a generator seeded with the request's seed, so resubmitting with the same seed would
+    draw token generated + i with token i's noise again; a seed derived from (seed, position) gives
+    the tokens ahead fresh noise, the same on every replay."""
+    return seed if seed is None or generated == 0 else derive_seed(seed, "resubmit", generated)
+
+
+async def generate_complete(engine: InferenceEngine, request_id: str, input_ids: list[int],
+                            sampling: SamplingParams, max_attempts: int = 1000) -> GenerateResult:
+    """One engine call that survives weight updates: a request aborted by one (pause mode "abort")
+    is resubmitted with its partial output appended (and a fresh seed, `resubmit_seed`), so the
+    caller sees one result whose `versions` say which policy produced each token. Its finish
+    reason is never "abort": out of tokens it is "length". An engine error is returned in `error`."""
+    merged = GenerateResult(request_id=request_id, sampling=sampling)  # what the trainer recomputes under
+    prefix = list(input_ids)
+    for attempt in range(max_attempts):
+        done = len(merged.output_ids)
+        attempt_sampling = msgspec.structs.replace(sampling, seed=resubmit_seed(sampling.seed, done),
+                                                   max_new_tokens=sampling.max_new_tokens - done)
+        request = GenerateRequest(request_id=f"{request_id}#{attempt}", input_ids=prefix, sampling=attempt_sampling)
+        result = await engine.generate(request)
+        merged.output_ids += result.output_ids
+        merged.logprobs += result.logprobs
+        merged.versions += result.versions
+        merged.finish_reason, merged.error = result.finish_reason, result.error
+        if result.error or result.finish_reason != "abort":
+            return merged
+        if len(merged.output_ids) >= sampling.max_new_tokens:
+            merged.finish_reason = "length"
+            return merged
+        prefix = prefix + result.output_ids
+    raise EpisodeError(f"request {request_id} was aborted {max_attempts} times; is the engine being closed?")
+
+
 @dataclass
 class WorkflowContext:
     """What one episode gets: the engine (through `generate`), the tokenizer, a seeded RNG, the
@@ -80,25 +115,10 @@ class WorkflowContext:
                 sampling, seed=derive_seed(self.seed, self.sample_id, self.episode, self.calls))
         # Unique even if the same sample runs twice at once (e.g. a greedy evaluation episode).
         request_id = f"{self.sample_id}/{self.episode}/{self.calls}-{uuid.uuid4().hex[:8]}"
-        merged = GenerateResult(request_id=request_id, sampling=sampling)
-        prefix = list(input_ids)
-        for attempt in range(1000):
-            request = GenerateRequest(request_id=f"{request_id}#{attempt}", input_ids=prefix, sampling=sampling)
-            result = await self.engine.generate(request)
-            if result.error:
-                raise EpisodeError(f"engine rejected request {request_id}: {result.error}")
-            merged.output_ids += result.output_ids
-            merged.logprobs += result.logprobs
-            merged.versions += result.versions
-            merged.finish_reason = result.finish_reason
-            left = sampling.max_new_tokens - len(result.output_ids)
-            if result.finish_reason != "abort" or left <= 0:
-                if result.finish_reason == "abort":
-                    merged.finish_reason = "length"
-                return merged
-            prefix = prefix + result.output_ids
-            sampling = msgspec.structs.replace(sampling, max_new_tokens=left)
-        raise EpisodeError(f"request {request_id} was aborted 1000 times; is the engine being closed?")
+        result = await generate_complete(self.engine, request_id, input_ids, sampling)
+        if result.error:
+            raise EpisodeError(f"engine rejected request {request_id}: {result.error}")
+        return result
 
     # --- text helpers (prompts and observations are text; model output stays as ids) ----------------
 

@@ -31,9 +31,15 @@ from aiohttp import web
 
 from flowrl.data.trajectory import Trajectory
 from flowrl_operators.checks import is_loopback
-from flowrl_operators.engine.base import GenerateRequest, GenerateResult, InferenceEngine, SamplingParams
+from flowrl_operators.engine.base import GenerateResult, InferenceEngine, SamplingParams
 from flowrl_operators.threads import DaemonExecutor, call_in_thread
-from flowrl_operators.workflows.base import TrajectoryBuilder, chat_ids, derive_seed, is_async_callable
+from flowrl_operators.workflows.base import (
+    TrajectoryBuilder,
+    chat_ids,
+    derive_seed,
+    generate_complete,
+    is_async_callable,
+)
 
 _MARK = "\u0002"  # brackets spliced-reply indices in a rendered template
 _TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
@@ -154,8 +160,7 @@ class Proxy:
         prompt_ids = self.render(messages, body.get("tools"), session)
         calls = len(session.calls) if session else 0
         request_id = f"{session.id if session else 'open'}/{calls}/{uuid.uuid4().hex[:8]}"
-        result = await self.engine.generate(GenerateRequest(request_id=request_id, input_ids=prompt_ids,
-                                                            sampling=sampling))
+        result = await generate_complete(self.engine, request_id, prompt_ids, sampling)
         if result.error:
             raise ProxyError(400, f"the engine rejected the request: {result.error}")
         response = self._response(result, prompt_ids, body)
@@ -222,8 +227,9 @@ class Proxy:
         if tool_calls:
             message["tool_calls"] = tool_calls
         choice: dict[str, Any] = {"index": 0, "message": message,
+                                  # generate_complete resubmits aborted requests: what did not stop ran out of tokens.
                                   "finish_reason": "tool_calls" if tool_calls else
-                                  {"stop": "stop", "length": "length"}.get(result.finish_reason, "stop")}
+                                  "stop" if result.finish_reason == "stop" else "length"}
         if body.get("logprobs"):
             tokens = self.tokenizer.convert_ids_to_tokens(result.output_ids)
             choice["logprobs"] = {"content": [{"token": t, "logprob": lp, "bytes": None, "top_logprobs": []}
