@@ -76,10 +76,9 @@ class Coordinator:
         self._dropped = False  # a take dropped a record: that may have finished a step
         self.ledger = Ledger(self.run_dir / "ledger.jsonl" if self.run_dir else None)
         self.observe = Observer(plan, self.run_dir, self.origin)
-        self.samples, self.batches, self.joins, self.policies = Samples(self), Batches(self), Joins(self), Policies(self)
-        # The one dispatch on node kind.
-        table = {"generate": self.samples, "train": self.batches, "sync": self.policies}
-        self.roles: dict[str, Role] = {n: table.get(p.kind, self.joins) for n, p in plan.nodes.items()}
+        self.samples, self.batches, joins = Samples(self), Batches(self), Joins(self)
+        table = {"generate": self.samples, "train": self.batches, "sync": Policies(self)}  # the one dispatch on kind
+        self.roles: dict[str, Role] = {n: table.get(p.kind, joins) for n, p in plan.nodes.items()}
         if state is not None:
             snapshot.restore(self, state)
         self._check_done()
@@ -100,7 +99,6 @@ class Coordinator:
             self._dropped = False
             work = self.roles[node].take(node, replica)
             if self._dropped:  # a drop made room and may have finished a step
-                self._dropped = False
                 self.roles[node].advance(node)
                 self._check_done()
                 self.notify()
@@ -176,16 +174,13 @@ class Coordinator:
         self.notify()
 
     async def wait_stopping(self) -> str:
-        while not self.stopping:
-            await self._wait()
+        await self._until(lambda: self.stopping)
         return self.stopping
 
     async def status(self) -> dict[str, Any]:
-        return {
-            "versions": dict(self.versions), "steps": self.steps, "stopping": self.stopping,
-            "error": self.error, "queues": {k: len(c) for k, c in self.channels.items()},
-            "last": self.observe.last_row, "counters": dict(self.counters), "reached": self.targets.reached,
-        }
+        return {"versions": dict(self.versions), "steps": self.steps, "stopping": self.stopping, "error": self.error,
+                "queues": self._queues(), "last": self.observe.last_row, "counters": dict(self.counters),
+                "reached": self.targets.reached}
 
     async def snapshot(self) -> dict[str, Any]:
         """What a checkpoint needs, taken without stopping anything (snapshot.py): the state, and
@@ -212,18 +207,13 @@ class Coordinator:
 
     async def finish(self) -> dict[str, Any]:
         """Close the ledger of a finished run: what is left anywhere is recorded as pending."""
-        for name, ch in self.channels.items():
-            for r in list(ch.records.values()):
-                self.ledger.write("pending", name, r.id, r.step, r.version)
-        for label, records in self.batches.waiting().items():
+        channels, samples = snapshot.outstanding(self)
+        for label, records in channels.items():
             for r in records:
                 self.ledger.write("pending", label, r.id, r.step, r.version)
-        for node, held in self.held.items():
-            for _, work in held.values():
-                self._write_pending(node, work)
-        for node, works in self.samples.reissue.items():
+        for node, works in samples.items():
             for work in works:
-                self._write_pending(node, work)
+                self.ledger.write("pending", f"data -> {node}", work.id, work.step, work.version)
         self.ledger.write("end", "", "", 0, 0)
         self.flush()
         self.observe.close()
@@ -340,11 +330,9 @@ class Coordinator:
             self.samples.arrived(edge.dst, record.step)
 
     def _check_done(self) -> None:
-        if self.trains:
-            done = all(v >= self.steps for v in self.versions.values())
-        else:
-            sinks = [n for n in self.plan.nodes if not any(e.kind == "data" for e in self.outs[n])]
-            done = all(len(self.ended[n]) >= self.steps for n in sinks)
+        sinks = [n for n in self.plan.nodes if not any(e.kind == "data" for e in self.outs[n])]
+        done = (all(v >= self.steps for v in self.versions.values()) if self.trains
+                else all(len(self.ended[n]) >= self.steps for n in sinks))
         if done and not self.stopping:
             self.stop("done")
 
@@ -359,10 +347,3 @@ class Coordinator:
                 del self.held[node][wid]
                 role.hand_back(node, work)
         role.released(node)
-
-    def _write_pending(self, node: str, work: Work) -> None:
-        if work.kind == "sample":
-            self.ledger.write("pending", f"data -> {node}", work.id, work.step, work.version)
-        for label, records in work.records.items():
-            for r in records:
-                self.ledger.write("pending", label, r.id, r.step, r.version)

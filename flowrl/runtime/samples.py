@@ -132,12 +132,13 @@ class Samples(Role):
 
     # ---- checkpoint --------------------------------------------------------------------------
 
-    def state(self, held: dict[str, list[Work]]) -> dict[str, Any]:
-        """What a checkpoint keeps; `held`: sample work that stages hold, re-issued on resume."""
+    def state(self, reissue: dict[str, list[Work]]) -> dict[str, Any]:
+        """What a checkpoint keeps; `reissue`: the samples to hand out again on resume (those in
+        flight included, snapshot.outstanding)."""
         parts = {g: a.state() for g, a in self.admission.items()}
         return {"cursor": {g: p["cursor"] for g, p in parts.items()}, "lost": {g: p["lost"] for g, p in parts.items()},
                 "quota": {g: p["quota"] for g, p in parts.items()},
-                "reissue": {g: list(works) + held.get(g, []) for g, works in self.reissue.items()}}
+                "reissue": reissue}
 
     def restore(self, state: dict[str, Any]) -> None:
         for g, admission in self.admission.items():

@@ -23,20 +23,28 @@ from flowrl.runtime.channel import Record, Work
 PLAIN = ("versions", "ended", "counters", "resumes")
 
 
-def take(coord: Any) -> bytes:
-    """The coordinator's state now, with held work counted as handed back (the live run goes on).
-    Everything is pickled before this returns, so the live objects are never shared."""
-    policy = _policy_edges(coord)
+def outstanding(coord: Any) -> tuple[dict[str, list[Record]], dict[str, list[Work]]]:
+    """What is left anywhere, as if every stage died now: records per channel (those held by work
+    or a train node's buffer first, in the order they were taken) and samples per generate node
+    to be handed out again (those to re-issue, then those in flight). Copies; the run goes on."""
     channels = {label: list(c.records.values()) for label, c in coord.channels.items()}
-    samples: dict[str, list[Work]] = {}
+    samples = {node: list(works) for node, works in coord.samples.reissue.items()}
     for node, held in coord.held.items():
         for _, work in held.values():
             if work.kind == "sample":
-                samples.setdefault(node, []).append(work)
+                samples[node].append(work)
             for label, records in work.records.items():
                 channels[label] = list(records) + channels[label]
     for label, records in coord.batches.waiting().items():
         channels[label] = records + channels[label]
+    return channels, samples
+
+
+def take(coord: Any) -> bytes:
+    """The coordinator's state now, with held work counted as handed back (the live run goes on).
+    Everything is pickled before this returns, so the live objects are never shared."""
+    policy = _policy_edges(coord)
+    channels, samples = outstanding(coord)
     state = {field: getattr(coord, field) for field in PLAIN}
     state["channels"] = {label: ([r for r in records] if label not in policy else
                                  [Record(r.id, r.step, r.version, None) for r in records],
