@@ -160,6 +160,13 @@ class Train(Operator):
                         "reference node (op: reference) before this node, or set coef: 0"))
         return out
 
+    def __init__(self, config: TrainConfig, context: OperatorContext) -> None:
+        super().__init__(config, context)
+        # setup() makes one of the two; close() may follow a setup that failed half-way.
+        self.learner: Learner | None = None
+        self.child: Any = None  # flowrl_operators.training.process.Child
+        self.steps_done = 0
+
     async def setup(self) -> None:
         from flowrl_operators.models import import_transformers
         from flowrl_operators.training.advantages import advantage_config
@@ -179,14 +186,11 @@ class Train(Operator):
         horizon = schedule_horizon(c.optim, self.context, c.epochs)
         config = trainer_config(c.optim, c.micro_batch_tokens, c.max_nonfinite_steps, horizon, self.context.seed)
         args = (c.engine, self.context.model["path"], config, loss, advantage, c.epochs)
-        self.learner: Learner | None = None
-        self.child: Child | None = None
         if c.own_process is not None:
             self.child = await asyncio.to_thread(Child, Learner, args, threads=c.own_process.threads,
                                                  name=f"flowrl-train-{self.context.node}")
         else:
             self.learner = await asyncio.to_thread(Learner, *args)
-        self.steps_done = 0
 
     def _call_now(self, method: str, *args: Any) -> Any:
         """A Learner method, here or in the child process."""
@@ -225,13 +229,13 @@ class Train(Operator):
         return {"steps_done": self.steps_done}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.steps_done = state.get("steps_done", 0)
+        self.steps_done = state["steps_done"]
 
     async def close(self) -> None:
         try:
-            if getattr(self, "steps_done", 0) and self.context.run_dir is not None:
+            if self.steps_done and self.context.run_dir is not None:
                 # The final policy as a Hugging Face directory that from_pretrained loads.
                 await self._call("export_hf", str(Path(self.context.run_dir) / "export" / self.context.node))
         finally:
-            if getattr(self, "child", None) is not None:
+            if self.child is not None:
                 await asyncio.to_thread(self.child.close)
