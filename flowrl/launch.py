@@ -51,13 +51,15 @@ def _run_phases(loaded: LoadedSpec, run_dir: Path, executor: str | None, progres
 
     results = []
     model_path: str | None = None
+    exported: dict[str, str | None] = {}  # each finished phase's export, for `phase:<name>` model paths
     single = not loaded.spec.phases
     for index in range(len(loaded.spec.phases) or 1):
-        phase, phase_loaded = expand(loaded, model_path, index)[0]
+        phase, phase_loaded = expand(loaded, model_path, index, exported)[0]
         directory = run_dir if single else phase_dir(run_dir, index, phase)
         marker = directory / "phase.json"
         if marker.exists():  # finished before an interruption
-            model_path = json.loads(marker.read_text()).get("export") or model_path
+            exported[phase.name] = json.loads(marker.read_text()).get("export")
+            model_path = exported[phase.name] or model_path
             continue
         plan = compile_spec(phase_loaded).plan
         if not single:
@@ -75,5 +77,6 @@ def _run_phases(loaded: LoadedSpec, run_dir: Path, executor: str | None, progres
             raise StageFailed(f"phase {phase.name} finished without exporting its policy "
                               f"({', '.join(map(str, exports))} holds no config.json)")
         marker.write_text(json.dumps({"status": "done", "export": export, "seconds": result.seconds}))
+        exported[phase.name] = export
         model_path = export or model_path
     return results
