@@ -123,5 +123,5 @@ def test_a_teacher_with_another_tokenizer_is_refused(tmp_path: Path) -> None:
 
 
 def test_config_rejects_a_node_that_credits_nothing() -> None:
-    with pytest.raises(msgspec.ValidationError, match="credits nothing"):
+    with pytest.raises(msgspec.ValidationError, match="would credit nothing"):
         msgspec.convert({"model": {"path": TEACHER}, "coef": 0.0}, TeacherConfig)
