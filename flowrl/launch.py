@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 
 from flowrl.graph.compile import compile_spec
+from flowrl.operator import ConfigError
+from flowrl.spec.errors import SpecError
 from flowrl.spec.load import LoadedSpec, load
 from flowrl.spec.phases import expand, phase_dir
 
@@ -66,7 +68,10 @@ def _run_phases(loaded: LoadedSpec, run_dir: Path, executor: str | None, progres
             plan.run["phase"] = phase.name  # shown by the live view
         # Resumed from its latest checkpoint; one killed before its first starts again from nothing.
         again = resuming and (directory / "plan.json").exists()
-        result = run(plan, run_dir=directory, executor=executor, resume=again, progress=progress)
+        try:
+            result = run(plan, run_dir=directory, executor=executor, resume=again, progress=progress)
+        except ConfigError as e:  # a node's setup refused its config: point at the key
+            raise SpecError([phase_loaded.locator.diagnostic(("nodes", e.node, *e.key), e.message)]) from None
         results.append(result)
         if result.status != "done":  # interrupted (a phase's `seconds` running out counts as done)
             break  # resume() continues here

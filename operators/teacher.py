@@ -35,7 +35,7 @@ import msgspec
 from msgspec import Meta
 
 from flowrl.data.trajectory import Group, Trajectory
-from flowrl.operator import TRAJECTORIES, Operator, OperatorContext, Resources
+from flowrl.operator import TRAJECTORIES, ConfigError, Operator, OperatorContext, Resources
 
 
 class TeacherModel(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -70,25 +70,31 @@ def distill_rewards(trajectory: Trajectory, teacher_logprobs: list[float], coef:
 
 
 def check_vocabulary(teacher: str, student: str, node: str) -> None:
-    """Raise a ValueError naming the key if teacher and student do not share one tokenizer:
-    distillation compares their logprobs token id by token id."""
-    from flowrl_operators.models import load_config, load_tokenizer
+    """Raise a ConfigError at `nodes.<node>.model.path` unless the teacher's checkpoint exists and
+    shares the student's tokenizer: distillation compares their logprobs token id by token id."""
+    from flowrl_operators.models import load_config, load_tokenizer, resolve_model
 
-    where = f"nodes.{node}.model.path: the teacher ({teacher})"
+    def refuse(message: str) -> ConfigError:
+        return ConfigError(node, ("model", "path"), message)
+
+    try:
+        resolve_model(teacher)
+    except (FileNotFoundError, ValueError) as e:
+        raise refuse(str(e)) from None
     sizes = load_config(teacher).vocab_size, load_config(student).vocab_size
     if sizes[0] != sizes[1]:
-        raise ValueError(f"{where} has a vocabulary of {sizes[0]} ids, the student (model.path {student}) "
-                         f"{sizes[1]}; a teacher must use the student's tokenizer")
+        raise refuse(f"the teacher ({teacher}) has a vocabulary of {sizes[0]} ids, the student (model.path "
+                     f"{student}) {sizes[1]}; a teacher must use the student's tokenizer")
     ours, theirs = load_tokenizer(teacher), load_tokenizer(student)
     for what in ("get_vocab", "get_added_vocab"):
         a, b = getattr(ours, what)(), getattr(theirs, what)()
         if a != b:
             token = next(iter(sorted(set(a.items()) ^ set(b.items()))))[0]
-            raise ValueError(f"{where} and the student (model.path {student}) tokenize differently "
-                             f"(first differing token {token!r}); a teacher must use the student's tokenizer")
+            raise refuse(f"the teacher ({teacher}) and the student (model.path {student}) tokenize "
+                         f"differently (first differing token {token!r}); a teacher must use the student's tokenizer")
     if ours.eos_token_id != theirs.eos_token_id:
-        raise ValueError(f"{where} ends text with token {ours.eos_token_id}, the student with "
-                         f"{theirs.eos_token_id}; a teacher must use the student's tokenizer")
+        raise refuse(f"the teacher ({teacher}) ends text with token {ours.eos_token_id}, the student with "
+                     f"{theirs.eos_token_id}; a teacher must use the student's tokenizer")
 
 
 class Teacher(Operator):

@@ -15,8 +15,9 @@ import msgspec
 import pytest
 import torch
 
+from flowrl.cli import main
 from flowrl.data.trajectory import Group, Trajectory
-from flowrl.operator import OperatorContext
+from flowrl.operator import ConfigError, OperatorContext
 from flowrl_operators.config import GenerateConfig
 from flowrl_operators.generate import Generate
 from flowrl_operators.models import load_hf_model, resolve_model
@@ -110,7 +111,7 @@ def test_a_teacher_with_another_tokenizer_is_refused(tmp_path: Path) -> None:
     shutil.copytree(student, wider)
     config = json.loads((wider / "config.json").read_text())
     (wider / "config.json").write_text(json.dumps({**config, "vocab_size": config["vocab_size"] + 8}))
-    with pytest.raises(ValueError, match=r"nodes\.teach\.model\.path: the teacher .* vocabulary of \d+ ids"):
+    with pytest.raises(ConfigError, match=r"nodes\.teach\.model\.path: the teacher .* vocabulary of \d+ ids"):
         check_vocabulary(str(wider), STUDENT, "teach")
     swapped = tmp_path / "swapped"
     shutil.copytree(student, swapped)
@@ -118,8 +119,34 @@ def test_a_teacher_with_another_tokenizer_is_refused(tmp_path: Path) -> None:
     vocab = tokenizer["model"]["vocab"]
     vocab["0"], vocab["1"] = vocab["1"], vocab["0"]
     (swapped / "tokenizer.json").write_text(json.dumps(tokenizer))
-    with pytest.raises(ValueError, match=r"nodes\.teach\.model\.path: .* tokenize differently \(first differing token '[01]'\)"):
+    with pytest.raises(ConfigError, match=r"nodes\.teach\.model\.path: .* tokenize differently \(first differing token '[01]'\)"):
         check_vocabulary(str(swapped), STUDENT, "teach")
+
+
+def test_a_run_with_a_wrong_teacher_stops_at_the_key(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    wider = tmp_path / "wider"
+    shutil.copytree(resolve_model(STUDENT), wider)
+    config = json.loads((wider / "config.json").read_text())
+    (wider / "config.json").write_text(json.dumps({**config, "vocab_size": config["vocab_size"] + 8}))
+    spec = tmp_path / "p.yaml"
+    spec.write_text(f"""flowrl: 1
+name: wrong-teacher
+model: {{path: {STUDENT}}}
+data: {{source: builtin:reverse_digits, batch_size: 2}}
+cluster: {{cpus: 2}}
+run: {{steps: 1}}
+nodes:
+  rollout: {{op: generate, group_size: 2, sampling: {{max_new_tokens: 4}}}}
+  score: {{op: reward, fn: builtin:reverse_digits}}
+  teach: {{op: teacher, model: {{path: {wider}}}}}
+  learner: {{op: train}}
+  publish: {{op: sync}}
+edges: [rollout -> score, score -> teach, teach -> learner, learner -> publish, {{publish -> rollout: {{kind: weights}}}}]
+""")
+    assert main(["run", str(spec), "--run-dir", str(tmp_path / "run"), "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"{spec}:10:38 nodes.teach.model.path: the teacher ({wider}) has a vocabulary of")
+    assert "Traceback" not in err and len(err.splitlines()) == 1
 
 
 def test_config_rejects_a_node_that_credits_nothing() -> None:
