@@ -6,6 +6,7 @@ distill phase trains that student on the teacher node's token rewards, the teach
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 from flowrl.cli import main
@@ -42,3 +43,9 @@ def test_distill_pipeline_runs_every_phase(tmp_path: Path) -> None:
     for phase in phases.values():
         report = check(phase)
         assert report.clean and report.ended, report
+    # Resumed after the earlier phases finished: the teacher path comes from their markers.
+    shutil.rmtree(phases["distill"])
+    assert main(["run", "--resume", str(out), "--quiet"]) == 0
+    plan = json.loads((phases["distill"] / "plan.json").read_text())
+    assert plan["nodes"]["teach"]["config"]["model"]["path"] == teacher_export
+    assert (phases["distill"] / "export/learner/config.json").is_file()
