@@ -158,7 +158,7 @@ def _sampling_columns(traj: Trajectory) -> dict[str, list[float]] | None:
     return columns
 
 
-def _token_rewards(traj: Trajectory) -> tuple[list[float], list[float]]:
+def credited_rewards(traj: Trajectory) -> tuple[list[float], list[float]]:
     """The credited rewards on the response tokens: the finest granularity the trajectory has.
     `reward` next to turn or token rewards is their total (set for metrics and filters, e.g. by the
     environment workflow), so crediting it as well would count the episode twice."""
@@ -207,7 +207,7 @@ def pack(trajectories: Sequence[Trajectory], require_reward: bool = True) -> Bat
         fields["attention_mask"].append([1] * (p + n) + [0] * pad)
         fields["position_ids"].append(list(range(p + n)) + [0] * pad)
         head = [0] * (p - 1)  # response values sit on the target-aligned columns p-1 .. p-2+n
-        rewards, defined = _token_rewards(traj)
+        rewards, defined = credited_rewards(traj)
         fields["loss_mask"].append(head + list(traj.loss_mask) + [0] * pad)
         fields["behaviour_logprobs"].append(head + list(traj.behaviour_logprobs) + [0] * pad)
         fields["rewards"].append(head + rewards + [0] * pad)
