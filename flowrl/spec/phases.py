@@ -135,7 +135,7 @@ def _assign(data: dict[str, Any], path: Path_, value: Any, key: str, error: Any)
         here, last = path[: depth + 1], depth == len(path) - 1
         if isinstance(node, dict):
             if part not in node:
-                if here[:1] == ("nodes",) and depth == 1:
+                if here[:1] == ("nodes",) and depth == 1 and not last:  # `nodes.<new>: {op: ...}` adds a node
                     raise SpecError([error(f"no node '{part}' to set" + did_you_mean(str(part), map(str, node)))])
                 fresh.append(here)
                 if not last:
