@@ -7,9 +7,8 @@ package uses, so a plugin is never a second-class citizen.
 from __future__ import annotations
 
 import importlib
-from functools import cache
-from importlib.metadata import entry_points
 
+from flowrl import plugins
 from flowrl.operator import KINDS, PORT_TYPES, Operator
 
 GROUP = "flowrl.operators"
@@ -19,13 +18,8 @@ class OperatorError(Exception):
     """An operator name that cannot be resolved, or a class that breaks the protocol."""
 
 
-@cache
-def _entry_points() -> dict[str, str]:
-    return {ep.name: ep.value for ep in entry_points(group=GROUP)}
-
-
 def names() -> list[str]:
-    return sorted(_entry_points())
+    return sorted(plugins.targets(GROUP))
 
 
 def import_path(path: str) -> object:
@@ -50,7 +44,7 @@ def resolve(op: str) -> type[Operator]:
     if ":" in op:
         cls = import_path(op)
     else:
-        target = _entry_points().get(op)
+        target = plugins.targets(GROUP).get(op)
         if target is None:
             raise OperatorError(f"unknown operator '{op}'")
         cls = import_path(target)

@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 
 from flowrl.data.trajectory import Group
 from flowrl.operator import POLICY, TRAJECTORIES, GraphFacts, Operator, Resources, TrainResult
-from flowrl_operators.config import UNBOUNDED_WEIGHT, OptimConfig, TrainConfig, unbounded_weight
+from flowrl_operators.config import OptimConfig, TrainConfig
 
 
 def trainer_config(optim: OptimConfig, micro_batch_tokens: int, max_nonfinite_steps: int, steps: int, seed: int):
@@ -76,7 +76,7 @@ class Learner:
         from flowrl_operators.training.batch import pack, shard
         from flowrl_operators.training.losses import apply_kl_penalty, needs_proximal, set_behaviour_weights
 
-        supervised = self.loss.kind == "sft"
+        supervised = self.loss.supervised
         batch = pack(trajectories, require_reward=not supervised)
         if supervised:  # a supervised target trains the model's own distribution, however it was drawn
             batch.temperature = batch.top_p = batch.top_k = None
@@ -87,7 +87,7 @@ class Learner:
         batch = shard(batch, self.trainer.rank, self.trainer.world_size)
         if needs_proximal(self.loss):
             batch.proximal_logprobs = self.trainer.compute_logprobs(batch)
-            set_behaviour_weights(batch, self.loss)
+            set_behaviour_weights(batch, self.loss, self.trainer.all_reduce)
         metrics: dict[str, float] = {}
         start: dict[str, float] = {}
         for epoch in range(self.epochs):
@@ -125,14 +125,14 @@ class Train(Operator):
 
     @classmethod
     def check_graph(cls, config: TrainConfig, facts: GraphFacts) -> list[tuple[tuple[str, ...], str]]:
-        if unbounded_weight(config.loss):
-            return [(("loss", "decoupled"), UNBOUNDED_WEIGHT)]
-        return []
+        from flowrl_operators.training.objective import problems
+
+        # Every name and key of the objective, against the registries (a plugin's entries included).
+        return problems(config.loss, config.advantage)
 
     async def setup(self) -> None:
         from flowrl_operators.models import import_transformers
-        from flowrl_operators.training.advantages import advantage_config
-        from flowrl_operators.training.losses import check_compatible, loss_config
+        from flowrl_operators.training.objective import advantage_config, check_compatible, loss_config
         from flowrl_operators.training.process import Child
 
         import_transformers()  # before the Learner is built in a thread (the engine may load meanwhile)
