@@ -28,7 +28,6 @@ from flowrl_operators.config import AdvantageConfig, Probability
 from flowrl_operators.training.batch import Batch
 from flowrl_operators.training.registry import ADVANTAGES, Algorithm
 
-
 Whiten = Annotated[float, Meta(ge=0)]
 
 
