@@ -20,8 +20,8 @@ Bound = Annotated[float, Meta(gt=0)]
 
 
 class ClipConfig(LossConfig):
-    clip_low: Annotated[float, Meta(ge=0, lt=1)] = 0.2
-    clip_high: ClipRange = 0.2  # > clip_low is DAPO's clip-higher (0.28)
+    clip_low: Annotated[float, Meta(ge=0, lt=1)] = 0.2  # the ratio's lower clip is 1 - clip_low
+    clip_high: ClipRange = 0.2  # the upper clip is 1 + clip_high; > clip_low is DAPO's clip-higher (0.28)
     # log(ratio) is clamped to +-this before exp (verl's safety bound, 20); None: no clamp.
     max_log_ratio: Bound | None = 20.0
 
@@ -59,7 +59,8 @@ class CISPO(ClipConfig):
 
 
 class GMPO(ClipConfig):
-    """Geometric-mean policy optimisation: per sequence, with d_t = logp - old clipped in log space,
+    """Geometric-mean policy optimisation: per sequence, with d_t = logp - old clipped in log space
+    (clip_low / clip_high bound d_t itself here, as verl's geo_mean; GMPO's paper uses 0.4),
     d'_t = sgn(A) min(sgn(A) d_t, sgn(A) clamp(d_t, -clip_low, clip_high)),
     R_i = exp(sum_t m d'_t / n_i) and A_i the mean of A over the sequence: l_i = -A_i R_i, placed on
     each token of the sequence; with the default seq_mean_token_mean the loss is mean_i l_i
