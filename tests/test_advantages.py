@@ -123,3 +123,74 @@ def test_gae_needs_values_and_unknown_names_are_rejected():
         estimate("gae", x)
     with pytest.raises(ValueError, match="unknown advantage estimator 'ppo'"):
         ADVANTAGES.config("ppo")
+
+
+def test_grpo_biased_std():
+    """unbiased_std: false divides by the population std (AReaL's group normalisation):
+    {1, 0, 0.5}: std sqrt(1/6) -> (R - 0.5) / (sqrt(1/6) + eps)."""
+    x = outcome_inputs([1.0, 0.0, 0.5], [0, 0, 0])
+    adv, _ = estimate("grpo", x, unbiased_std=False, eps=1e-5)
+    std = math.sqrt(1 / 6)
+    close(adv, [[v / (std + 1e-5)] * 2 for v in (0.5, -0.5, 0.0)])
+
+
+def test_rloo_group_of_one_keeps_its_reward():
+    """A group of one has no other trajectory: its baseline is 0 and A = R (verl rloo)."""
+    adv, _ = estimate("rloo", outcome_inputs([0.7], [0]))
+    close(adv, [[0.7, 0.7]])
+
+
+def test_whitening_eps_inside_the_square_root():
+    """reinforce_pp whitens with (G - mean) / sqrt(var + eps) (verl masked_whiten); eps 0.5 makes the
+    placement visible: G = (1, 0, 0, 0) over four tokens, mean 1/4, unbiased var 1/4."""
+    x = AdvantageInputs(torch.tensor([[0.0, 1.0], [0.0, 0.0]]), torch.ones(2, 2), torch.ones(2, 2), torch.tensor([0, 1]))
+    adv, _ = estimate("reinforce_pp", x, gamma=0.0, eps=0.5)
+    scale = 1 / math.sqrt(0.25 + 0.5)
+    close(adv, [[-0.25 * scale, 0.75 * scale], [-0.25 * scale, -0.25 * scale]])
+
+
+def test_grpo_passk():
+    """Only each group's best row gets R_max - R_second, / (std_g + eps) with std_normalize (unbiased):
+    group {1, 0.25, 0.5} -> row 0 gets 0.5 / (std + eps), std = sqrt(((0.4167)^2 + ...) / 2);
+    group {2, 3} -> row 4 gets 1 / (std + eps), std = sqrt(0.5)."""
+    x = outcome_inputs([1.0, 0.25, 0.5, 2.0, 3.0], [0, 0, 0, 1, 1])
+    adv, _ = estimate("grpo_passk", x)
+    mean = 1.75 / 3
+    std0 = math.sqrt(sum((v - mean) ** 2 for v in (1.0, 0.25, 0.5)) / 2)
+    a = [0.5 / (std0 + 1e-6), 0.0, 0.0, 0.0, 1 / (math.sqrt(0.5) + 1e-6)]
+    close(adv, [[v, v] for v in a])
+    adv, _ = estimate("grpo_passk", x, std_normalize=False)
+    close(adv, [[v, v] for v in (0.5, 0, 0, 0, 1.0)])
+    with pytest.raises(ValueError, match="at least 2"):
+        estimate("grpo_passk", outcome_inputs([1.0], [0]))
+
+
+def test_opo_length_weighted_baseline():
+    """b = sum_j n_j R_j / sum_j n_j over the group (n_j model tokens), A = R - b: rows of 1 and 3
+    tokens with R = 1 and 0 -> b = 1/4, A = (0.75, -0.25); a group of one keeps R."""
+    r = torch.tensor([[0.0, 0.0, 1.0], [0.0, 0.0, 0.0], [0.0, 0.0, 2.0]])
+    mask = torch.tensor([[0.0, 0.0, 1.0], [1.0, 1.0, 1.0], [0.0, 1.0, 1.0]])
+    adv, _ = estimate("opo", AdvantageInputs(r, mask, mask, torch.tensor([0, 0, 1])))
+    close(adv, [[0, 0, 0.75], [-0.25, -0.25, -0.25], [0, 2.0, 2.0]])
+
+
+def test_gpg_advantage():
+    """A = alpha (R - mean_g R) / f_norm, alpha = B / #(R != 0): R = (1, 0, 0, 2) in groups {0, 1} and
+    {2, 3}: alpha = 4 / 2 = 2, means 0.5 and 1 -> (1, -1, -2, 2) / f_norm (f_norm 2 -> halves)."""
+    x = outcome_inputs([1.0, 0.0, 0.0, 2.0], [0, 0, 1, 1])
+    adv, _ = estimate("gpg", x, f_norm=2.0)
+    close(adv, [[v, v] for v in (0.5, -0.5, -1.0, 1.0)])
+
+
+def test_remax_greedy_baseline():
+    """A_t = G_t - b with b the reward of the group's greedy row (ReMax); the greedy row itself has no
+    loss tokens, so no advantage. Group 0: R = (1, 0.25), greedy 0.5 -> (0.5, -0.25)."""
+    x = outcome_inputs([1.0, 0.25, 0.5], [0, 0, 0])
+    x.mask[2] = 0.0  # the greedy row carries no loss (pack zeroes its loss mask)
+    x.baseline = torch.tensor([0.0, 0.0, 1.0])
+    adv, returns = estimate("remax", x)
+    close(adv, [[0.5, 0.5], [-0.25, -0.25], [0.0, 0.0]])
+    close(returns, [[1.0, 1.0], [0.25, 0.25], [0.0, 0.0]])
+    x.baseline = None
+    with pytest.raises(ValueError, match="greedy_baseline: true"):
+        estimate("remax", x)
