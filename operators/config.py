@@ -49,6 +49,9 @@ class EngineConfig(Strict):
 class GenerateConfig(Strict):
     engine: Literal["embedded", "sglang"] | EngineConfig = "embedded"
     group_size: PositiveInt = 1  # trajectories per sample
+    # Also one greedy (temperature 0) episode per sample, marked as its group's baseline: it carries
+    # no loss, and advantage remax subtracts its reward (ReMax). Other estimators refuse it.
+    greedy_baseline: bool = False
     sampling: SamplingConfig = msgspec.field(default_factory=SamplingConfig)
     workflow: str = "single_turn"  # a workflow name or module:attr
     workflow_args: dict[str, Any] = {}
