@@ -4,11 +4,11 @@ formula; `flowrl algorithms` lists them all."""
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 
 import msgspec
 import pytest
+import tomllib
 
 from flowrl.cli import main
 from flowrl_operators.training.registry import REGISTRIES, Algorithm, AlgorithmError
