@@ -194,3 +194,18 @@ def test_remax_greedy_baseline():
     x.baseline = None
     with pytest.raises(ValueError, match="greedy_baseline: true"):
         estimate("remax", x)
+
+
+def test_token_norm_weighs_tokens():
+    """AReaL's adv_norm: mean and std over the group's model *tokens*. Rows of 1 and 3 tokens with
+    R = 1 and 0: G = (1 | 0, 0, 0); mean 1/4, unbiased std sqrt(0.75 / 3) = 0.5 ->
+    A = 0.75 / (0.5 + 1e-5) and -0.25 / (0.5 + 1e-5) (GRPO's per-sequence mean would be 1/2).
+    mean_level none, std_level none: A = G."""
+    r = torch.tensor([[0.0, 0.0, 1.0], [0.0, 0.0, 0.0]])
+    mask = torch.tensor([[0.0, 0.0, 1.0], [1.0, 1.0, 1.0]])
+    x = AdvantageInputs(r, torch.tensor([[0.0, 0.0, 1.0], [0.0, 0.0, 1.0]]), mask, torch.tensor([0, 0]))
+    adv, returns = estimate("token_norm", x)
+    close(adv, [[0, 0, 0.75 / (0.5 + 1e-5)], [-0.25 / (0.5 + 1e-5)] * 3])
+    close(returns, [[0, 0, 1.0], [0, 0, 0]])
+    adv, _ = estimate("token_norm", x, mean_level="none", std_level="none")
+    close(adv, [[0, 0, 1.0], [0, 0, 0]])

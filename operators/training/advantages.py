@@ -83,6 +83,24 @@ class GAE(AdvantageConfig):
     eps: Whiten = 1e-8  # inside the square root of the whitening
 
 
+Level = Literal["group", "batch", "none"]
+
+
+class TokenNorm(AdvantageConfig):
+    """AReaL's PPO actor without a critic: G_t = reward-to-go (discount gamma per model token: GAE
+    with V = 0, AReaL's discount x gae_lambda), then A = (G - mean) / (std + eps) with mean and std
+    over the model *tokens* of the group (or the batch), so a longer sequence weighs more (AReaL
+    adv_norm: mean_level, std_level, mean_leave1out, std_unbiased, eps; a group of one row has mean 0
+    with leave_one_out and std 1 with unbiased_std, as AReaL's group_size 1)."""
+
+    mean_level: Level = "group"
+    std_level: Level = "group"  # none: no division (and no eps)
+    unbiased_std: bool = True
+    leave_one_out: bool = False  # each token's mean leaves that token out (AReaL mean_leave1out)
+    eps: Whiten = 1e-5
+    gamma: Probability = 1.0
+
+
 @dataclasses.dataclass
 class AdvantageInputs:
     rewards: torch.Tensor  # (B, T)
@@ -192,6 +210,40 @@ def gae(x: AdvantageInputs, config: GAE) -> tuple[torch.Tensor, torch.Tensor]:
     return advantages, returns
 
 
+def _token_mean(g: torch.Tensor, m: torch.Tensor, leave_one_out: bool, one_row: bool) -> torch.Tensor:
+    """AReaL Normalization's mean over the masked tokens, per token (leave-one-out: without it)."""
+    total, count = (g * m).sum(), m.sum()
+    if leave_one_out:
+        if count <= 1 or one_row:
+            return torch.zeros_like(g)
+        return torch.where(m > 0, (total - g * m) / (count - m).clamp(min=1.0), total / count)
+    return (total / count if count > 0 else torch.tensor(0.0)).expand_as(g)
+
+
+def _token_std(g: torch.Tensor, m: torch.Tensor, mean: torch.Tensor, unbiased: bool, one_row: bool) -> torch.Tensor:
+    squares, count = ((g * m - mean * m) ** 2).sum(), m.sum()
+    if unbiased:
+        return torch.sqrt(squares / (count - 1)) if count > 1 and not one_row else torch.tensor(1.0)
+    return torch.sqrt(squares / count) if count > 0 else torch.tensor(1.0)
+
+
+def token_norm(x: AdvantageInputs, config: TokenNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    returns = reward_to_go(x.rewards, x.mask, config.gamma)
+    groups = [(x.group_index == g).nonzero().squeeze(1) for g in x.group_index.unique()]
+    everything = [torch.arange(x.rewards.shape[0])]
+    mean, std = torch.zeros_like(returns), torch.ones_like(returns)
+    if config.mean_level != "none":
+        for rows in groups if config.mean_level == "group" else everything:
+            one_row = config.mean_level == "group" and rows.numel() == 1
+            mean[rows] = _token_mean(returns[rows], x.mask[rows], config.leave_one_out, one_row)
+    if config.std_level != "none":
+        for rows in groups if config.std_level == "group" else everything:
+            one_row = config.std_level == "group" and rows.numel() == 1
+            std[rows] = _token_std(returns[rows], x.mask[rows], mean[rows], config.unbiased_std, one_row)
+    eps = config.eps if config.std_level != "none" else 0.0
+    return (returns - mean) * x.mask / (std + eps), returns
+
+
 def compute_advantages(batch: Batch, config: AdvantageConfig) -> Batch:
     """Fill `batch.advantages` and `batch.returns` with the configured estimator (in place)."""
     config = ADVANTAGES.config(config)
@@ -211,3 +263,4 @@ REINFORCE_PP_ESTIMATOR = Algorithm("reinforce_pp", ReinforcePP, reinforce_pp, TO
 REINFORCE_PP_BASELINE_ESTIMATOR = Algorithm("reinforce_pp_baseline", ReinforcePPBaseline, reinforce_pp_baseline,
                                             TOKEN_REWARDS)
 GAE_ESTIMATOR = Algorithm("gae", GAE, gae, TOKEN_REWARDS | {"values"})
+TOKEN_NORM_ESTIMATOR = Algorithm("token_norm", TokenNorm, token_norm, TOKEN_REWARDS)
