@@ -33,11 +33,11 @@ Whiten = Annotated[float, Meta(ge=0)]
 
 class GRPO(AdvantageConfig):
     """r~ = (r - mean_g r) / (std_g r + eps) per defined reward, then reward-to-go (GRPO,
-    DeepSeekMath arXiv 2402.03300; verl grpo with norm_adv_by_std_in_grpo; AReaL's group
-    normalisation uses the biased std: `unbiased_std: false`)."""
+    DeepSeekMath arXiv 2402.03300; verl grpo with norm_adv_by_std_in_grpo). AReaL normalises over
+    tokens instead: advantage token_norm."""
 
     std_normalize: bool = True  # false: r - mean_g r (verl norm_adv_by_std_in_grpo: false)
-    unbiased_std: bool = True  # false: the biased (population) std, as AReaL
+    unbiased_std: bool = True  # false: the biased (population) std
     eps: Whiten = 1e-6  # added to the std
     gamma: Probability = 1.0  # discount of the reward-to-go, per model token
 
