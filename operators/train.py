@@ -58,6 +58,19 @@ def _join_train_group(rank: int, world_size: int) -> None:
     dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size)
 
 
+def _reward_means(trajectories: list) -> dict[str, float]:
+    """reward_mean over the sampled trajectories; greedy_reward_mean over the greedy baselines
+    (generate greedy_baseline: true), which are no samples of the policy's distribution."""
+    from flowrl_operators.training.batch import GREEDY_BASELINE
+
+    out = {}
+    for key, greedy in (("reward_mean", False), ("greedy_reward_mean", True)):
+        rewards = [t.reward for t in trajectories if t.reward is not None and bool(t.metadata.get(GREEDY_BASELINE)) == greedy]
+        if rewards:
+            out[key] = sum(rewards) / len(rewards)
+    return out
+
+
 class Learner:
     """The model side of a train step (trainer, loss, advantages), built in the train node's process
     or, with `own_process`, in a child process (flowrl_operators.training.process)."""
@@ -175,9 +188,7 @@ class Train(Operator):
             # Named like the checkpoints (step-<version>); the final export stays export/<node>.
             folder = Path(self.context.run_dir) / "export" / f"{self.context.node}-step-{step + 1}"
             await self._call("export_hf", str(folder))
-        rewards = [t.reward for t in trajectories if t.reward is not None]
-        if rewards:
-            metrics["reward_mean"] = sum(rewards) / len(rewards)
+        metrics |= _reward_means(trajectories)
         metrics["trajectories"] = float(len(trajectories))
         return TrainResult(policy=policy, metrics=metrics)
 

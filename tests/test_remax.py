@@ -65,3 +65,12 @@ def test_remax_uses_its_reward_and_keeps_it_out_of_the_loss(group_and_greedy):
     trainer = Trainer(MODEL, TrainerConfig(lr=1e-3))
     metrics = trainer.forward_backward(batch, policy_loss({"kind": "reinforce"})) | trainer.step()
     assert metrics["sequences"] == 3 and metrics["skipped"] == 0.0
+
+
+def test_the_train_node_reports_the_greedy_reward_apart(group_and_greedy):
+    from flowrl_operators.train import _reward_means
+
+    group, _ = group_and_greedy
+    trajectories = [msgspec.structs.replace(t, reward=r) for t, r in zip(group.trajectories, [1.0, 0.0, 0.5, 0.25],
+                                                                         strict=True)]
+    assert _reward_means(trajectories) == {"reward_mean": 0.5, "greedy_reward_mean": 0.25}

@@ -19,7 +19,8 @@ def loss_config(value: Any) -> LossConfig:
     """The typed config of the loss YAML names (NAME or {kind: NAME, ...}); nested selections
     (correction, kl, aggregation) are checked too."""
     config = LOSSES.config(value)
-    kl_config(config), aggregation_config(config), correction_config(config)
+    for nested in (kl_config, aggregation_config, correction_config):
+        nested(config)  # raises on an unknown name or key
     return config
 
 
