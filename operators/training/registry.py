@@ -82,6 +82,9 @@ class Registry:
 
     def get(self, name: str) -> Algorithm:
         found = self.entries().get(name)
+        if found is None and not self.entries():  # an install made before the entry points existed
+            raise AlgorithmError(f"no {self.concept} is registered (entry points {self.group}): reinstall "
+                                 "flowrl (pip install -e .) so that its pyproject.toml entry points are seen")
         if found is None:
             raise AlgorithmError(plugins.unknown(self.concept, name, self.names()))
         return found
