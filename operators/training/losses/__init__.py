@@ -55,7 +55,7 @@ import msgspec
 import torch
 from msgspec import Meta
 
-from flowrl_operators.config import LossConfig
+from flowrl_operators.config import KLConfig, LossConfig
 from flowrl_operators.training.batch import Batch, Normaliser, weighted_mask
 from flowrl_operators.training.losses.ppo import ClipConfig
 from flowrl_operators.training.objective import (
@@ -73,8 +73,8 @@ __all__ = ["LossConfig", "ValueLossConfig", "apply_kl_penalty", "check_compatibl
            "needs_proximal", "needs_reference", "policy_loss", "set_behaviour_weights", "value_loss"]
 
 
-def kl_estimate(logprobs: torch.Tensor, reference: torch.Tensor, loss: LossConfig) -> torch.Tensor:
-    kl = kl_config(loss)
+def kl_estimate(logprobs: torch.Tensor, reference: torch.Tensor, kl: KLConfig) -> torch.Tensor:
+    """The selected KL estimator per token (kl.py)."""
     return KL.of(kl).fn(logprobs, reference, kl)
 
 
@@ -85,7 +85,7 @@ def apply_kl_penalty(batch: Batch, config: LossConfig) -> Batch:
         return batch
     if batch.reference_logprobs is None:
         raise ValueError("kl in reward needs reference logprobs: add a reference node before the trainer")
-    estimate = kl_estimate(batch.behaviour_logprobs, batch.reference_logprobs, config)
+    estimate = kl_estimate(batch.behaviour_logprobs, batch.reference_logprobs, kl)
     batch.rewards = batch.rewards - kl.coef * estimate * batch.loss_mask
     return batch
 
@@ -167,7 +167,7 @@ def policy_loss(config: LossConfig) -> LossFn:
         if kl.apply_as == "loss" and kl.coef > 0:
             if batch.reference_logprobs is None:
                 raise ValueError("kl in loss needs reference logprobs: add a reference node before the trainer")
-            kl_term = agg(kl_estimate(logprobs, batch.reference_logprobs, config))
+            kl_term = agg(kl_estimate(logprobs, batch.reference_logprobs, kl))
             loss = loss + kl.coef * kl_term
             metrics["kl"] = kl_term.item()
         if config.entropy_coef:
