@@ -69,7 +69,12 @@ class Registry:
     default: str
 
     def entries(self) -> dict[str, Algorithm]:
-        return plugins.load(self.group, self._check)
+        try:
+            return plugins.load(self.group, self._check)
+        except AlgorithmError:
+            raise
+        except Exception as e:  # a plugin that does not import: a located error, not a traceback
+            raise AlgorithmError(f"loading the {self.group} entry points failed: {type(e).__name__}: {e}") from e
 
     def _check(self, name: str, target: str, value: Any) -> None:
         if not isinstance(value, Algorithm) or value.name != name:
