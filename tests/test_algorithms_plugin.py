@@ -138,3 +138,11 @@ def test_a_misspelt_plugin_loss_is_a_located_error(plugin_site: Path, tmp_path: 
     # Without the plugin package its names are unknown, and its keys too.
     proc = flowrl(tmp_path, "validate", str(pipeline(tmp_path, "scaled_reinforce")))
     assert proc.returncode == 1 and "unknown loss 'scaled_reinforce'" in proc.stderr
+
+
+def test_a_plugin_entry_that_does_not_import_is_a_located_error(plugin_site: Path, tmp_path: Path) -> None:
+    info = plugin_site / "acme_algos-0.1.dist-info/entry_points.txt"
+    info.write_text(info.read_text() + "\n[flowrl.kl]\nbroken = acme_algos:MISSING\n")
+    proc = flowrl(plugin_site, "validate", str(pipeline(tmp_path, "scaled_reinforce")))
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "nodes.learner.loss.kl.estimator: loading the flowrl.kl entry points failed: AttributeError" in proc.stderr
