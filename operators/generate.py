@@ -103,12 +103,22 @@ class Generate(Operator):
 
     async def generate(self, sample: dict[str, Any], *, step: int, sample_id: str,
                        greedy: bool = False) -> Group | None:
-        """`group_size` episodes of `sample` (one greedy episode if `greedy`, for evaluation)."""
-        sampling = msgspec.structs.replace(self.sampling, temperature=0.0) if greedy else self.sampling
-        episodes = 1 if greedy else self.config.group_size
+        """`group_size` episodes of `sample` (one greedy episode if `greedy`, for evaluation), and with
+        `greedy_baseline` one more, greedy, marked in its metadata (`training.batch.GREEDY_BASELINE`)."""
+        greedy_sampling = msgspec.structs.replace(self.sampling, temperature=0.0)
+        sampling = greedy_sampling if greedy else self.sampling
+        episodes = [sampling] * (1 if greedy else self.config.group_size)
+        baseline = not greedy and self.config.greedy_baseline
+        if baseline:  # ReMax: the last episode is the greedy baseline of the group
+            episodes.append(greedy_sampling)
         prompt_cache: dict[int, tuple[dict, list[int]]] = {}  # one tokenisation of the sample's prompt for the group
-        results = await asyncio.gather(*(self._episode(sample, step, sample_id, i, sampling, prompt_cache)
-                                         for i in range(episodes)))
+        results = await asyncio.gather(*(self._episode(sample, step, sample_id, i, s, prompt_cache)
+                                         for i, s in enumerate(episodes)))
+        if baseline:
+            from flowrl_operators.training.batch import GREEDY_BASELINE
+
+            for t in results[-1]:
+                t.metadata[GREEDY_BASELINE] = True
         trajectories = [t for episode in results for t in episode]
         if not trajectories:
             self.counts["rejected_samples"] += 1

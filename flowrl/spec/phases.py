@@ -1,7 +1,7 @@
 """Phases: one file declares several runs of the same graph, one after another.
 
     phases:
-      - {name: warmup, seconds: 45, set: {data.source: builtin:copy_digits, nodes.learner.loss.kind: sft}}
+      - {name: warmup, seconds: 45, set: {data.source: builtin:copy_digits, nodes.learner.loss: {kind: sft}}}
       - {name: rl, steps: 60}
 
 Each phase is the spec with the phase's dotted `set` keys changed, `run.steps` / `run.max_seconds`
