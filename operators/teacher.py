@@ -29,13 +29,14 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, ClassVar
 
 import msgspec
 from msgspec import Meta
 
 from flowrl.data.trajectory import Group, Trajectory
-from flowrl.operator import TRAJECTORIES, ConfigError, Operator, OperatorContext, Resources
+from flowrl.operator import ConfigError, OperatorContext
+from flowrl_operators.reference import Reference
 
 
 class TeacherModel(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -49,6 +50,8 @@ class TeacherConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     coef: Annotated[float, Meta(ge=0.0)] = 1.0  # weight of the distillation reward
     task_coef: Annotated[float, Meta(ge=0.0)] = 0.0  # weight of the task's reward (0: distillation alone)
     micro_batch_tokens: Annotated[int, Meta(ge=1)] = 8192  # rows x padded length per teacher forward
+    # The training engine that holds the frozen teacher (training/engine.py), as the reference node's.
+    engine: str = "fsdp2"
 
     def __post_init__(self) -> None:
         if self.coef == 0 and self.task_coef == 0:
@@ -97,49 +100,29 @@ def check_vocabulary(teacher: str, student: str, node: str) -> None:
                      f"{theirs.eos_token_id}; a teacher must use the student's tokenizer")
 
 
-class Teacher(Operator):
+class Teacher(Reference):
     """Per-token rewards from a teacher model: the negative reverse KL (on-policy distillation)."""
 
-    kind = "reference"
-    Config = TeacherConfig
-    inputs: ClassVar = {"trajectories": TRAJECTORIES}
-    outputs: ClassVar = {"trajectories": TRAJECTORIES}
-    resources = Resources(cpus=0.25)
+    Config = TeacherConfig  # kind, ports and resources are the reference node's
+    config: TeacherConfig
+    provides: ClassVar = frozenset()  # token rewards, not reference logprobs
 
     def __init__(self, config: TeacherConfig, context: OperatorContext) -> None:
         super().__init__(config, context)
         self.tokens, self.kl_sum = 0, 0.0
         self.recent: deque[tuple[int, float]] = deque(maxlen=64)  # (tokens, KL sum) of the last groups
 
+    def model_path(self) -> str:
+        return self.config.model.path
+
     async def setup(self) -> None:
-        from flowrl_operators.models import import_transformers
-        from flowrl_operators.training.trainer import Reference as Frozen
-        from flowrl_operators.training.trainer import TrainerConfig
-
-        import_transformers()  # here, not in two threads at once
-        path = self.config.model.path
-        await asyncio.to_thread(check_vocabulary, path, self.context.model["path"], self.context.node)
-        config = TrainerConfig(micro_batch_tokens=self.config.micro_batch_tokens, seed=self.context.seed)
-        self.model = await asyncio.to_thread(Frozen, path, config)
-        self.lock = asyncio.Lock()  # one forward at a time: records arrive concurrently
-
-    async def process(self, inputs: dict[str, Any]) -> dict[str, Any]:
-        group: Group = inputs["trajectories"]
-        async with self.lock:
-            await asyncio.to_thread(self._score, group)
-        return {"trajectories": group}
+        await asyncio.to_thread(check_vocabulary, self.model_path(), self.context.model["path"], self.context.node)
+        await super().setup()
 
     def _score(self, group: Group) -> None:
-        from flowrl_operators.training.batch import pack
-
         trajectories = [t for t in group.trajectories if t.response_ids]
-        if not trajectories:
-            return
-        logprobs = self.model.compute_logprobs(pack(trajectories, require_reward=False))
         tokens, kl = 0, 0.0
-        for row, traj in enumerate(trajectories):
-            start = len(traj.prompt_ids) - 1  # target-aligned: column p-1 predicts response token 0
-            teacher = logprobs[row, start : start + len(traj.response_ids)].tolist()
+        for traj, teacher in zip(trajectories, self.logprobs(trajectories), strict=True):
             traj.token_rewards = distill_rewards(traj, teacher, self.config.coef, self.config.task_coef)
             for t, b, m in zip(teacher, traj.behaviour_logprobs, traj.loss_mask, strict=True):
                 tokens, kl = tokens + m, kl + (b - t if m else 0.0)
