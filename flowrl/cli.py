@@ -1,4 +1,4 @@
-"""`flowrl` command line: validate, inspect, operators, run.
+"""`flowrl` command line: validate, inspect, operators, algorithms, run.
 
 A user's mistake never ends in a traceback: spec problems print as located diagnostics, other
 mistakes (a missing run directory, a broken plugin) as one explained line, each with exit 1.
@@ -57,7 +57,6 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_operators(args: argparse.Namespace) -> int:
     from rich.console import Console
-    from rich.table import Table
 
     from flowrl import registry
     from flowrl.operator import summary
@@ -77,17 +76,49 @@ def cmd_operators(args: argparse.Namespace) -> int:
         outs = ", ".join(f"{p}: {t}" for p, t in op.outputs.items()) or "-"
         r = op.resources
         console.print(f"  inputs: {ins}   outputs: {outs}   resources: {r.cpus:g} CPU, {r.gpus:g} GPU")
-        table = Table(show_edge=False, pad_edge=False, box=None, padding=(0, 2))
-        for col in ("key", "type", "default", "doc"):
-            table.add_column(col, overflow="fold")
-        for f in fields(op.Config):
-            table.add_row(f.key, f.type, f.default, f.doc)
+        table = _fields_table(fields(op.Config))
         if table.row_count:
             console.print(table)
         console.print()
     for line in broken:
         print(line, file=sys.stderr)
     return 1 if broken else 0
+
+
+def _fields_table(rows):
+    from rich.table import Table
+
+    table = Table(show_edge=False, pad_edge=False, box=None, padding=(0, 2))
+    for col in ("key", "type", "default", "doc"):
+        table.add_column(col, overflow="fold")
+    for f in rows:
+        table.add_row(f.key, f.type, f.default, f.doc)
+    return table
+
+
+def cmd_algorithms(args: argparse.Namespace) -> int:
+    """Every registered loss, estimator, KL estimator, correction and aggregation with its keys."""
+    from rich.console import Console
+
+    from flowrl.spec.describe import fields
+    from flowrl_operators.training.registry import REGISTRIES
+
+    console = Console(width=140)
+    for registry in REGISTRIES:
+        shared = fields(registry.base)
+        console.print(f"[bold underline]{registry.concept}[/]  (entry points {registry.group}; YAML key "
+                      f"'{registry.key}', default {registry.default}; keys of every {registry.concept}:)")
+        console.print(_fields_table(shared))
+        console.print()
+        own = {f.key for f in shared}
+        for name, entry in sorted(registry.entries().items()):
+            console.print(f"[bold]{name}[/bold]  ({entry.config.__module__}:{entry.config.__qualname__})")
+            console.print(f"  {entry.doc}")
+            rows = [f for f in fields(entry.config) if f.key.split(".")[0] not in own]
+            if rows:
+                console.print(_fields_table(rows))
+            console.print()
+    return 0
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -168,6 +199,10 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("operators", parents=[common], help="list registered operators, their ports and config keys")
     p.set_defaults(fn=cmd_operators)
+
+    p = sub.add_parser("algorithms", parents=[common],
+                       help="list registered losses, estimators, KL estimators, corrections, aggregations")
+    p.set_defaults(fn=cmd_algorithms)
 
     p = sub.add_parser("run", parents=[common], help="run a pipeline")
     p.add_argument("file", nargs="?")

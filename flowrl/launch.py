@@ -13,8 +13,9 @@ import time
 from pathlib import Path
 
 from flowrl.graph.compile import compile_spec
+from flowrl.operator import ConfigError
 from flowrl.spec import guard
-from flowrl.spec.errors import UserError
+from flowrl.spec.errors import SpecError, UserError
 from flowrl.spec.load import LoadedSpec, load
 from flowrl.spec.phases import expand, phase_dir
 
@@ -81,20 +82,25 @@ def _run_phases(loaded: LoadedSpec, run_dir: Path, executor: str | None, progres
 
     results = []
     model_path: str | None = None
+    exported: dict[str, str | None] = {}  # each finished phase's export, for `phase:<name>` model paths
     single = not loaded.spec.phases
     for index in range(len(loaded.spec.phases) or 1):
-        phase, phase_loaded = expand(loaded, model_path, index)[0]
+        phase, phase_loaded = expand(loaded, model_path, index, exported)[0]
         directory = run_dir if single else phase_dir(run_dir, index, phase)
         marker = directory / "phase.json"
         if marker.exists():  # finished before an interruption
-            model_path = json.loads(marker.read_text()).get("export") or model_path
+            exported[phase.name] = json.loads(marker.read_text()).get("export")
+            model_path = exported[phase.name] or model_path
             continue
         plan = compile_spec(phase_loaded).plan
         if not single:
             plan.run["phase"] = phase.name  # shown by the live view
         # Resumed from its latest checkpoint; one killed before its first starts again from nothing.
         again = resuming and (directory / "plan.json").exists()
-        result = run(plan, run_dir=directory, executor=executor, resume=again, progress=progress)
+        try:
+            result = run(plan, run_dir=directory, executor=executor, resume=again, progress=progress)
+        except ConfigError as e:  # a node's setup refused its config: point at the key
+            raise SpecError([phase_loaded.locator.diagnostic(("nodes", e.node, *e.key), e.message)]) from None
         results.append(result)
         if result.status != "done":  # interrupted (a phase's `seconds` running out counts as done)
             break  # resume() continues here
@@ -105,5 +111,6 @@ def _run_phases(loaded: LoadedSpec, run_dir: Path, executor: str | None, progres
             raise StageFailed(f"phase {phase.name} finished without exporting its policy "
                               f"({', '.join(map(str, exports))} holds no config.json)")
         marker.write_text(json.dumps({"status": "done", "export": export, "seconds": result.seconds}))
+        exported[phase.name] = export
         model_path = export or model_path
     return results

@@ -69,6 +69,16 @@ class GraphFacts(msgspec.Struct, frozen=True):
     upstream_provides: frozenset[str] = frozenset()
 
 
+class ConfigError(Exception):
+    """A node's config that its setup found wrong (e.g. a model path that cannot serve): raised from
+    `setup()` with the node's name and the key path inside its config, it is reported like a
+    validation error, at that key of the spec file, without a traceback (in-process executor)."""
+
+    def __init__(self, node: str, key: tuple[str | int, ...], message: str) -> None:
+        super().__init__(f"nodes.{node}.{'.'.join(map(str, key))}: {message}")
+        self.node, self.key, self.message = node, key, message
+
+
 class TrainResult(msgspec.Struct, kw_only=True):
     """What a train step returns: the new policy record (opaque; sent on the `policy` port) and
     numbers for metrics.jsonl."""

@@ -6,12 +6,9 @@ package uses, so a plugin is never a second-class citizen.
 
 from __future__ import annotations
 
-import difflib
 import importlib
-from collections.abc import Iterable
-from functools import cache
-from importlib.metadata import entry_points
 
+from flowrl import plugins
 from flowrl.operator import KINDS, PORT_TYPES, Operator
 
 GROUP = "flowrl.operators"
@@ -21,19 +18,8 @@ class OperatorError(Exception):
     """An operator name that cannot be resolved, or a class that breaks the protocol."""
 
 
-@cache
-def _entry_points() -> dict[str, str]:
-    return {ep.name: ep.value for ep in entry_points(group=GROUP)}
-
-
 def names() -> list[str]:
-    return sorted(_entry_points())
-
-
-def did_you_mean(name: str, known: Iterable[str]) -> str:
-    """"; did you mean 'x'?" for the closest known name, or ""."""
-    close = difflib.get_close_matches(name, sorted(known), n=1)
-    return f"; did you mean '{close[0]}'?" if close else ""
+    return sorted(plugins.targets(GROUP))
 
 
 def import_path(path: str) -> object:
@@ -60,7 +46,7 @@ def resolve(op: str) -> type[Operator]:
     if ":" in op:
         cls = import_path(op)
     else:
-        target = _entry_points().get(op)
+        target = plugins.targets(GROUP).get(op)
         if target is None:
             raise OperatorError(f"unknown operator '{op}'")
         cls = import_path(target)

@@ -5,7 +5,7 @@ Kept free of torch imports so that `flowrl validate` and `flowrl operators` star
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 from msgspec import Meta
@@ -53,6 +53,9 @@ class EngineConfig(Strict):
 class GenerateConfig(Strict):
     engine: Literal["embedded", "sglang"] | EngineConfig = "embedded"
     group_size: PositiveInt = 1  # trajectories per sample
+    # Also one greedy (temperature 0) episode per sample, marked as its group's baseline: it carries
+    # no loss, and advantage remax subtracts its reward (ReMax). Other estimators refuse it.
+    greedy_baseline: bool = False
     sampling: SamplingConfig = msgspec.field(default_factory=SamplingConfig)
     workflow: Annotated[str, check_with(checks.workflow)] = "single_turn"  # a workflow name or module:attr
     workflow_args: dict[str, Any] = {}
@@ -100,34 +103,36 @@ class OptimConfig(Strict):
     grad_clip: Annotated[float, Meta(gt=0)] | None = 1.0
 
 
-class CorrectionConfig(Strict):
-    """Train/inference mismatch correction with importance weights pi_proximal / pi_behaviour."""
-
-    kind: Literal["tis", "mis"] = "tis"  # truncate (clip) or mask (drop) large weights
-    level: Literal["token", "sequence"] = "token"
-    threshold: Annotated[float, Meta(gt=0)] = 2.0
-
-
-class KLConfig(Strict):
-    coef: Annotated[float, Meta(ge=0)] = 0.0
-    estimator: Literal["k1", "k2", "k3"] = "k3"
-    apply_as: Literal["loss", "reward"] = "loss"
+# The concepts of a training objective. Each is a registry (flowrl_operators.training.registry) whose
+# entries (built-in or a plugin's) subclass the concept's config class below with their own keys;
+# YAML names an entry and writes its keys alongside: `loss: {kind: cispo, clip_high: 4.0}`.
+# `flowrl algorithms` lists every entry with its keys.
 
 
 class LossConfig(Strict):
-    kind: Literal["ppo_clip", "gspo", "sft"] = "ppo_clip"
-    clip_low: Annotated[float, Meta(ge=0)] = 0.2
-    clip_high: Annotated[float, Meta(ge=0)] = 0.2  # > clip_low is DAPO's clip-higher
-    dual_clip: Annotated[float, Meta(gt=1)] | None = None
+    """A policy loss (`kind`), and how its per-token values become the step's loss."""
+
+    kind: str = "ppo_clip"  # a registered loss (flowrl.losses)
     # Decoupled PPO: clip against the proximal policy (recomputed by the trainer) and weight by
     # pi_proximal / pi_behaviour with the engine's logprobs. Without a correction that weight is
-    # unbounded, which is refused unless allow_unbounded_weight is true (see `unbounded_weight`).
+    # unbounded, which is refused unless allow_unbounded_weight is true.
     decoupled: bool = False
-    correction: CorrectionConfig | None = None
+    # A registered correction (flowrl.corrections), {kind: NAME, ...its keys}: weights and masks
+    # from pi_proximal / pi_behaviour.
+    correction: dict[str, Any] | None = None
     allow_unbounded_weight: bool = False
-    aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = "token_mean"
-    kl: KLConfig = msgspec.field(default_factory=KLConfig)
-    entropy_coef: float = 0.0
+    # A registered aggregation (flowrl.aggregations): NAME or {kind: NAME, ...its keys}.
+    aggregation: str | dict[str, Any] = "token_mean"
+    # KL to the reference: {coef, apply_as, estimator: NAME (flowrl.kl), ...the estimator's keys}.
+    kl: dict[str, Any] = {}
+    entropy_coef: float = 0.0  # loss -= entropy_coef * aggregate(entropy)
+
+    # A supervised loss (sft) reads no advantages and applies no behaviour weight.
+    supervised: ClassVar[bool] = False
+
+    def __post_init__(self) -> None:
+        if unbounded_weight(self):
+            raise ValueError(UNBOUNDED_WEIGHT)
 
 
 UNBOUNDED_WEIGHT = (
@@ -136,17 +141,35 @@ UNBOUNDED_WEIGHT = (
     "(masked), or set allow_unbounded_weight: true to accept it")
 
 
-def unbounded_weight(loss: Any) -> bool:
-    """Whether a loss config (the node schema's or flowrl_operators.training.losses') weights tokens
-    without bound and does not say that it allows it. (An sft loss applies no weight.)"""
-    return loss.kind != "sft" and loss.decoupled and loss.correction is None and not loss.allow_unbounded_weight
+def unbounded_weight(loss: LossConfig) -> bool:
+    """Whether a loss weights tokens without bound and does not say that it allows it."""
+    return not loss.supervised and loss.decoupled and loss.correction is None and not loss.allow_unbounded_weight
 
 
 class AdvantageConfig(Strict):
-    estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gae"] = "grpo"
-    std_normalize: bool = True  # GRPO only
-    gamma: Probability = 1.0
-    lam: Probability = 1.0  # GAE lambda
+    """An advantage estimator (`estimator`)."""
+
+    estimator: str = "grpo"  # a registered estimator (flowrl.advantages)
+
+
+class KLConfig(Strict):
+    """The KL term to the reference policy and its estimator of KL per token."""
+
+    coef: Annotated[float, Meta(ge=0)] = 0.0
+    estimator: str = "k3"  # a registered KL estimator (flowrl.kl)
+    apply_as: Literal["loss", "reward"] = "loss"
+
+
+class CorrectionConfig(Strict):
+    """Train/inference mismatch correction: a weight (and mask) per token from pi_proximal / pi_behaviour."""
+
+    kind: str = "tis"  # a registered correction (flowrl.corrections)
+
+
+class AggregationConfig(Strict):
+    """How per-token losses become one number (over the global batch)."""
+
+    kind: str = "token_mean"  # a registered aggregation (flowrl.aggregations)
 
 
 class OwnProcess(Strict):
@@ -156,8 +179,10 @@ class OwnProcess(Strict):
 class TrainConfig(Strict):
     # The training engine (training/engine.py): fsdp2, or one a plugin registers (flowrl.training_engines).
     engine: str = "fsdp2"
-    advantage: AdvantageConfig = msgspec.field(default_factory=AdvantageConfig)
-    loss: LossConfig = msgspec.field(default_factory=LossConfig)
+    # A registered advantage estimator: NAME or {estimator: NAME, ...its keys} (`flowrl algorithms`).
+    advantage: str | dict[str, Any] = {}
+    # A registered loss: NAME or {kind: NAME, ...its keys and LossConfig's} (`flowrl algorithms`).
+    loss: str | dict[str, Any] = {}
     optim: OptimConfig = msgspec.field(default_factory=OptimConfig)
     micro_batch_tokens: PositiveInt = 8192
     epochs: PositiveInt = 1  # passes over each batch (PPO epochs)

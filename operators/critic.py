@@ -72,14 +72,14 @@ class Critic(Operator):
                 traj.values = values
 
     def _update(self, groups: list[Group]) -> None:
-        from flowrl_operators.training.advantages import AdvantageConfig, compute_advantages
+        from flowrl_operators.training.advantages import compute_advantages
         from flowrl_operators.training.batch import pack
 
         trajectories = [t for g in groups for t in g.trajectories if t.response_ids and t.values is not None]
         if not trajectories:
             return
         batch = pack(trajectories)
-        compute_advantages(batch, AdvantageConfig(estimator="gae", gamma=self.config.gamma, lam=self.config.lam))
+        compute_advantages(batch, {"estimator": "gae", "gamma": self.config.gamma, "lam": self.config.lam})
         self.model.forward_backward(batch, self.loss_fn)
         self.model.step()
         self.updates += 1

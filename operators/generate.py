@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 import msgspec
 
 from flowrl.data.trajectory import Group, SamplingSpan, Trajectory
-from flowrl.operator import PROMPTS, TRAJECTORIES, WEIGHTS, Knobs, Operator, Resources
+from flowrl.operator import PROMPTS, TRAJECTORIES, WEIGHTS, Knobs, Operator, OperatorContext, Resources
 from flowrl_operators.config import EngineConfig, GenerateConfig
 from flowrl_operators.engine.base import SamplingParams
 
@@ -34,6 +34,19 @@ class Generate(Operator):
 
     config: GenerateConfig
 
+    def __init__(self, config: GenerateConfig, context: OperatorContext) -> None:
+        super().__init__(config, context)
+        # Made by setup(); close() may follow a setup that failed half-way.
+        self.engine: Any = None
+        self.services: dict[str, Any] = {}
+        self.paused = False
+        self.last_eval: dict[str, Any] | None = None
+        self.last_sync: dict[str, float] = {}
+        self.counts = {"episodes": 0, "episode_errors": 0, "rejected_samples": 0, "trajectories": 0,
+                       "model_tokens": 0, "turns": 0, "weight_updates": 0, "episode_timeouts": 0}
+        self.last_error: str | None = None
+        self.evaluator: Any = None
+
     async def setup(self) -> None:
         from flowrl_operators.models import import_transformers, load_tokenizer
         from flowrl_operators.workflows import load_workflow
@@ -54,7 +67,6 @@ class Generate(Operator):
         s = self.config.sampling
         self.sampling = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                                        max_new_tokens=s.max_new_tokens, stop_token_ids=list(s.stop_token_ids))
-        self.services: dict[str, Any] = {}
         if getattr(self.workflow, "needs_proxy", False) or self.config.serve_openai:
             from flowrl_operators.workflows.proxy import Proxy
 
@@ -72,11 +84,7 @@ class Generate(Operator):
                     scratch = folder / f".{name}.tmp"
                     scratch.write_text(url + "/v1")
                     scratch.replace(folder / name)  # readers never see half a file
-        self.counts = {"episodes": 0, "episode_errors": 0, "rejected_samples": 0, "trajectories": 0,
-                       "model_tokens": 0, "turns": 0, "weight_updates": 0, "episode_timeouts": 0}
-        self.last_error: str | None = None
         # Periodic greedy evaluation (data.eval), on replica 0 only.
-        self.evaluator = None
         if self.context.data.get("eval") and self.context.rank == 0:
             from flowrl_operators.evaluate import Evaluator
 
@@ -95,12 +103,22 @@ class Generate(Operator):
 
     async def generate(self, sample: dict[str, Any], *, step: int, sample_id: str,
                        greedy: bool = False) -> Group | None:
-        """`group_size` episodes of `sample` (one greedy episode if `greedy`, for evaluation)."""
-        sampling = msgspec.structs.replace(self.sampling, temperature=0.0) if greedy else self.sampling
-        episodes = 1 if greedy else self.config.group_size
+        """`group_size` episodes of `sample` (one greedy episode if `greedy`, for evaluation), and with
+        `greedy_baseline` one more, greedy, marked in its metadata (`training.batch.GREEDY_BASELINE`)."""
+        greedy_sampling = msgspec.structs.replace(self.sampling, temperature=0.0)
+        sampling = greedy_sampling if greedy else self.sampling
+        episodes = [sampling] * (1 if greedy else self.config.group_size)
+        baseline = not greedy and self.config.greedy_baseline
+        if baseline:  # ReMax: the last episode is the greedy baseline of the group
+            episodes.append(greedy_sampling)
         prompt_cache: dict[int, tuple[dict, list[int]]] = {}  # one tokenisation of the sample's prompt for the group
-        results = await asyncio.gather(*(self._episode(sample, step, sample_id, i, sampling, prompt_cache)
-                                         for i in range(episodes)))
+        results = await asyncio.gather(*(self._episode(sample, step, sample_id, i, s, prompt_cache)
+                                         for i, s in enumerate(episodes)))
+        if baseline:
+            from flowrl_operators.training.batch import GREEDY_BASELINE
+
+            for t in results[-1]:
+                t.metadata[GREEDY_BASELINE] = True
         trajectories = [t for episode in results for t in episode]
         if not trajectories:
             self.counts["rejected_samples"] += 1
@@ -177,19 +195,19 @@ class Generate(Operator):
     async def evaluate(self, version: int) -> dict[str, float] | None:
         """Greedy evaluation on held-out samples when `version` is due (see flowrl_operators.evaluate);
         a paused engine (partial rollout) evaluates at resume."""
-        if self.evaluator is None or getattr(self, "paused", False) or not self.evaluator.due(version):
+        if self.evaluator is None or self.paused or not self.evaluator.due(version):
             return None
         self.last_eval = await self.evaluator.run(self, version)
         return self.last_eval
 
     def metrics(self) -> dict[str, float]:
         """Cumulative counters since setup (episodes, episode_errors, rejected_samples, ...)."""
-        evaluation = {"eval/reward": self.last_eval["eval_reward"]} if getattr(self, "last_eval", None) else {}
-        return {f"generate/{k}": float(v) for k, v in self.counts.items()} | getattr(self, "last_sync", {}) | evaluation
+        evaluation = {"eval/reward": self.last_eval["eval_reward"]} if self.last_eval else {}
+        return {f"generate/{k}": float(v) for k, v in self.counts.items()} | self.last_sync | evaluation
 
     async def close(self) -> None:
-        proxy = getattr(self, "services", {}).get("proxy")
+        proxy = self.services.get("proxy")
         if proxy is not None:
             await proxy.close()
-        if getattr(self, "engine", None) is not None:
+        if self.engine is not None:
             await self.engine.close()

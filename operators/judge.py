@@ -16,12 +16,13 @@ import asyncio
 import math
 import re
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
 
 from flowrl.data.trajectory import Trajectory
+from flowrl.operator import OperatorContext
 from flowrl.spec.refs import check_with
 from flowrl_operators import checks
 from flowrl_operators.config import ModelPath, PositiveInt, SamplingConfig, Strict
@@ -90,6 +91,11 @@ class Judge(Reward):
     Config = JudgeConfig  # kind, ports and resources are the reward node's
     config: JudgeConfig
 
+    def __init__(self, config: JudgeConfig, context: OperatorContext) -> None:
+        super().__init__(config, context)
+        self.engine: Any = None  # its own engine, or an HTTP session to a URL (close() may follow a failed setup)
+        self.session: Any = None
+
     async def setup(self) -> None:
         from flowrl_operators.models import load_tokenizer
 
@@ -98,8 +104,6 @@ class Judge(Reward):
             raise ValueError("give the judge one of model, url, node")
         self.setup_counters()
         self.fn, self.is_async = self.grade, True
-        self.engine = None
-        self.session = None
         path = c.model or self.context.model.get("path")
         self.tokenizer = load_tokenizer(path)
         self.replies: list[str] = []  # the latest replies, for inspection
@@ -165,8 +169,7 @@ class Judge(Reward):
 
     async def close(self) -> None:
         await super().close()
-        # getattr: close() also runs after a setup that failed before these were made.
-        if getattr(self, "session", None) is not None:
+        if self.session is not None:
             await self.session.close()
-        if getattr(self, "engine", None) is not None:
+        if self.engine is not None:
             await self.engine.close()

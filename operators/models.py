@@ -46,6 +46,10 @@ BUILTIN_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "tiny-qwen2": ("qwen2", dict(_SMALL, rope_theta=10000.0)),
     "tiny-llama": ("llama", dict(_SMALL, num_key_value_heads=4, rope_theta=10000.0)),
     "tiny-qwen3": ("qwen3", dict(_SMALL, head_dim=32, rope_theta=10000.0)),
+    # ~3.2M parameters, the same tokenizer: the teacher of pipelines/distill.yaml (twice as wide and
+    # deep as tiny-qwen2, so it shares the student's vocabulary but not its size).
+    "tiny-qwen2-large": ("qwen2", dict(_SMALL, hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
+                                       num_key_value_heads=4, intermediate_size=768, rope_theta=10000.0)),
     # The shape of Qwen2.5-0.5B (its layers and padded vocabulary) with random weights, for GPU
     # checks; ~0.5B parameters, about 2 GB on disk. The tokenizer is still character level.
     "qwen2-0.5b-shape": ("qwen2", dict(

@@ -26,15 +26,18 @@ class Reference(Operator):
 
         return [(("engine",), problem)] if (problem := check_name(config.engine)) else []
 
+    def model_path(self) -> str:
+        """The frozen model's checkpoint: the node's `model`, else the pipeline's."""
+        return self.config.model or self.context.model["path"]
+
     async def setup(self) -> None:
         from flowrl_operators.models import import_transformers
         from flowrl_operators.training.engine import build
         from flowrl_operators.training.trainer import TrainerConfig
 
         config = TrainerConfig(micro_batch_tokens=self.config.micro_batch_tokens, seed=self.context.seed)
-        path = self.config.model or self.context.model["path"]
         import_transformers()  # here, not in two threads at once
-        self.model = await asyncio.to_thread(build, self.config.engine, path, config, "reference")
+        self.model = await asyncio.to_thread(build, self.config.engine, self.model_path(), config, "reference")
         # One forward at a time: records arrive concurrently, the model is shared.
         self.lock = asyncio.Lock()
 
@@ -45,12 +48,16 @@ class Reference(Operator):
         return {"trajectories": group}
 
     def _score(self, group: Group) -> None:
+        trajectories = [t for t in group.trajectories if t.response_ids]
+        for traj, logprobs in zip(trajectories, self.logprobs(trajectories), strict=True):
+            traj.reference_logprobs = logprobs
+
+    def logprobs(self, trajectories: list) -> list[list[float]]:
+        """The frozen model's logprob of each response token, under the token's sampling distribution."""
         from flowrl_operators.training.batch import pack, response_values
 
-        trajectories = [t for t in group.trajectories if t.response_ids]
         if not trajectories:
-            return
+            return []
         batch = pack(trajectories, require_reward=False)
         batch.reference_logprobs = self.model.compute_logprobs(batch)
-        for traj, logprobs in zip(trajectories, response_values(batch, "reference_logprobs", trajectories), strict=True):
-            traj.reference_logprobs = logprobs
+        return response_values(batch, "reference_logprobs", trajectories)

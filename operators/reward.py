@@ -37,7 +37,7 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 from flowrl.data.trajectory import Group, Trajectory
-from flowrl.operator import TRAJECTORIES, Knobs, Operator, Resources
+from flowrl.operator import TRAJECTORIES, Knobs, Operator, OperatorContext, Resources
 from flowrl.registry import OperatorError, import_path
 from flowrl_operators.config import RewardConfig
 from flowrl_operators.reward_values import InvalidReward, apply_score
@@ -107,6 +107,10 @@ class Reward(Operator):
     resources = Resources(cpus=0.25)
 
     config: RewardConfig
+
+    def __init__(self, config: RewardConfig, context: OperatorContext) -> None:
+        super().__init__(config, context)
+        self.pool: DaemonExecutor | None = None  # close() also runs after a setup that failed
 
     async def setup(self) -> None:
         self.fn = load_reward(self.config.fn)
@@ -247,6 +251,5 @@ class Reward(Operator):
         return out
 
     async def close(self) -> None:
-        pool = getattr(self, "pool", None)  # close() also runs after a setup that failed
-        if pool is not None:
-            pool.close(cancel_pending=True)
+        if self.pool is not None:
+            self.pool.close(cancel_pending=True)

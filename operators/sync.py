@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, ClassVar
 
-from flowrl.operator import POLICY, WEIGHTS, GraphFacts, Operator, Resources
+from flowrl.operator import POLICY, WEIGHTS, GraphFacts, Operator, OperatorContext, Resources
 from flowrl_operators.config import SyncConfig
 
 
@@ -42,6 +42,10 @@ class Sync(Operator):
                      "run.executor is ray; use transport: auto (the Ray object store there) or object_store")]
         return []
 
+    def __init__(self, config: SyncConfig, context: OperatorContext) -> None:
+        super().__init__(config, context)
+        self.sender: Any = None  # made by setup(), or by the first sync() of an operator used alone
+
     async def setup(self) -> None:
         from flowrl_operators.transport import make_sender
 
@@ -52,7 +56,7 @@ class Sync(Operator):
 
         if registry.of_record(policy) is not None:
             return policy
-        if not hasattr(self, "sender"):
+        if self.sender is None:
             await self.setup()
         # None: the train step changed nothing (no data); the version still advances, with no bytes.
         buckets = [] if policy is None else weight_buckets(policy, int(self.config.bucket_mb * 2**20))
@@ -60,6 +64,5 @@ class Sync(Operator):
         return await asyncio.to_thread(self.sender.send, buckets, version)
 
     async def close(self) -> None:
-        sender = getattr(self, "sender", None)
-        if sender is not None:
-            await asyncio.to_thread(sender.close)
+        if self.sender is not None:
+            await asyncio.to_thread(self.sender.close)

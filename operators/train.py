@@ -35,7 +35,7 @@ from flowrl.operator import (
     Resources,
     TrainResult,
 )
-from flowrl_operators.config import UNBOUNDED_WEIGHT, OptimConfig, TrainConfig, unbounded_weight
+from flowrl_operators.config import OptimConfig, TrainConfig
 
 
 def trainer_config(optim: OptimConfig, micro_batch_tokens: int, max_nonfinite_steps: int, steps: int, seed: int):
@@ -79,6 +79,19 @@ def _join_train_group(rank: int, world_size: int) -> None:
     dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size)
 
 
+def _reward_means(trajectories: list) -> dict[str, float]:
+    """reward_mean over the sampled trajectories; greedy_reward_mean over the greedy baselines
+    (generate greedy_baseline: true), which are no samples of the policy's distribution."""
+    from flowrl_operators.training.batch import GREEDY_BASELINE
+
+    out = {}
+    for key, greedy in (("reward_mean", False), ("greedy_reward_mean", True)):
+        rewards = [t.reward for t in trajectories if t.reward is not None and bool(t.metadata.get(GREEDY_BASELINE)) == greedy]
+        if rewards:
+            out[key] = sum(rewards) / len(rewards)
+    return out
+
+
 class Learner:
     """The model side of a train step (trainer, loss, advantages), built in the train node's process
     or, with `own_process`, in a child process (flowrl_operators.training.process)."""
@@ -97,7 +110,7 @@ class Learner:
         from flowrl_operators.training.batch import pack, shard
         from flowrl_operators.training.losses import apply_kl_penalty, needs_proximal, set_behaviour_weights
 
-        supervised = self.loss.kind == "sft"
+        supervised = self.loss.supervised
         batch = pack(trajectories, require_reward=not supervised)
         if supervised:  # a supervised target trains the model's own distribution, however it was drawn
             batch.temperature = batch.top_p = batch.top_k = None
@@ -108,7 +121,7 @@ class Learner:
         batch = shard(batch, self.trainer.rank, self.trainer.world_size)
         if needs_proximal(self.loss):
             batch.proximal_logprobs = self.trainer.compute_logprobs(batch)
-            set_behaviour_weights(batch, self.loss)
+            set_behaviour_weights(batch, self.loss, self.trainer.all_reduce)
         metrics: dict[str, float] = {}
         start: dict[str, float] = {}
         for epoch in range(self.epochs):
@@ -146,24 +159,38 @@ class Train(Operator):
 
     @classmethod
     def check_graph(cls, config: TrainConfig, facts: GraphFacts) -> list[tuple[tuple[str, ...], str]]:
+        from flowrl_operators.training import objective
         from flowrl_operators.training.engine import check_name
 
         out = [(("engine",), problem)] if (problem := check_name(config.engine)) else []
-        if unbounded_weight(config.loss):
-            out.append((("loss", "decoupled"), UNBOUNDED_WEIGHT))
-        kl, estimator = config.loss.kl, config.advantage.estimator
-        if estimator == "gae" and "values" not in facts.upstream_provides:
-            out.append((("advantage", "estimator"), "advantage gae needs value estimates: add a critic node "
-                        "(op: critic) between the reward and this node"))
-        if kl.coef > 0 and "reference_logprobs" not in facts.upstream_provides:
-            out.append((("loss", "kl", "coef"), f"a KL term (coef {kl.coef:g}) needs reference logprobs: add a "
-                        "reference node (op: reference) before this node, or set coef: 0"))
+        # Every name and key of the objective, against the registries (a plugin's entries included).
+        found = objective.problems(config.loss, config.advantage)
+        out += found
+        if found:
+            return out
+        loss, advantage = objective.loss_config(config.loss), objective.advantage_config(config.advantage)
+        if objective.needs_values(advantage) and "values" not in facts.upstream_provides:
+            where = ("advantage", "estimator") if isinstance(config.advantage, dict) else ("advantage",)
+            out.append((where, f"advantage {advantage.estimator} needs value estimates: add a critic "
+                        "node (op: critic) between the reward and this node"))
+        if objective.needs_reference(loss) and "reference_logprobs" not in facts.upstream_provides:
+            kl = ("loss", "kl", "coef") if isinstance(config.loss, dict) and isinstance(config.loss.get("kl"), dict) \
+                else ("loss",)
+            coef = objective.kl_config(loss).coef
+            out.append((kl, f"a KL term (coef {coef:g}) needs reference logprobs: add a reference node "
+                        "(op: reference) before this node, or set coef: 0"))
         return out
+
+    def __init__(self, config: TrainConfig, context: OperatorContext) -> None:
+        super().__init__(config, context)
+        # setup() makes one of the two; close() may follow a setup that failed half-way.
+        self.learner: Learner | None = None
+        self.child: Any = None  # flowrl_operators.training.process.Child
+        self.steps_done = 0
 
     async def setup(self) -> None:
         from flowrl_operators.models import import_transformers
-        from flowrl_operators.training.advantages import advantage_config
-        from flowrl_operators.training.losses import check_compatible, loss_config
+        from flowrl_operators.training.objective import advantage_config, check_compatible, loss_config
         from flowrl_operators.training.process import Child
 
         import_transformers()  # before the Learner is built in a thread (the engine may load meanwhile)
@@ -179,14 +206,11 @@ class Train(Operator):
         horizon = schedule_horizon(c.optim, self.context, c.epochs)
         config = trainer_config(c.optim, c.micro_batch_tokens, c.max_nonfinite_steps, horizon, self.context.seed)
         args = (c.engine, self.context.model["path"], config, loss, advantage, c.epochs)
-        self.learner: Learner | None = None
-        self.child: Child | None = None
         if c.own_process is not None:
             self.child = await asyncio.to_thread(Child, Learner, args, threads=c.own_process.threads,
                                                  name=f"flowrl-train-{self.context.node}")
         else:
             self.learner = await asyncio.to_thread(Learner, *args)
-        self.steps_done = 0
 
     def _call_now(self, method: str, *args: Any) -> Any:
         """A Learner method, here or in the child process."""
@@ -206,9 +230,7 @@ class Train(Operator):
             # Named like the checkpoints (step-<version>); the final export stays export/<node>.
             folder = Path(self.context.run_dir) / "export" / f"{self.context.node}-step-{step + 1}"
             await self._call("export_hf", str(folder))
-        rewards = [t.reward for t in trajectories if t.reward is not None]
-        if rewards:
-            metrics["reward_mean"] = sum(rewards) / len(rewards)
+        metrics |= _reward_means(trajectories)
         metrics["trajectories"] = float(len(trajectories))
         return TrainResult(policy=policy, metrics=metrics)
 
@@ -225,13 +247,13 @@ class Train(Operator):
         return {"steps_done": self.steps_done}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.steps_done = state.get("steps_done", 0)
+        self.steps_done = state["steps_done"]
 
     async def close(self) -> None:
         try:
-            if getattr(self, "steps_done", 0) and self.context.run_dir is not None:
+            if self.steps_done and self.context.run_dir is not None:
                 # The final policy as a Hugging Face directory that from_pretrained loads.
                 await self._call("export_hf", str(Path(self.context.run_dir) / "export" / self.context.node))
         finally:
-            if getattr(self, "child", None) is not None:
+            if self.child is not None:
                 await asyncio.to_thread(self.child.close)

@@ -9,10 +9,9 @@ import msgspec
 import pytest
 import torch
 
-from flowrl_operators.training.advantages import AdvantageConfig, advantage_config
+from flowrl_operators.config import AdvantageConfig, LossConfig
 from flowrl_operators.training.batch import Batch, Normaliser
 from flowrl_operators.training.losses import (
-    LossConfig,
     ValueLossConfig,
     apply_kl_penalty,
     check_compatible,
@@ -22,6 +21,7 @@ from flowrl_operators.training.losses import (
     set_behaviour_weights,
     value_loss,
 )
+from flowrl_operators.training.objective import advantage_config, correction_config, kl_config
 
 torch.set_num_threads(1)
 
@@ -45,6 +45,11 @@ def make_batch(old=OLD, proximal=None):
         group_index=t([0, 0]), lengths=t([4, 4]), reference_logprobs=t(REF),
         proximal_logprobs=None if proximal is None else t(proximal), advantages=t(ADV),
     )
+
+
+def L(**keys):
+    """The typed config of the loss these YAML keys select."""
+    return loss_config(keys)
 
 
 def run(config, batch=None, grad=False):
@@ -75,7 +80,7 @@ def table(fn):
 
 def test_ppo_clip_token_mean():
     """l = max(-A r, -A clip(r, 0.8, 1.2)), r = exp(logp - old); loss = sum m l / N (N = 5)."""
-    loss, metrics, _ = run(LossConfig())
+    loss, metrics, _ = run(L())
     expected = token_mean(table(lambda i, t: ppo_token(LOGP[i][t], OLD[i][t], ADV[i][t], 0.2, 0.2)))
     assert abs(loss.item() - expected) < 1e-6
     assert metrics["clip_fraction"] > 0
@@ -85,7 +90,7 @@ def test_clip_higher_and_dual_clip():
     """DAPO: clip(r, 1 - 0.2, 1 + 0.28); dual clip c = 3: l = min(l, -A c) where A < 0.
     Row 0 token 2 has r = exp(0.25) = 1.284 > 1.28 (clip-higher changes it); row 1 token 0 has
     r = exp(1.7) with A = -2, so -A r = 10.9 is cut to -A c = 6."""
-    config = LossConfig(clip_low=0.2, clip_high=0.28, dual_clip=3.0)
+    config = L(clip_low=0.2, clip_high=0.28, dual_clip=3.0)
     loss, _, _ = run(config)
     per = table(lambda i, t: ppo_token(LOGP[i][t], OLD[i][t], ADV[i][t], 0.2, 0.28, 3.0))
     assert per[1][0] == pytest.approx(6.0)
@@ -93,20 +98,23 @@ def test_clip_higher_and_dual_clip():
 
 
 def test_aggregations():
-    """seq-mean-token-mean: sum_i (sum_t m l / n_i) / S; seq-mean-token-sum: sum_i sum_t m l / (S L)."""
+    """seq-mean-token-mean: sum_i (sum_t m l / n_i) / S; seq-mean-token-sum: sum_i sum_t m l / S;
+    seq-mean-token-sum-norm: sum_{i,t} m l / norm_length (verl's, Dr.GRPO's constant)."""
     per = table(lambda i, t: ppo_token(LOGP[i][t], OLD[i][t], ADV[i][t], 0.2, 0.2))
     row_sums = [sum(per[i][t] for t in range(3) if MASK[i][t]) for i in range(2)]
-    loss, _, _ = run(LossConfig(aggregation="seq_mean_token_mean"))
+    loss, _, _ = run(L(aggregation="seq_mean_token_mean"))
     assert abs(loss.item() - (row_sums[0] / 3 + row_sums[1] / 2) / 2) < 1e-6
-    loss, _, _ = run(LossConfig(aggregation="seq_mean_token_sum", norm_length=4))
-    assert abs(loss.item() - (row_sums[0] + row_sums[1]) / (2 * 4)) < 1e-6
+    loss, _, _ = run(L(aggregation="seq_mean_token_sum"))
+    assert abs(loss.item() - (row_sums[0] + row_sums[1]) / 2) < 1e-6
+    loss, _, _ = run(L(aggregation={"kind": "seq_mean_token_sum_norm", "norm_length": 4}))
+    assert abs(loss.item() - (row_sums[0] + row_sums[1]) / 4) < 1e-6
 
 
 def test_gspo_sequence_ratio_value_and_gradient():
     """s_i = exp(sum_t m (logp - old) / n_i); l = max(-A s_i, -A clip(s_i, 1-0.2, 1+0.2)), token-mean.
     Gradient of an unclipped token: d l / d logp_t = -A s_i / N (each token carries s_i's value
     but only its own logprob's gradient)."""
-    loss, _, logp = run(LossConfig(kind="gspo"), grad=True)
+    loss, _, logp = run(L(kind="gspo"), grad=True)
     s = []
     for i in range(2):
         ts = [t for t in range(3) if MASK[i][t]]
@@ -123,7 +131,7 @@ def test_gspo_sequence_ratio_value_and_gradient():
 def test_decoupled_ppo_weights_by_the_behaviour_ratio():
     """Decoupled PPO (no correction): r = exp(logp - prox), l = ppo_clip(r) * w with
     w = exp(prox - behav) untruncated; loss = sum m w l / N."""
-    config = LossConfig(decoupled=True, allow_unbounded_weight=True)
+    config = L(decoupled=True, allow_unbounded_weight=True)
     assert needs_proximal(config)
     loss, metrics, _ = run(config, make_batch(old=BEHAV, proximal=OLD))
 
@@ -140,9 +148,8 @@ def test_tis_and_mis(kind, level):
     """w = exp(prox - behav) per token, or exp(sum_t m (prox - behav)) per sequence;
     tis: min(w, threshold); mis: w if floor <= w <= threshold else 0. threshold 1.25, floor 0.5.
     The ratio is taken against the proximal logprobs: r = exp(logp - prox)."""
-    config = msgspec.convert(
-        {"correction": {"kind": kind, "level": level, "threshold": 1.25, "floor": 0.5}}, LossConfig
-    )
+    floor = {"floor": 0.5} if kind == "mis" else {}  # tis has no floor: it truncates only
+    config = loss_config({"correction": {"kind": kind, "level": level, "threshold": 1.25, **floor}})
     loss, _, _ = run(config, make_batch(old=BEHAV, proximal=OLD))
 
     def weight(i, t):
@@ -165,7 +172,7 @@ def test_sft():
     """kind sft: l = -logp, token_mean; advantages are not needed."""
     batch = make_batch()
     batch.advantages = None
-    loss, _, _ = run(LossConfig(kind="sft"), batch)
+    loss, _, _ = run(L(kind="sft"), batch)
     assert abs(loss.item() - token_mean(table(lambda i, t: -LOGP[i][t]))) < 1e-6
 
 
@@ -173,8 +180,8 @@ def test_sft_ignores_behaviour_correction_keys():
     """A phase that switches a decoupled-PPO node to sft keeps `decoupled` / `correction`: the sft
     loss must stay l = -logp (no weight exp(proximal - behaviour): supervised targets have no
     behaviour policy)."""
-    for config in (LossConfig(kind="sft", decoupled=True),
-                   msgspec.convert({"kind": "sft", "correction": {"kind": "tis"}}, LossConfig)):
+    for config in (L(kind="sft", decoupled=True),
+                   loss_config({"kind": "sft", "correction": {"kind": "tis"}})):
         assert not needs_proximal(config)
         batch = make_batch(proximal=[[0.0] * len(row) for row in LOGP])
         batch.advantages = None
@@ -224,15 +231,17 @@ def test_clipped_value_loss():
 def test_config_errors_and_behaviour_flag():
     assert loss_config("gspo").kind == "gspo" and loss_config({"clip_high": 0.28}).clip_high == 0.28
     assert advantage_config("rloo").estimator == "rloo"
-    assert not needs_proximal(LossConfig())
+    assert not needs_proximal(L())
     assert needs_proximal(msgspec.convert({"correction": {"kind": "tis"}}, LossConfig))
-    assert not needs_proximal(LossConfig(kind="sft", decoupled=True))
+    assert not needs_proximal(L(kind="sft", decoupled=True))
     with pytest.raises(msgspec.ValidationError, match="unknown field `clip_hgh`"):
         msgspec.convert({"clip_hgh": 0.3}, LossConfig)
-    with pytest.raises(msgspec.ValidationError, match="unknown loss 'ppo'"):
-        msgspec.convert({"kind": "ppo"}, LossConfig)
-    with pytest.raises(msgspec.ValidationError, match="dual_clip must be > 1"):
-        msgspec.convert({"dual_clip": 0.5}, LossConfig)
+    with pytest.raises(ValueError, match="unknown loss 'ppo' "):
+        loss_config({"kind": "ppo"})
+    with pytest.raises(ValueError, match="did you mean 'cispo'"):
+        loss_config("cispoo")
+    with pytest.raises(msgspec.ValidationError, match="> 1"):
+        loss_config({"dual_clip": 0.5})
     kl_in_reward = msgspec.convert({"kl": {"coef": 0.1, "apply_as": "reward"}}, LossConfig)
     with pytest.raises(ValueError, match="use kl apply_as 'loss'"):
         check_compatible(kl_in_reward, AdvantageConfig())
@@ -250,14 +259,15 @@ def test_the_train_node_schema_converts():
         {"loss": {"kind": "gspo", "clip_high": 0.28, "decoupled": True, "aggregation": "seq_mean_token_sum",
                   "correction": {"kind": "mis", "level": "sequence", "threshold": 3.0},
                   "kl": {"coef": 0.01, "apply_as": "loss"}},
-         "advantage": {"estimator": "rloo", "std_normalize": False, "gamma": 0.9}},
+         "advantage": {"estimator": "grpo", "std_normalize": False, "gamma": 0.9}},
         schema.TrainConfig,
     )
     loss, advantage = loss_config(node.loss), advantage_config(node.advantage)
     assert (loss.kind, loss.clip_high, loss.decoupled, loss.aggregation) == ("gspo", 0.28, True, "seq_mean_token_sum")
-    assert (loss.correction.kind, loss.correction.level, loss.correction.threshold) == ("mis", "sequence", 3.0)
-    assert loss.kl.coef == 0.01 and needs_proximal(loss)
-    assert (advantage.estimator, advantage.std_normalize, advantage.gamma) == ("rloo", False, 0.9)
+    correction = correction_config(loss)
+    assert (correction.kind, correction.level, correction.threshold) == ("mis", "sequence", 3.0)
+    assert kl_config(loss).coef == 0.01 and needs_proximal(loss)
+    assert (advantage.estimator, advantage.std_normalize, advantage.gamma) == ("grpo", False, 0.9)
 
 
 def test_decoupled_without_a_correction_is_refused_unless_allowed():
@@ -271,7 +281,7 @@ def test_decoupled_without_a_correction_is_refused_unless_allowed():
         msgspec.convert({"decoupled": True}, LossConfig)
     assert msgspec.convert({"decoupled": True, "allow_unbounded_weight": True}, LossConfig).decoupled
     msgspec.convert({"decoupled": True, "correction": {"kind": "tis"}}, LossConfig)
-    msgspec.convert({"kind": "sft", "decoupled": True}, LossConfig)  # sft applies no weight
+    loss_config({"kind": "sft", "decoupled": True})  # sft applies no weight
 
     def problems(loss):
         return Train.check_graph(msgspec.convert({"loss": loss}, schema.TrainConfig), GraphFacts())
@@ -284,14 +294,14 @@ def test_decoupled_without_a_correction_is_refused_unless_allowed():
 
 def test_mismatch_metrics_against_the_behaviour_logprobs():
     """d = logp - behaviour on loss tokens: mean |d|, max |d|, share with exp(d) outside [0.8, 1.28]."""
-    _, metrics, _ = run(LossConfig(clip_high=0.28))
+    _, metrics, _ = run(L(clip_high=0.28))
     d = [LOGP[i][t] - OLD[i][t] for i, t in TOKENS]
     assert metrics["mismatch_logprob_mean"] == pytest.approx(sum(abs(x) for x in d) / len(d), abs=1e-6)
     assert metrics["mismatch_logprob_max"] == pytest.approx(max(abs(x) for x in d), abs=1e-6)
     out = [not 0.8 <= math.exp(x) <= 1.28 for x in d]
     assert 0 < sum(out) < len(out)
     assert metrics["mismatch_out_of_clip"] == pytest.approx(sum(out) / len(out), abs=1e-6)
-    _, sft, _ = run(LossConfig(kind="sft"))
+    _, sft, _ = run(L(kind="sft"))
     assert not any(k.startswith("mismatch_") for k in sft)  # supervised targets: no behaviour policy
 
 

@@ -170,7 +170,7 @@ def test_critic_fits_returns_with_the_clipped_value_loss():
     batch.values = critic.compute_values(batch)
     # Dropout (0.1 before HF's token-classification head) is off: values are a function of weights.
     assert torch.equal(critic.compute_values(batch), batch.values)
-    batch = compute_advantages(batch, AdvantageConfig(estimator="gae", gamma=1.0, lam=0.95))
+    batch = compute_advantages(batch, {"estimator": "gae", "gamma": 1.0, "lam": 0.95})
     loss = value_loss(ValueLossConfig(value_clip=None))
     first = critic.forward_backward(batch, loss)["value_loss"]
     critic.step()

@@ -18,12 +18,12 @@ import torch.multiprocessing as mp
 from flowrl.data.trajectory import Trajectory
 from flowrl_operators.training.advantages import AdvantageConfig, compute_advantages
 from flowrl_operators.training.batch import pack, shard
-from flowrl_operators.training.losses import LossConfig, policy_loss
+from flowrl_operators.training.losses import loss_config, policy_loss
 from flowrl_operators.training.trainer import Critic, Trainer, TrainerConfig
 
 MODEL = "builtin:tiny-qwen2"
 CONFIG = TrainerConfig(lr=1e-3, warmup_steps=2, schedule="cosine", total_steps=10, micro_batch_tokens=40, seed=3)
-LOSS = LossConfig(clip_high=0.28)
+LOSS = loss_config({"clip_high": 0.28})
 
 
 def step_batch(step: int):

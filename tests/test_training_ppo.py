@@ -7,9 +7,9 @@ of 10 token ids (about 10% at random initialisation), given at the end of the se
 import torch
 
 from flowrl.data.trajectory import Trajectory
-from flowrl_operators.training.advantages import AdvantageConfig, compute_advantages
+from flowrl_operators.training.advantages import compute_advantages
 from flowrl_operators.training.batch import pack
-from flowrl_operators.training.losses import LossConfig, ValueLossConfig, policy_loss, value_loss
+from flowrl_operators.training.losses import ValueLossConfig, policy_loss, value_loss
 from flowrl_operators.training.trainer import Critic, Trainer, TrainerConfig
 
 torch.set_num_threads(1)
@@ -33,7 +33,7 @@ def test_ppo_with_critic_improves_reward():
     policy = Trainer(MODEL, TrainerConfig(lr=3e-3, seed=1))
     critic = Critic(MODEL, TrainerConfig(lr=3e-3, seed=1))
     generator = torch.Generator().manual_seed(0)
-    policy_fn = policy_loss(LossConfig(clip_low=0.2, clip_high=0.28))
+    policy_fn = policy_loss({"clip_low": 0.2, "clip_high": 0.28})
     critic_fn = value_loss(ValueLossConfig(value_clip=0.5))
     rewards = []
     for step in range(14):
@@ -49,7 +49,7 @@ def test_ppo_with_critic_improves_reward():
         rewards.append(sum(t.reward for t in trajectories) / ROWS)
         batch = pack(trajectories)
         batch.values = critic.compute_values(batch)
-        compute_advantages(batch, AdvantageConfig(estimator="gae", gamma=1.0, lam=0.95))
+        compute_advantages(batch, {"estimator": "gae", "gamma": 1.0, "lam": 0.95})
         for _ in range(2):  # two PPO epochs over the batch: the ratio moves, clipping matters
             policy.forward_backward(batch, policy_fn)
             policy.step()

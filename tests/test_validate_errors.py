@@ -8,7 +8,6 @@ nesting do not belong in the repository's spec folder); tests/specs/bad holds th
 from __future__ import annotations
 
 import re
-import resource
 import subprocess
 import sys
 import time
@@ -77,22 +76,31 @@ CORPUS: dict[str, tuple[str | bytes, str, str]] = {
 }
 
 
-def _validate(tmp_path: Path, name: str, content: str | bytes) -> tuple[subprocess.CompletedProcess, float, Path]:
+# Runs a command and writes its peak RSS (KB) to a file. The command is forked from this small
+# launcher: a child forked from pytest itself counts pytest's pages in its peak until it execs.
+MEASURE = ("import resource, subprocess, sys; code = subprocess.run(sys.argv[2:]).returncode; "
+           "open(sys.argv[1], 'w').write(str(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)); "
+           "sys.exit(code)")
+
+
+def _validate(tmp_path: Path, name: str, content: str | bytes) -> tuple[subprocess.CompletedProcess, float, Path, float]:
+    """`flowrl validate FILE` as its own process: (result, seconds, file, its own peak RSS in MB)."""
     file = tmp_path / f"{name}.yaml"
     if isinstance(content, bytes):
         file.write_bytes(content)
     else:
         file.write_text(content)
+    peak = tmp_path / f"{name}.peak"
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "flowrl.cli", "validate", str(file)], capture_output=True,
-                          text=True, errors="replace", timeout=60, cwd=tmp_path)
-    return proc, time.monotonic() - start, file
+    proc = subprocess.run([sys.executable, "-c", MEASURE, str(peak), sys.executable, "-m", "flowrl.cli", "validate",
+                           str(file)], capture_output=True, text=True, errors="replace", timeout=60, cwd=tmp_path)
+    return proc, time.monotonic() - start, file, int(peak.read_text()) / 1024
 
 
 @pytest.mark.parametrize("name", sorted(CORPUS))
 def test_hostile_spec_gets_a_located_message_quickly(name: str, tmp_path: Path) -> None:
     content, where, word = CORPUS[name]
-    proc, seconds, file = _validate(tmp_path, name, content)
+    proc, seconds, file, peak_mb = _validate(tmp_path, name, content)
     assert proc.returncode == 1, proc.stderr
     assert "Traceback" not in proc.stderr and "internal error" not in proc.stderr, proc.stderr
     assert proc.stdout == ""
@@ -101,7 +109,6 @@ def test_hostile_spec_gets_a_located_message_quickly(name: str, tmp_path: Path) 
     assert f"{file}:{where}" in first if where != ":" else True, first
     assert word in proc.stderr, proc.stderr
     assert seconds < TIME_LIMIT_S, f"{name} took {seconds:.1f}s"
-    peak_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024  # the largest child so far
     assert peak_mb < MEMORY_LIMIT_MB, f"a validate process peaked at {peak_mb:.0f} MB"
 
 
@@ -110,7 +117,7 @@ def test_alias_bomb_and_deep_nesting_are_refused_early(tmp_path: Path) -> None:
     past Python's limit; refused (by the guard, or by libyaml's own depth limit of 1000 where the
     scanner meets it first), each costs about a process start."""
     for name in ("alias_bomb", "interpolation_bomb", "deep_flow_list", "deep_flow_map"):
-        proc, seconds, _ = _validate(tmp_path, name, CORPUS[name][0])
+        proc, seconds, _, _ = _validate(tmp_path, name, CORPUS[name][0])
         assert proc.returncode == 1 and ("refusing it" in proc.stderr or "nesting depth" in proc.stderr), proc.stderr
         assert seconds < 3.0, f"{name} took {seconds:.1f}s"
     assert len(CORPUS["alias_bomb"][0]) < 1024

@@ -205,7 +205,11 @@ def test_dynamic_sampling_between_reward_and_train(tmp_path):
     for row in trained:
         groups.setdefault(row["id"].split("/")[0], []).append(row["reward"])
     assert all(len(set(rewards)) > 1 for rewards in groups.values())  # only informative groups
-    assert result.counters["filtered"] == 8 - len(groups)  # 2 steps x 4 samples
+    # Over the sync edge every dropped group is replaced by an extra sample of its step (runtime/quota.py),
+    # so both steps still train on full batches of 4 informative groups.
+    assert len(groups) == 8
+    assert result.counters["filtered"] >= 1  # this seed ties at least one group
+    assert result.counters["oversampled"] == result.counters["filtered"]
 
 
 def agent_plan(tmp_path: Path, executor: str = "inprocess"):

@@ -72,7 +72,10 @@ def fields(cls: type, prefix: str = "") -> list[Field]:
     """Fields of a Struct, nested Structs expanded with dotted keys."""
     out: list[Field] = []
     hints = typing.get_type_hints(cls, include_extras=True)
-    docs = _comments(cls)
+    docs: dict[str, str] = {}
+    for base in reversed(cls.__mro__):  # an inherited key keeps the doc of the class that defines it
+        if isinstance(base, type) and issubclass(base, msgspec.Struct) and base is not msgspec.Struct:
+            docs |= _comments(base)
     for info in msgspec.structs.fields(cls):
         t = hints[info.name]
         if info.default is not msgspec.NODEFAULT:

@@ -101,26 +101,33 @@ def validation_diagnostic(
     err: msgspec.ValidationError, data: Any, base: Path, loc: Locator, schema: type | None
 ) -> Diagnostic:
     """Turn a msgspec error into a located, plainly worded diagnostic."""
+    path, message, at_key = validation_problem(err, data, schema)
+    return loc.diagnostic((*base, *path), message, at_key=at_key)
+
+
+def validation_problem(err: msgspec.ValidationError, data: Any, schema: type | None) -> tuple[Path, str, bool]:
+    """A msgspec error converting `data` to `schema`, plainly worded: (key path inside `data`,
+    message, whether the path names a key rather than a value)."""
     text = str(err)
     message, _, where = text.partition(" - at `")
-    path = (*base, *parse_msgspec_path(where.rstrip("`")))
+    path = parse_msgspec_path(where.rstrip("`"))
     unknown = re.match(r"Object contains unknown field `(.+)`", message)
     if unknown:
         key = unknown.group(1)
-        fields = _fields_at(schema, path[len(base):]) if schema else []
-        return loc.diagnostic((*path, key), f"unknown key '{key}'" + did_you_mean(key, fields), at_key=True)
+        fields = _fields_at(schema, path) if schema else []
+        return (*path, key), f"unknown key '{key}'" + did_you_mean(key, fields), True
     missing = re.match(r"Object missing required field `(.+)`", message)
     if missing:
-        return loc.diagnostic(path, f"missing required key '{missing.group(1)}'")
+        return path, f"missing required key '{missing.group(1)}'", False
     wrong_type = re.match(r"Expected `(.+?)`, got `(.+)`", message)
     if wrong_type:
         try:
-            value = get_path(data, path[len(base):])
+            value = get_path(data, path)
             shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
-            return loc.diagnostic(path, f"expected {wrong_type.group(1)}, got {shown}")
+            return path, f"expected {wrong_type.group(1)}, got {shown}", False
         except (KeyError, IndexError, TypeError):
             pass
-    return loc.diagnostic(path, message[0].lower() + message[1:])
+    return path, message[0].lower() + message[1:], False
 
 
 def _fields_at(schema: type, path: Path) -> list[str]:

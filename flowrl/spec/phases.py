@@ -1,13 +1,23 @@
 """Phases: one file declares several runs of the same graph, one after another.
 
     phases:
-      - {name: warmup, seconds: 45, set: {data.source: builtin:copy_digits, nodes.learner.loss.kind: sft}}
+      - {name: warmup, seconds: 45, set: {data.source: builtin:copy_digits, nodes.learner.loss: {kind: sft}}}
       - {name: rl, steps: 60}
 
 Each phase is the spec with the phase's dotted `set` keys changed, `run.steps` / `run.max_seconds`
 taken from the phase, and — from the second phase on — `model.path` pointing at the policy the
-previous phase exported. A phase is thus an ordinary run with its own run directory
+previous phase exported, unless the phase sets `model.path` itself (a fresh model, e.g. a student
+after its teacher's phases). A phase is thus an ordinary run with its own run directory
 (`RUN_DIR/phases/<i>-<name>`), and validating a file validates every phase's graph.
+
+A model path may name an earlier phase's exported policy as `phase:<name>`: in `model.path`, a
+node's `model` (reference, critic) or a node's `model.path` (teacher). Validation checks that the
+name is an earlier phase's; the run substitutes the folder that phase exported.
+
+    phases:
+      - {name: teacher, steps: 400, set: {model.path: builtin:tiny-qwen2-large}}
+      - {name: distill, seconds: 150, set: {model.path: builtin:tiny-qwen2,
+                                            nodes.teach: {op: teacher, model: {path: "phase:teacher"}}}}
 
 An edge is set by its text, its value the edge's options as under `edges:`:
 
@@ -17,6 +27,7 @@ An edge is set by its text, its value the edge's options as under `edges:`:
 from __future__ import annotations
 
 import copy
+import difflib
 from pathlib import Path
 from typing import Any
 
@@ -30,16 +41,22 @@ Path_ = tuple[str | int, ...]
 
 # Steps of a phase bounded only by `seconds`: large enough never to be the limit.
 UNBOUNDED_STEPS = 10**9
+PHASE_PREFIX = "phase:"
 
 
 def phase_dir(run_dir: Path, index: int, phase: PhaseSpec) -> Path:
     return run_dir / "phases" / f"{index}-{phase.name}"
 
 
-def expand(loaded: LoadedSpec, model_path: str | None = None, index: int | None = None) -> list[tuple[PhaseSpec, LoadedSpec]]:
-    """The spec of each phase (or of `index` only); a spec without phases is one phase, 'main'."""
+def expand(loaded: LoadedSpec, model_path: str | None = None, index: int | None = None,
+           exports: dict[str, str | None] | None = None) -> list[tuple[PhaseSpec, LoadedSpec]]:
+    """The spec of each phase (or of `index` only); a spec without phases is one phase, 'main'.
+    `model_path` is the policy the phases before `index` left (the start of a phase that sets no
+    `model.path`), `exports` each finished phase's exported folder by name (for `phase:<name>`;
+    None while validating: the references are checked, not substituted)."""
     spec = loaded.spec
     if not spec.phases:
+        _resolve_phase_paths(loaded.data, [], 0, None, loaded.locator)  # rejects any
         return [(PhaseSpec(name="main"), loaded)]
     out = []
     for i, phase in enumerate(spec.phases):
@@ -58,8 +75,11 @@ def expand(loaded: LoadedSpec, model_path: str | None = None, index: int | None 
         locator = Locator(base.file, dict(base.keys), dict(base.values), dict(base.overrides))
         for key, value in phase.set.items():
             _apply_set(data, key, value, ("phases", i, "set", key), base, locator)
-        if model_path is not None and i > 0:
+        model_set = phase.set.get("model")
+        own_model = "model.path" in phase.set or (isinstance(model_set, dict) and "path" in model_set)
+        if model_path is not None and i > 0 and not own_model:
             data["model"]["path"] = model_path
+        _resolve_phase_paths(data, spec.phases, i, exports, locator)
         try:
             phase_spec = msgspec.convert(data, PipelineSpec)
         except msgspec.ValidationError as e:
@@ -115,7 +135,7 @@ def _assign(data: dict[str, Any], path: Path_, value: Any, key: str, error: Any)
         here, last = path[: depth + 1], depth == len(path) - 1
         if isinstance(node, dict):
             if part not in node:
-                if here[:1] == ("nodes",) and depth == 1:
+                if here[:1] == ("nodes",) and depth == 1 and not last:  # `nodes.<new>: {op: ...}` adds a node
                     raise SpecError([error(f"no node '{part}' to set" + did_you_mean(str(part), map(str, node)))])
                 fresh.append(here)
                 if not last:
@@ -136,3 +156,43 @@ def _assign(data: dict[str, Any], path: Path_, value: Any, key: str, error: Any)
             shown = ".".join(map(str, here[:-1]))
             raise SpecError([error(f"'{shown}' is a value ({node!r:.40}), not a mapping; it has no key '{part}'")])
     return fresh
+
+
+def _model_paths(data: dict[str, Any]) -> list[tuple[tuple[str, ...], str]]:
+    """(key path, value) of every model path in a spec: `model.path`, and a node's `model` when it
+    is a path or a mapping with `path`."""
+    model = data.get("model")
+    out = [(("model", "path"), model["path"])] if isinstance(model, dict) and isinstance(model.get("path"), str) else []
+    for name, node in (data.get("nodes") or {}).items():
+        own = node.get("model") if isinstance(node, dict) else None
+        if isinstance(own, str):
+            out.append((("nodes", name, "model"), own))
+        elif isinstance(own, dict) and isinstance(own.get("path"), str):
+            out.append((("nodes", name, "model", "path"), own["path"]))
+    return out
+
+
+def _resolve_phase_paths(data: dict[str, Any], phases: list[PhaseSpec], index: int,
+                         exports: dict[str, str | None] | None, locator: Locator) -> None:
+    """Check each `phase:<name>` model path of phase `index` names one earlier phase; with
+    `exports`, replace it by the folder that phase exported."""
+    earlier = [p.name for p in phases[:index]]
+    for path, value in _model_paths(data):
+        if not value.startswith(PHASE_PREFIX):
+            continue
+        name = value[len(PHASE_PREFIX):]
+        if earlier.count(name) != 1:
+            close = difflib.get_close_matches(name, earlier, n=1)
+            why = (f"two earlier phases are named '{name}'; rename one" if name in earlier else
+                   f"did you mean 'phase:{close[0]}'?" if close else
+                   f"no earlier phase is named '{name}' (earlier phases: {', '.join(earlier) or 'none'})")
+            raise SpecError([locator.diagnostic(path, f"'{value}': {why}")])
+        if exports is None:
+            continue
+        if exports.get(name) is None:
+            raise SpecError([locator.diagnostic(path, f"'{value}': phase {name} exported no policy "
+                                                      "(it needs a train node)")])
+        node = data
+        for part in path[:-1]:
+            node = node[part]
+        node[path[-1]] = exports[name]

@@ -38,8 +38,10 @@ def callable_path(value: str) -> str | None:
 
 
 def model_folder(value: str, section: Any = None) -> str | None:
-    """A local Hugging Face folder (config.json and a tokenizer), or `builtin:<name>`."""
+    """A local Hugging Face folder (config.json and a tokenizer), `builtin:<name>` or `phase:<name>`."""
     del section
+    if value.startswith("phase:"):  # an earlier phase's export: flowrl/spec/phases.py checks the name
+        return None
     if value.startswith("builtin:"):
         from flowrl_operators.models import BUILTIN_MODELS
 

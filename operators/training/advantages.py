@@ -1,73 +1,104 @@
-"""Advantage estimators: a registry of name -> function over packed per-token tensors.
+"""Advantage estimators (registry `flowrl.advantages`) over packed per-token tensors: the group,
+return and critic estimators here, the outcome-only ones (grpo_passk, opo, gpg, remax) in
+advantages_outcome.py. Every estimator is called as
 
-Every estimator has the signature
+    fn(inputs: AdvantageInputs, config) -> tuple[advantages, returns]
 
-    fn(inputs: AdvantageInputs, config: AdvantageConfig) -> tuple[advantages, returns]
-
-with all tensors shaped (B, T) (target-aligned, see batch.py) and zero outside `mask`.
+with all tensors shaped (B, T) (target-aligned, see batch.py) and zero outside `mask`; each
+config's docstring gives its formula.
 
 Rewards may be defined per sequence, per turn or per token: `inputs.rewards` holds them on the
-tokens where they are defined (`inputs.reward_mask`). The group estimators follow DeepSeekMath's
-process-supervision form, which reduces to the familiar outcome form for one reward per sequence:
-each defined reward is normalised against the rewards of its group, then every model token gets
-the sum of the normalised rewards at or after it (reward-to-go). A turn's reward is therefore
-credited to the tokens of that turn (and, as part of the return, to the turns before it).
-
-    grpo        r~ = (r - mean_g r) / (std_g r + eps)   (std_g unbiased; `std_normalize: false` drops it)
-    dr_grpo     r~ = r - mean_g r                        (Dr.GRPO: no std, no length normalisation)
-    rloo        r~ = r - mean of the rewards of the *other* trajectories of the group
-    reinforce_pp  G_t = sum_{s>=t} gamma^(s-t) r_s; A = (G - mean_B G) / (std_B G + eps) over all
-                  model tokens of the batch (REINFORCE++, batch-normalised)
-    reinforce_pp_baseline  as reinforce_pp, on the returns of r - mean_g r (group mean baseline)
-    gae         delta_t = r_t + gamma V_{t+1} - V_t, A_t = sum_l (gamma lam)^l delta_{t+l},
-                returns = A + V; steps are the model tokens (environment tokens are not actions,
-                their rewards join the preceding model token); A whitened over the batch
-                unless `whiten: false`.
-
+tokens where they are defined (`inputs.reward_mask`). The group estimators here follow
+DeepSeekMath's process-supervision form, which reduces to the familiar outcome form for one reward
+per sequence: each defined reward is normalised against the rewards of its group, then every model
+token gets the sum of the normalised rewards at or after it (reward-to-go). A turn's reward is
+therefore credited to the tokens of that turn (and, as part of the return, to the turns before it).
 A group with a single reward uses mean 0 and std 1 (as verl does).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from typing import Literal
+from typing import Annotated, Literal
 
-import msgspec
 import torch
+from msgspec import Meta
 
+from flowrl_operators.config import AdvantageConfig, Probability
 from flowrl_operators.training.batch import Batch
+from flowrl_operators.training.registry import ADVANTAGES, Algorithm
+
+Whiten = Annotated[float, Meta(ge=0)]
 
 
-class AdvantageConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """The train node schema's `advantage` keys (flowrl_operators.config), plus `whiten` and `eps`."""
+class GRPO(AdvantageConfig):
+    """r~ = (r - mean_g r) / (std_g r + eps) per defined reward, then reward-to-go (GRPO,
+    DeepSeekMath arXiv 2402.03300; verl grpo with norm_adv_by_std_in_grpo). AReaL normalises over
+    tokens instead: advantage token_norm."""
 
-    estimator: str = "grpo"
-    std_normalize: bool = True  # grpo only
-    gamma: float = 1.0
-    lam: float = 1.0  # gae only
-    whiten: bool = True  # gae only
-    eps: float = 1e-6
-
-    def __post_init__(self) -> None:
-        if self.estimator not in ADVANTAGES:
-            raise ValueError(f"unknown advantage estimator {self.estimator!r}; choose one of {sorted(ADVANTAGES)}")
-        if not 0.0 <= self.gamma <= 1.0 or not 0.0 <= self.lam <= 1.0:
-            raise ValueError("advantage gamma and lam must lie in [0, 1]")
+    std_normalize: bool = True  # false: r - mean_g r (verl norm_adv_by_std_in_grpo: false)
+    unbiased_std: bool = True  # false: the biased (population) std
+    eps: Whiten = 1e-6  # added to the std
+    gamma: Probability = 1.0  # discount of the reward-to-go, per model token
 
 
-def advantage_config(value: str | dict | msgspec.Struct) -> AdvantageConfig:
-    """An AdvantageConfig from YAML (an estimator name or a mapping) or from the node schema's."""
-    if isinstance(value, AdvantageConfig):
-        return value
-    if isinstance(value, msgspec.Struct):
-        value = msgspec.to_builtins(value)
-    return msgspec.convert({"estimator": value} if isinstance(value, str) else value, AdvantageConfig)
+class DrGRPO(AdvantageConfig):
+    """r~ = r - mean_g r, no std and no length normalisation (Dr.GRPO, arXiv 2503.20783)."""
+
+    gamma: Probability = 1.0
 
 
-def needs_values(config: AdvantageConfig) -> bool:
-    """Whether the estimator needs critic values (a critic node before the trainer)."""
-    return config.estimator == "gae"
+class RLOO(AdvantageConfig):
+    """r~ = r - mean of the other trajectories' rewards in the group; a group of one keeps r
+    (RLOO, arXiv 2402.14740; verl rloo; verl rloo_vectorized gives 0 to a group of one)."""
+
+    gamma: Probability = 1.0
+
+
+class ReinforcePP(AdvantageConfig):
+    """G_t = sum_{s>=t} gamma^(s-t) r_s; A = (G - mean_B G) / sqrt(var_B G + eps), unbiased variance
+    over all model tokens of the batch (REINFORCE++, arXiv 2501.03262; verl reinforce_plus_plus and
+    masked_whiten)."""
+
+    gamma: Probability = 1.0
+    eps: Whiten = 1e-8  # inside the square root, as verl's masked_whiten
+
+
+class ReinforcePPBaseline(AdvantageConfig):
+    """reinforce_pp on the returns of r - mean_g r (group mean baseline), whitened over the batch
+    (REINFORCE++-baseline, arXiv 2501.03262; verl reinforce_plus_plus_baseline)."""
+
+    gamma: Probability = 1.0
+    eps: Whiten = 1e-8  # inside the square root of the whitening
+
+
+class GAE(AdvantageConfig):
+    """delta_t = r_t + gamma V_{t+1} - V_t, A_t = sum_l (gamma lam)^l delta_{t+l}, returns = A + V;
+    steps are the model tokens (environment tokens are not actions, their rewards join the preceding
+    model token); A whitened over the batch unless `whiten: false` (GAE, arXiv 1506.02438; verl gae)."""
+
+    gamma: Probability = 1.0
+    lam: Probability = 1.0
+    whiten: bool = True
+    eps: Whiten = 1e-8  # inside the square root of the whitening
+
+
+Level = Literal["group", "batch", "none"]
+
+
+class TokenNorm(AdvantageConfig):
+    """AReaL's PPO actor without a critic: G_t = reward-to-go (discount gamma per model token: GAE
+    with V = 0, AReaL's discount x gae_lambda), then A = (G - mean) / (std + eps) with mean and std
+    over the model *tokens* of the group (or the batch), so a longer sequence weighs more (AReaL
+    adv_norm: mean_level, std_level, mean_leave1out, std_unbiased, eps; a group of one row has mean 0
+    with leave_one_out and std 1 with unbiased_std, as AReaL's group_size 1)."""
+
+    mean_level: Level = "group"
+    std_level: Level = "group"  # none: no division (and no eps)
+    unbiased_std: bool = True
+    leave_one_out: bool = False  # each token's mean leaves that token out (AReaL mean_leave1out)
+    eps: Whiten = 1e-5
+    gamma: Probability = 1.0
 
 
 @dataclasses.dataclass
@@ -77,22 +108,12 @@ class AdvantageInputs:
     mask: torch.Tensor  # (B, T) 1 on model tokens
     group_index: torch.Tensor  # (B,)
     values: torch.Tensor | None = None  # (B, T) critic values, gae only
+    baseline: torch.Tensor | None = None  # (B,) 1 on greedy baseline rows (generate greedy_baseline)
 
     @staticmethod
     def of(batch: Batch) -> AdvantageInputs:
-        return AdvantageInputs(batch.rewards, batch.reward_mask, batch.loss_mask, batch.group_index, batch.values)
-
-
-Estimator = Callable[[AdvantageInputs, AdvantageConfig], tuple[torch.Tensor, torch.Tensor]]
-ADVANTAGES: dict[str, Estimator] = {}
-
-
-def register(name: str) -> Callable[[Estimator], Estimator]:
-    def wrap(fn: Estimator) -> Estimator:
-        ADVANTAGES[name] = fn
-        return fn
-
-    return wrap
+        return AdvantageInputs(batch.rewards, batch.reward_mask, batch.loss_mask, batch.group_index, batch.values,
+                               batch.baseline)
 
 
 def reward_to_go(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
@@ -106,7 +127,8 @@ def reward_to_go(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> tor
     return out * mask
 
 
-def _group_normalised(x: AdvantageInputs, mode: Literal["std", "mean", "loo"], eps: float) -> torch.Tensor:
+def _group_normalised(x: AdvantageInputs, mode: Literal["std", "mean", "loo"], eps: float,
+                      unbiased: bool = True) -> torch.Tensor:
     """Each defined reward normalised against the defined rewards of its group."""
     out = torch.zeros_like(x.rewards)
     for g in x.group_index.unique():
@@ -124,7 +146,7 @@ def _group_normalised(x: AdvantageInputs, mode: Literal["std", "mean", "loo"], e
             out[rows] = torch.where(defined, r - baseline, 0.0)
             continue
         if values.numel() > 1:
-            mean, std = values.mean(), values.std()
+            mean, std = values.mean(), values.std(unbiased=unbiased)
         else:
             mean, std = torch.tensor(0.0), torch.tensor(1.0)
         normalised = (r - mean) / (std + eps) if mode == "std" else r - mean
@@ -132,46 +154,41 @@ def _group_normalised(x: AdvantageInputs, mode: Literal["std", "mean", "loo"], e
     return out
 
 
-def _whiten(x: torch.Tensor, mask: torch.Tensor, eps: float) -> torch.Tensor:
+def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float) -> torch.Tensor:
+    """(x - mean) / sqrt(var + eps) over the masked values, unbiased variance (verl masked_whiten)."""
     values = x[mask > 0]
     if values.numel() < 2:
         return x * mask
-    return (x - values.mean()) / (values.std() + eps) * mask
+    return (x - values.mean()) / torch.sqrt(values.var() + eps) * mask
 
 
-@register("grpo")
-def grpo(x: AdvantageInputs, config: AdvantageConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def grpo(x: AdvantageInputs, config: GRPO) -> tuple[torch.Tensor, torch.Tensor]:
     mode = "std" if config.std_normalize else "mean"
-    advantages = reward_to_go(_group_normalised(x, mode, config.eps), x.mask, config.gamma)
+    advantages = reward_to_go(_group_normalised(x, mode, config.eps, config.unbiased_std), x.mask, config.gamma)
     return advantages, reward_to_go(x.rewards, x.mask, config.gamma)
 
 
-@register("dr_grpo")
-def dr_grpo(x: AdvantageInputs, config: AdvantageConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    advantages = reward_to_go(_group_normalised(x, "mean", config.eps), x.mask, config.gamma)
+def dr_grpo(x: AdvantageInputs, config: DrGRPO) -> tuple[torch.Tensor, torch.Tensor]:
+    advantages = reward_to_go(_group_normalised(x, "mean", 0.0), x.mask, config.gamma)
     return advantages, reward_to_go(x.rewards, x.mask, config.gamma)
 
 
-@register("rloo")
-def rloo(x: AdvantageInputs, config: AdvantageConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    advantages = reward_to_go(_group_normalised(x, "loo", config.eps), x.mask, config.gamma)
+def rloo(x: AdvantageInputs, config: RLOO) -> tuple[torch.Tensor, torch.Tensor]:
+    advantages = reward_to_go(_group_normalised(x, "loo", 0.0), x.mask, config.gamma)
     return advantages, reward_to_go(x.rewards, x.mask, config.gamma)
 
 
-@register("reinforce_pp")
-def reinforce_pp(x: AdvantageInputs, config: AdvantageConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def reinforce_pp(x: AdvantageInputs, config: ReinforcePP) -> tuple[torch.Tensor, torch.Tensor]:
     returns = reward_to_go(x.rewards, x.mask, config.gamma)
-    return _whiten(returns, x.mask, config.eps), returns
+    return whiten(returns, x.mask, config.eps), returns
 
 
-@register("reinforce_pp_baseline")
-def reinforce_pp_baseline(x: AdvantageInputs, config: AdvantageConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    centred = reward_to_go(_group_normalised(x, "mean", config.eps), x.mask, config.gamma)
-    return _whiten(centred, x.mask, config.eps), reward_to_go(x.rewards, x.mask, config.gamma)
+def reinforce_pp_baseline(x: AdvantageInputs, config: ReinforcePPBaseline) -> tuple[torch.Tensor, torch.Tensor]:
+    centred = reward_to_go(_group_normalised(x, "mean", 0.0), x.mask, config.gamma)
+    return whiten(centred, x.mask, config.eps), reward_to_go(x.rewards, x.mask, config.gamma)
 
 
-@register("gae")
-def gae(x: AdvantageInputs, config: AdvantageConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def gae(x: AdvantageInputs, config: GAE) -> tuple[torch.Tensor, torch.Tensor]:
     if x.values is None:
         raise ValueError("advantage 'gae' needs critic values: add a critic node before the trainer")
     rows, steps = x.rewards.shape
@@ -189,11 +206,61 @@ def gae(x: AdvantageInputs, config: AdvantageConfig) -> tuple[torch.Tensor, torc
         pending = torch.where(is_step, 0.0, pending + x.rewards[:, t])
     returns = (advantages + x.values) * x.mask
     if config.whiten:
-        advantages = _whiten(advantages, x.mask, config.eps)
+        advantages = whiten(advantages, x.mask, config.eps)
     return advantages, returns
+
+
+def _token_mean(g: torch.Tensor, m: torch.Tensor, leave_one_out: bool, one_row: bool) -> torch.Tensor:
+    """AReaL Normalization's mean over the masked tokens, per token (leave-one-out: without it)."""
+    total, count = (g * m).sum(), m.sum()
+    if leave_one_out:
+        if count <= 1 or one_row:
+            return torch.zeros_like(g)
+        return torch.where(m > 0, (total - g * m) / (count - m).clamp(min=1.0), total / count)
+    return (total / count if count > 0 else torch.tensor(0.0)).expand_as(g)
+
+
+def _token_std(g: torch.Tensor, m: torch.Tensor, mean: torch.Tensor, unbiased: bool, one_row: bool) -> torch.Tensor:
+    squares, count = ((g * m - mean * m) ** 2).sum(), m.sum()
+    if unbiased:
+        return torch.sqrt(squares / (count - 1)) if count > 1 and not one_row else torch.tensor(1.0)
+    return torch.sqrt(squares / count) if count > 0 else torch.tensor(1.0)
+
+
+def token_norm(x: AdvantageInputs, config: TokenNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    returns = reward_to_go(x.rewards, x.mask, config.gamma)
+    groups = [(x.group_index == g).nonzero().squeeze(1) for g in x.group_index.unique()]
+    everything = [torch.arange(x.rewards.shape[0])]
+    mean, std = torch.zeros_like(returns), torch.ones_like(returns)
+    if config.mean_level != "none":
+        for rows in groups if config.mean_level == "group" else everything:
+            one_row = config.mean_level == "group" and rows.numel() == 1
+            mean[rows] = _token_mean(returns[rows], x.mask[rows], config.leave_one_out, one_row)
+    if config.std_level != "none":
+        for rows in groups if config.std_level == "group" else everything:
+            one_row = config.std_level == "group" and rows.numel() == 1
+            std[rows] = _token_std(returns[rows], x.mask[rows], mean[rows], config.unbiased_std, one_row)
+    eps = config.eps if config.std_level != "none" else 0.0
+    return (returns - mean) * x.mask / (std + eps), returns
 
 
 def compute_advantages(batch: Batch, config: AdvantageConfig) -> Batch:
     """Fill `batch.advantages` and `batch.returns` with the configured estimator (in place)."""
-    batch.advantages, batch.returns = ADVANTAGES[config.estimator](AdvantageInputs.of(batch), config)
+    config = ADVANTAGES.config(config)
+    entry = ADVANTAGES.of(config)
+    if batch.baseline is not None and batch.baseline.any() and "baseline" not in entry.needs:
+        raise ValueError(f"the batch has greedy baseline rows (generate greedy_baseline: true), which advantage "
+                         f"{config.estimator!r} would count as samples; use advantage remax, or drop the option")
+    batch.advantages, batch.returns = entry.fn(AdvantageInputs.of(batch), config)
     return batch
+
+
+TOKEN_REWARDS = frozenset({"token_rewards"})
+GRPO_ESTIMATOR = Algorithm("grpo", GRPO, grpo)
+DR_GRPO_ESTIMATOR = Algorithm("dr_grpo", DrGRPO, dr_grpo)
+RLOO_ESTIMATOR = Algorithm("rloo", RLOO, rloo)
+REINFORCE_PP_ESTIMATOR = Algorithm("reinforce_pp", ReinforcePP, reinforce_pp, TOKEN_REWARDS)
+REINFORCE_PP_BASELINE_ESTIMATOR = Algorithm("reinforce_pp_baseline", ReinforcePPBaseline, reinforce_pp_baseline,
+                                            TOKEN_REWARDS)
+GAE_ESTIMATOR = Algorithm("gae", GAE, gae, TOKEN_REWARDS | {"values"})
+TOKEN_NORM_ESTIMATOR = Algorithm("token_norm", TokenNorm, token_norm, TOKEN_REWARDS)

@@ -47,6 +47,9 @@ TOKEN_FIELDS = (
     "behaviour_weights",
 )
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k")
+ROW_FIELDS = ("group_index", "lengths", "baseline")  # shaped (B,)
+# Trajectory metadata key of a greedy baseline sample (generate `greedy_baseline: true`).
+GREEDY_BASELINE = "greedy_baseline"
 # The value of a sampling field on a token outside every span: the model's own distribution.
 SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1}
 
@@ -75,6 +78,9 @@ class Batch:
     # pi_proximal / pi_behaviour as the loss weights each token (decoupled PPO, tis, mis), no gradient;
     # set by `losses.set_behaviour_weights`. A token with weight 0 carries no loss.
     behaviour_weights: torch.Tensor | None = None
+    # (B,) 1.0 on a group's greedy baseline row (generate `greedy_baseline: true`, for advantage
+    # remax): its reward is the group's baseline and its loss mask is all zero.
+    baseline: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -89,7 +95,7 @@ class Batch:
             value = getattr(self, field.name)
             if value is None:
                 out[field.name] = None
-            elif field.name in ("group_index", "lengths"):
+            elif field.name in ROW_FIELDS:
                 out[field.name] = value[index]
             elif field.name in TOKEN_FIELDS:
                 out[field.name] = value[index, : max(width - 1, 0)]
@@ -158,7 +164,7 @@ def _sampling_columns(traj: Trajectory) -> dict[str, list[float]] | None:
     return columns
 
 
-def _token_rewards(traj: Trajectory) -> tuple[list[float], list[float]]:
+def credited_rewards(traj: Trajectory) -> tuple[list[float], list[float]]:
     """The credited rewards on the response tokens: the finest granularity the trajectory has.
     `reward` next to turn or token rewards is their total (set for metrics and filters, e.g. by the
     environment workflow), so crediting it as well would count the episode twice."""
@@ -207,8 +213,9 @@ def pack(trajectories: Sequence[Trajectory], require_reward: bool = True) -> Bat
         fields["attention_mask"].append([1] * (p + n) + [0] * pad)
         fields["position_ids"].append(list(range(p + n)) + [0] * pad)
         head = [0] * (p - 1)  # response values sit on the target-aligned columns p-1 .. p-2+n
-        rewards, defined = _token_rewards(traj)
-        fields["loss_mask"].append(head + list(traj.loss_mask) + [0] * pad)
+        rewards, defined = credited_rewards(traj)
+        loss_mask = [0] * n if traj.metadata.get(GREEDY_BASELINE) else list(traj.loss_mask)
+        fields["loss_mask"].append(head + loss_mask + [0] * pad)
         fields["behaviour_logprobs"].append(head + list(traj.behaviour_logprobs) + [0] * pad)
         fields["rewards"].append(head + rewards + [0] * pad)
         fields["reward_mask"].append(head + defined + [0] * pad)
@@ -224,7 +231,9 @@ def pack(trajectories: Sequence[Trajectory], require_reward: bool = True) -> Bat
     position_ids, versions = tensors.pop("position_ids"), tensors.pop("versions")
     reference, values = tensors.pop("reference_logprobs", None), tensors.pop("values", None)
     token = tensors  # loss_mask, behaviour_logprobs, rewards, reward_mask, and sampling fields if any
+    baseline = [1.0 if t.metadata.get(GREEDY_BASELINE) else 0.0 for t in trajectories]
     return Batch(
+        baseline=torch.tensor(baseline) if any(baseline) else None,
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=position_ids,

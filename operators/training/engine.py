@@ -23,7 +23,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 
-from flowrl.registry import did_you_mean
+from flowrl import plugins
 
 GROUP = "flowrl.training_engines"
 Role = Literal["policy", "reference", "value"]
@@ -90,7 +90,7 @@ def check_name(name: str) -> str | None:
     """None if `name` is a registered training engine, else what to say."""
     if name in engines():
         return None
-    return f"unknown training engine '{name}' (registered: {', '.join(sorted(engines()))}){did_you_mean(name, engines())}"
+    return plugins.unknown("training engine", name, engines())
 
 
 def build(name: str, model_path: str, config: Any, role: Role) -> TrainingEngine:

@@ -182,6 +182,10 @@ class Trainer:
         dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
         return t.tolist()
 
+    def all_reduce(self, values: list[float]) -> list[float]:
+        """Sums of `values` over the ranks (collective)."""
+        return self._all_reduce(values)
+
     def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier()
@@ -361,7 +365,7 @@ def _placeholder(batch: Batch) -> Batch:
     for name, value in vars(batch).items():
         if value is None:
             fields[name] = None
-        elif name in ("group_index",):
+        elif name in ("group_index", "baseline"):
             fields[name] = torch.zeros(1, dtype=value.dtype)
         elif name == "lengths":
             fields[name] = torch.full((1,), 2, dtype=value.dtype)

@@ -14,11 +14,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cache
-from importlib.metadata import entry_points
 from typing import Any
 
-from flowrl.registry import did_you_mean
+from flowrl import plugins
 from flowrl_operators.transport.base import Stream, TransferError, WeightSender
 
 GROUP = "flowrl.transports"
@@ -32,15 +30,13 @@ class Transport:
     stream: Callable[[Any, int], Stream]  # (record, the engine's index among receivers) -> receiving end
 
 
-@cache
+def _check(name: str, target: str, value: Any) -> None:
+    if not isinstance(value, Transport) or value.name != name:
+        raise TransferError(f"entry point {name} = {target} is not a Transport named {name!r}")
+
+
 def transports() -> dict[str, Transport]:
-    found = {}
-    for ep in entry_points(group=GROUP):
-        transport = ep.load()
-        if not isinstance(transport, Transport) or transport.name != ep.name:
-            raise TransferError(f"entry point {ep.name} = {ep.value} is not a Transport named {ep.name!r}")
-        found[ep.name] = transport
-    return found
+    return plugins.load(GROUP, _check)
 
 
 def names() -> list[str]:
@@ -50,8 +46,7 @@ def names() -> list[str]:
 def get(name: str) -> Transport:
     found = transports().get(name)
     if found is None:
-        raise TransferError(f"unknown weight transport '{name}' (registered: {', '.join(names())})"
-                            f"{did_you_mean(name, names())}")
+        raise TransferError(plugins.unknown("weight transport", name, names()))
     return found
 
 
