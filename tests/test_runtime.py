@@ -11,7 +11,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from flowrl.runtime import ledger
-from flowrl.runtime.coordinator import admission_budgets
 from flowrl.runtime.run import StageFailed, run
 
 
@@ -30,7 +29,8 @@ def check_bounds(plan, run_dir):
     """Admission (no sample issued beyond (v + budget + 1) * batch_size + credit, the credit no
     more than the samples that never reached a train node) and staleness (no record older than
     v - limit delivered on a drop edge), read back from the ledger."""
-    budgets, limits = admission_budgets(plan)
+    budgets = {g: f.budget for g, f in plan.facts.generate.items()}
+    limits = plan.facts.limits
     edges = {e.label: e for e in plan.edges}
     events = ledger.read(run_dir)
     issued = [e for e in events if e["event"] == "issue"]

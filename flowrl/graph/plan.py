@@ -2,6 +2,9 @@
 
 Plain data only. Operator classes are named by their registry name (or `module:attr`) and
 resolved again inside each stage's process, so a plan crosses process boundaries as-is.
+`Plan.facts` holds what the runtime needs to know about the graph (admission budgets, staleness
+limits, which generate nodes feed which train nodes: flowrl/graph/facts.py), derived from the
+nodes and edges when the plan is built; a plan.json written without them gets them on load.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from flowrl.graph.facts import Facts, derive
 from flowrl.operator import Resources
 
 
@@ -58,6 +62,11 @@ class Plan(msgspec.Struct, kw_only=True):
     # Environment variables the spec reads (`${oc.env:NAME}`): their values, often secrets, are
     # shown as the interpolation in what is written to disk (`record`).
     environment: list[str] = []
+    facts: Facts | None = None  # derived in __post_init__ unless given
+
+    def __post_init__(self) -> None:
+        if self.facts is None:
+            self.facts = derive(self.nodes, self.edges, self.order)
 
     def record(self) -> bytes:
         """The plan as JSON for run files and `inspect`, environment values redacted."""

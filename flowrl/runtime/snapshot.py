@@ -15,32 +15,42 @@ from __future__ import annotations
 import pickle
 from typing import Any
 
-from flowrl.runtime.channel import Record
+from flowrl.runtime.channel import Record, Work
 
-# Fields of the coordinator a checkpoint keeps as they are.
-PLAIN = ("versions", "cursor", "ended", "counters", "lost", "lost_before", "arrived", "resumes")
+# Fields of the coordinator a checkpoint keeps as they are. The roles keep their own through one
+# state()/restore() pair each, with the same keys both ways: generate nodes (samples.py: cursor,
+# lost, quota, reissue) and train nodes (batches.py: arrived, lost_before).
+PLAIN = ("versions", "ended", "counters", "resumes")
 
 
-def take(coord: Any) -> bytes:
-    """The coordinator's state now, with held work counted as handed back (the live run goes on)."""
-    policy = _policy_edges(coord)
+def outstanding(coord: Any) -> tuple[dict[str, list[Record]], dict[str, list[Work]]]:
+    """What is left anywhere, as if every stage died now: records per channel (those held by work
+    or a train node's buffer first, in the order they were taken) and samples per generate node
+    to be handed out again (those to re-issue, then those in flight). Copies; the run goes on."""
     channels = {label: list(c.records.values()) for label, c in coord.channels.items()}
-    reissue = {node: list(works) for node, works in coord.reissue.items()}
+    samples = {node: list(works) for node, works in coord.samples.reissue.items()}
     for node, held in coord.held.items():
         for _, work in held.values():
             if work.kind == "sample":
-                reissue[node].append(work)
+                samples[node].append(work)
             for label, records in work.records.items():
                 channels[label] = list(records) + channels[label]
-    for t in coord.trains:
-        label = coord.ins[t][0].label
-        channels[label] = list(coord.buffers[t]) + channels[label]
+    for label, records in coord.batches.waiting().items():
+        channels[label] = records + channels[label]
+    return channels, samples
+
+
+def take(coord: Any) -> bytes:
+    """The coordinator's state now, with held work counted as handed back (the live run goes on).
+    Everything is pickled before this returns, so the live objects are never shared."""
+    policy = _policy_edges(coord)
+    channels, samples = outstanding(coord)
     state = {field: getattr(coord, field) for field in PLAIN}
     state["channels"] = {label: ([r for r in records] if label not in policy else
                                  [Record(r.id, r.step, r.version, None) for r in records],
                                  coord.channels[label].ended) for label, records in channels.items()}
-    state["reissue"] = reissue
-    state["quota"] = {g: (q.fate, q.bonus) for g, q in coord.quota.items()}
+    state.update(coord.samples.state(samples))
+    state.update(coord.batches.state())
     state["observe"] = coord.observe.state()
     return pickle.dumps(state)
 
@@ -60,16 +70,11 @@ def restore(coord: Any, blob: bytes) -> None:
                 coord.ledger.write("drop", label, r.id, r.step, r.version, reason="superseded")
             else:
                 ch.put(r)
-    coord.reissue = state["reissue"]
-    for g, (fate, bonus) in state["quota"].items():
-        coord.quota[g].fate, coord.quota[g].bonus = fate, bonus
+    # Every train node publishes its restored policy; engines load it before issuing anything.
+    coord.samples.restore(state)
+    coord.batches.restore(state)
     coord.observe.restore(state["observe"])
     coord.ledger.write("resume", "", "", min(coord.versions.values(), default=0), coord.clock)
-    # Every train node publishes its restored policy; engines load it before issuing anything.
-    coord.republish = {t for t in coord.trains if coord.versions[t] > 0}
-    for g, edge in coord.weights_in.items():
-        if edge is not None and coord.plan.nodes[g].kind == "generate":
-            coord.required[g] = coord.clock
 
 
 def _policy_edges(coord: Any) -> set[str]:
