@@ -75,6 +75,23 @@ def test_periodic_checkpoints_keep_the_newest(tmp_path):
     assert json.loads((tmp_path / "checkpoints" / "step-9" / "streams.json").read_text())["ledger.jsonl"] > 0
 
 
+def test_the_trace_shows_what_checkpoints_and_flushes_cost(tmp_path):
+    result = run(toy(checkpoint_every=4), tmp_path, progress=False)
+    assert result.status == "done"
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    assert {"name": "process_name", "ph": "M", "pid": 0, "tid": 0, "args": {"name": "runtime"}} in events
+    spans = [e for e in events if e["pid"] == 0 and e["ph"] == "X"]
+    checkpoints = [e for e in spans if e["name"] == "checkpoint"]
+    assert [e["args"]["version"] for e in checkpoints] == [4, 8]  # 12: the final one, written after the loop
+    assert all(e["dur"] > 0 for e in checkpoints)
+    # A checkpoint span covers the train node's wait: no train call overlaps it.
+    steps = [e for e in events if e["name"] == "train" and e["ph"] == "X"]
+    assert len(steps) == 12
+    for c in checkpoints:
+        assert not any(s["ts"] < c["ts"] + c["dur"] and c["ts"] < s["ts"] + s["dur"] for s in steps)
+    assert any(e["name"] == "flush" for e in spans)
+
+
 def test_records_reach_the_disk_while_the_run_goes_on(tmp_path):
     proc = start(tmp_path, delay=0.5, checkpoint_every=100)  # 6 s of steps; records flush every 2 s
     try:

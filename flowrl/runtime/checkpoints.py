@@ -37,12 +37,13 @@ class Pacing:
         self.seconds = seconds if seconds is not None else (None if every else DEFAULT_SECONDS)
         self.last = time.time() if now is None else now
         self.due: int | None = None
+        self.since = self.last  # when `due` was set
 
     def step(self, version: int, now: float | None = None) -> None:
         """A train step published `version` (the clock)."""
         now = time.time() if now is None else now
         if (self.every and version % self.every == 0) or (self.seconds and now - self.last >= self.seconds):
-            self.due = version
+            self.due, self.since = version, now
 
     def done(self, now: float | None = None) -> None:
         self.due = None

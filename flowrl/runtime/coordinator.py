@@ -198,6 +198,7 @@ class Coordinator:
         return None if self.stopping else self.pacing.due
 
     def checkpoint_done(self) -> None:
+        self.observe.runtime("checkpoint", self.pacing.since, version=self.pacing.due)
         self.pacing.done()
         self.notify()
 

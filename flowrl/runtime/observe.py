@@ -7,7 +7,10 @@ chrome://tracing), appended during the run and valid after every append (flowrl/
 `ph: "X"` spans named `wait` (blocked on input or admission), `generate` / `process` / `train` /
 `sync` (operator calls; args hold the record id, step and version), `drain` (a generate stage
 finishing in-flight work before a weight update), `update_weights`, and `step` (one train step,
-start to publish); `ph: "i"` instants `publish v<n>` and `weights v<n>`. Timestamps are microseconds since the run's origin (`meta.json`).
+start to publish); `ph: "i"` instants `publish v<n>` and `weights v<n>`. The row `runtime` (pid 0)
+holds the run's own work: `checkpoint` spans (from the step that made one due until it is written;
+train nodes wait meanwhile) and `flush` spans (these files appended). Timestamps are microseconds
+since the run's origin (`meta.json`).
 
 `metrics.jsonl` has one JSON object per train step (see flowrl/runtime/__init__.py for the keys);
 the same numbers go to TensorBoard under `tensorboard/`. All three are written by `flush()`, which
@@ -31,6 +34,9 @@ def span(pid: int, tid: int, name: str, start: float, end: float, origin: float,
             "dur": round(max(end - start, 0.0) * 1e6, 1), "pid": pid, "tid": tid, "args": args}
 
 
+RUNTIME_PID = 0  # the trace row of the run's own work; nodes are 1, 2, ...
+
+
 def node_pids(plan: Plan) -> dict[str, int]:
     order = list(plan.order) + [n for n in plan.nodes if n not in plan.order]
     return {n: i + 1 for i, n in enumerate(order)}
@@ -44,7 +50,7 @@ class Observer:
         self.pids = node_pids(plan)
         self.events: list[dict[str, Any]] = [
             {"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": node}}
-            for node, pid in self.pids.items()
+            for node, pid in {"runtime": RUNTIME_PID, **self.pids}.items()
         ]
         self.busy: dict[tuple[str, int], float] = {}
         # Operators' cumulative counters as last reported, per (node, replica).
@@ -55,6 +61,10 @@ class Observer:
         self._mark = {"time": time.time(), "busy": {}, "dropped": 0}
         self._tb: Any = None
         self.trace = TraceFile(run_dir / "trace.json") if run_dir is not None else None
+
+    def runtime(self, name: str, start: float, **args: Any) -> None:
+        """A span of the run's own work (a checkpoint, a flush) from `start` until now."""
+        self.events.append(span(RUNTIME_PID, 0, name, start, time.time(), self.origin, **args))
 
     def instant(self, node: str, replica: int, name: str) -> None:
         self.events.append({"name": name, "ph": "i", "s": "p", "ts": round((time.time() - self.origin) * 1e6, 1),
@@ -110,10 +120,12 @@ class Observer:
         rows, events, self.rows, self.events = self.rows, self.events, [], []
         if self.run_dir is None:
             return
+        start = time.time()
         self.trace.append(events)
         append_lines(self.run_dir / "metrics.jsonl", [json.dumps(row).encode() for row in rows])
         if rows:
             self._tensorboard(rows)
+        self.runtime("flush", start, rows=len(rows), events=len(events))
 
     def _tensorboard(self, rows: list[dict[str, Any]]) -> None:
         # TensorBoard's own event writer: torch.utils.tensorboard would import torch (seconds)
