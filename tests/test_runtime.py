@@ -246,13 +246,14 @@ def test_trace_is_chrome_trace_json_and_metrics_have_a_row_per_step(tmp_path):
     trace = json.loads((tmp_path / "trace.json").read_text())
     events = trace["traceEvents"]
     names = {e["args"]["name"] for e in events if e["ph"] == "M"}
-    assert names == {"rollout", "score", "learner", "publish"}
+    # One row per node, plus the runtime's own row (checkpoints and record flushes).
+    assert names == {"rollout", "score", "learner", "publish", "runtime"}
     for e in events:
         assert {"name", "ph", "pid", "tid"} <= set(e)
         if e["ph"] == "X":
             assert e["dur"] >= 0 and e["ts"] >= 0
     kinds = {e["name"] for e in events}
-    assert {"generate", "process", "train", "sync", "wait", "update_weights"} <= kinds
+    assert {"generate", "process", "train", "sync", "wait", "update_weights", "flush"} <= kinds
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]
     for r in rows:
