@@ -13,7 +13,7 @@ from typing import Any
 from flowrl.data.trajectory import Trajectory
 from flowrl_operators.tasks.common import response_text
 
-INSTRUCTION = "Answer with the final number at the end."
+INSTRUCTION = "Reply with only the final number."
 NAMES = ["Sam", "Mia", "Leo", "Ava", "Noah", "Zoe", "Omar", "Lena", "Ravi", "Ines"]
 THINGS = ["apples", "marbles", "stickers", "books", "coins", "pencils", "cards", "shells"]
 
