@@ -21,7 +21,7 @@ from flowrl.spec.load import Locator
 
 def check_references(spec: Any, configs: dict[str, msgspec.Struct], loc: Locator, problems: list[Diagnostic]) -> None:
     """Every `module:attr`, model folder and data source the spec names."""
-    found = refs.problems(spec.model, ("model",))
+    found = refs.problems(spec.model, ("model",)) + refs.problems(spec.run, ("run",))
     model = None if found else msgspec.to_builtins(spec.model)  # a source may ask for its tokenizer
     for name, config in configs.items():
         found += refs.problems(config, ("nodes", name))

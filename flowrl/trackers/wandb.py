@@ -1,0 +1,55 @@
+"""`wandb`: Weights & Biases, offline by default, its files under RUN_DIR/wandb.
+
+Mode: `WANDB_MODE` if you set it (`online` with `wandb login` streams to the server), else
+`offline`: the run is written to RUN_DIR/wandb/offline-run-<time>-<id>/ as it goes, and
+`wandb sync RUN_DIR/wandb/offline-run-*` uploads it later. The project is `WANDB_PROJECT` if set,
+else the pipeline's name; the run's config is the plan (plan.json's content).
+
+Each metrics row is one `log` at `step` = the train step, with `flowrl.trackers.scalars`' names;
+the step's sample rows are a `wandb.Table` under `samples` in the same call. A resume continues
+the same run id (kept in trackers.json, flowrl/runtime/tracking.py); offline, that writes a second
+offline-run folder with the same id, which `wandb sync` appends to the same run.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, ClassVar
+
+from flowrl.trackers import SAMPLE_COLUMNS, TrackerContext, sample_cells, scalars
+
+
+class WandB:
+    requires: ClassVar[tuple[str, ...]] = ("wandb",)
+
+    def __init__(self) -> None:
+        self.run: Any = None
+
+    def open(self, context: TrackerContext) -> dict[str, Any]:
+        import wandb
+
+        # console="off": wandb would otherwise wrap stdout, under the live view; no system
+        # metrics sampler either, the trace and metrics.jsonl are the run's own measurements.
+        settings = wandb.Settings(console="off", x_disable_stats=True, silent=True)
+        resumed = context.state.get("id")
+        self.run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT") or context.name, name=context.run_dir.name,
+            dir=str(context.run_dir), mode=os.environ.get("WANDB_MODE") or "offline",
+            config=context.config, id=resumed, resume="allow" if resumed else None,
+            settings=settings, reinit="create_new")
+        return {"id": self.run.id}
+
+    def log(self, rows: list[dict[str, Any]], samples: list[dict[str, Any]]) -> None:
+        import wandb
+
+        for row in rows:
+            values: dict[str, Any] = dict(scalars(row))
+            mine = [sample_cells(s) for s in samples if (s["node"], s["step"]) == (row["node"], row["step"])]
+            if mine:
+                values["samples"] = wandb.Table(columns=list(SAMPLE_COLUMNS), data=mine)
+            self.run.log(values, step=row["step"])
+
+    def close(self) -> None:
+        if self.run is not None:
+            self.run.finish()
+            self.run = None
