@@ -16,7 +16,10 @@ sample rows (step, id, version, reward, prompt, response; flowrl/runtime/observe
 own files stay the record: a tracker that fails while the run goes is warned about and dropped.
 
 `requires` names the modules a tracker imports; `flowrl validate` reports a missing one at
-`run.trackers[i]` with what to install, before anything loads.
+`run.trackers[i]` with what to install, before anything loads. An optional class attribute
+`rewound = True` says the tracker's files are cut back to the checkpoint on resume like the run's
+record streams (TensorBoard's event files), so it is sent the steps after the checkpoint again;
+otherwise a resumed run sends it only steps it has not had (flowrl/runtime/tracking.py).
 """
 
 from __future__ import annotations

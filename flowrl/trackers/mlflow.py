@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from typing import Any, ClassVar
 
 from flowrl.trackers import SAMPLE_COLUMNS, TrackerContext, sample_cells, scalars
@@ -69,7 +70,9 @@ class MLflow:
             tables.setdefault(sample["step"] // STEPS_PER_TABLE, []).append(sample_cells(sample))
         for first, cells in tables.items():
             columns = {c: [row[i] for row in cells] for i, c in enumerate(SAMPLE_COLUMNS)}
-            self.client.log_table(self.run_id, columns, f"samples/steps-{first * STEPS_PER_TABLE:06d}.json")
+            with warnings.catch_warnings():  # pandas' deprecation notices about MLflow's own code
+                warnings.simplefilter("ignore")
+                self.client.log_table(self.run_id, columns, f"samples/steps-{first * STEPS_PER_TABLE:06d}.json")
 
     def close(self) -> None:
         if self.client is not None and self.run_id:

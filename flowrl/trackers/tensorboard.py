@@ -15,6 +15,7 @@ from flowrl.trackers import SAMPLE_COLUMNS, TrackerContext, sample_cells, scalar
 
 class TensorBoard:
     requires: ClassVar[tuple[str, ...]] = ("tensorboard",)
+    rewound: ClassVar[bool] = True  # its event files are record streams: a resume cuts them back
 
     def __init__(self) -> None:
         self.writer: Any = None
