@@ -20,8 +20,17 @@ import runtime_ops as ops
 
 from flowrl.cli import main
 from flowrl.runtime.run import run
-from flowrl.trackers import SAMPLE_COLUMNS, Tracker, TrackerContext, TrackerError, check, names, resolve, \
-    sample_cells, scalars
+from flowrl.trackers import (
+    SAMPLE_COLUMNS,
+    Tracker,
+    TrackerContext,
+    TrackerError,
+    check,
+    names,
+    resolve,
+    sample_cells,
+    scalars,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = ROOT / "tests/specs/good/base.yaml"
