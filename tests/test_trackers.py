@@ -38,13 +38,14 @@ ALL = ["tensorboard", "wandb", "mlflow", "test_trackers:Recorder"]
 
 
 class Recorder:
-    """A plugin tracker named by module:attr: writes what it is handed to RUN_DIR/recorder.jsonl."""
+    """A plugin tracker named by module:attr: writes what it is handed to RUN_DIR/recorder.jsonl
+    (a subclass to <its name>.jsonl)."""
 
     requires: ClassVar[tuple[str, ...]] = ()
 
     def open(self, context: TrackerContext) -> dict[str, Any]:
-        self.path = context.run_dir / "recorder.jsonl"
-        self._write({"open": context.name, "state": context.state})
+        self.path = context.run_dir / f"{type(self).__name__.lower()}.jsonl"
+        self._write({"open": context.name, "label": context.label, "group": context.group, "state": context.state})
         return {"opened": True}
 
     def log(self, rows: list[dict[str, Any]], samples: list[dict[str, Any]]) -> None:
@@ -56,6 +57,11 @@ class Recorder:
     def _write(self, entry: dict[str, Any]) -> None:
         with open(self.path, "a") as f:
             f.write(json.dumps(entry) + "\n")
+
+
+class Broken(Recorder):
+    def log(self, rows: list[dict[str, Any]], samples: list[dict[str, Any]]) -> None:
+        raise ConnectionError("the tracking server went away")
 
 
 class Absent(Recorder):
@@ -164,7 +170,8 @@ def test_every_tracker_gets_the_metrics_and_samples_of_each_step(finished: Path)
     cells = {step: [sample_cells(s) for s in samples if s["step"] == step] for step in expected}
 
     recorded = lines(finished / "recorder.jsonl")
-    assert recorded[0] == {"open": "toy", "state": {}} and recorded[-1] == {"close": True}
+    assert recorded[0] == {"open": "toy", "label": "run", "group": None, "state": {}}
+    assert recorded[-1] == {"close": True}
     assert [r for e in recorded[1:-1] for r in e["rows"]] == rows
     assert [s for e in recorded[1:-1] for s in e["samples"]] == samples
 
@@ -217,8 +224,26 @@ def test_a_resume_sends_each_step_to_each_tracker_once(tmp_path: Path) -> None:
     assert len(client.search_runs([client.get_run(run_id).info.experiment_id])) == 1
     assert [e.step for e in tensorboard_events(run_dir)] == list(range(6))  # cut back, then sent again
     recorded = lines(run_dir / "recorder.jsonl")
-    assert {"open": "toy", "state": {"opened": True}} in recorded
+    assert {"open": "toy", "label": "run", "group": None, "state": {"opened": True}} in recorded
     assert [r["step"] for e in recorded if "rows" in e for r in e["rows"]] == list(range(6))
+
+
+def test_samples_per_step_and_a_failing_tracker_that_is_dropped(tmp_path: Path) -> None:
+    run_dir = tmp_path / "phases" / "1-grpo"  # a phase's folder (flowrl/spec/phases.py)
+    plan = toy(samples_per_step=1)
+    plan.run["trackers"] = ["test_trackers:Broken", "test_trackers:Recorder"]
+    with pytest.warns(UserWarning, match="tracker 'test_trackers:Broken' failed and is dropped .* went away"):
+        assert run(plan, run_dir, progress=False).status == "done"
+    assert [(s["step"], s["id"]) for s in lines(run_dir / "samples.jsonl")] == [(s, f"{s}:0/0") for s in range(4)]
+    recorded = lines(run_dir / "recorder.jsonl")
+    assert (recorded[0]["label"], recorded[0]["group"]) == (f"{tmp_path.name}/1-grpo", tmp_path.name)
+    assert [r["step"] for e in recorded if "rows" in e for r in e["rows"]] == [0, 1, 2, 3]
+    assert recorded[-1] == {"close": True}
+    assert [list(e) for e in lines(run_dir / "broken.jsonl")] == [["open", "label", "group", "state"]]  # never closed
+    assert not (run_dir / "tensorboard").exists()  # not listed, not written
+    plan.run.update(samples_per_step=0, trackers=[])
+    assert run(plan, tmp_path / "none", progress=False).status == "done"
+    assert not (tmp_path / "none/samples.jsonl").exists() and not (tmp_path / "none/trackers.json").exists()
 
 
 @pytest.mark.parametrize("trackers, where, words", [

@@ -33,7 +33,7 @@ def measure(name: str, rows: list[dict], samples: list[dict]) -> dict[str, float
     first = [s for s in samples if s["step"] < 5]
     t0 = time.perf_counter()
     tracker = resolve(name)()
-    tracker.open(TrackerContext(folder, "bench", time.time(), {"bench": True}))
+    tracker.open(TrackerContext(folder, "bench", name, None, time.time(), {"bench": True}))
     t1 = time.perf_counter()
     tracker.log(rows[:5], first)
     t2 = time.perf_counter()

@@ -62,7 +62,11 @@ class Tracking:
         cls = resolve(name)
         tracker = cls()
         entry = self.saved.get(name, {})
-        state = tracker.open(TrackerContext(self.run_dir, self.name, self.origin, self.config, entry.get("state", {})))
+        phased = self.run_dir.parent.name == "phases"  # runs/<run>/phases/<i>-<phase> (flowrl/spec/phases.py)
+        group = self.run_dir.parent.parent.name if phased else None
+        label = f"{group}/{self.run_dir.name}" if phased else self.run_dir.name
+        state = tracker.open(TrackerContext(self.run_dir, self.name, label, group, self.origin, self.config,
+                                            entry.get("state", {})))
         assert self.open is not None
         self.open[name] = tracker
         # A rewound tracker's files were cut back to the checkpoint: it gets the later steps again.

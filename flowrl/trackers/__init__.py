@@ -43,6 +43,9 @@ SAMPLE_COLUMNS = ("step", "id", "version", "reward", "prompt", "response")
 class TrackerContext:
     run_dir: Path
     name: str  # the run's (plan's) name
+    # The run directory's name, and a phase's "<run>/<phase folder>": how a tracker names its run.
+    label: str
+    group: str | None  # a phased run's directory name, the same for its phases (wandb groups by it)
     origin: float  # the run's start, epoch seconds (a row's `time` counts from it)
     config: dict[str, Any]  # the plan as recorded in plan.json (environment values redacted)
     # What this tracker's `open` returned when it last opened in this run directory (a resume):

@@ -54,7 +54,7 @@ class MLflow:
         name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or context.name
         found = self.client.get_experiment_by_name(name)
         experiment = found.experiment_id if found else self.client.create_experiment(name)
-        self.run_id = self.client.create_run(experiment, run_name=context.run_dir.name).info.run_id
+        self.run_id = self.client.create_run(experiment, run_name=context.label).info.run_id
         self.client.log_dict(self.run_id, context.config, "plan.json")
         return {"run_id": self.run_id}
 

@@ -3,7 +3,8 @@
 Mode: `WANDB_MODE` if you set it (`online` with `wandb login` streams to the server), else
 `offline`: the run is written to RUN_DIR/wandb/offline-run-<time>-<id>/ as it goes, and
 `wandb sync RUN_DIR/wandb/offline-run-*` uploads it later. The project is `WANDB_PROJECT` if set,
-else the pipeline's name; the run's config is the plan (plan.json's content).
+else the pipeline's name; the run is named after the run directory, and the phases of a phased run
+are grouped under its name; the run's config is the plan (plan.json's content).
 
 Each metrics row is one `log` at `step` = the train step, with `flowrl.trackers.scalars`' names;
 the step's sample rows are a `wandb.Table` under `samples` in the same call. A resume continues
@@ -33,7 +34,7 @@ class WandB:
         settings = wandb.Settings(console="off", x_disable_stats=True, silent=True)
         resumed = context.state.get("id")
         self.run = wandb.init(
-            project=os.environ.get("WANDB_PROJECT") or context.name, name=context.run_dir.name,
+            project=os.environ.get("WANDB_PROJECT") or context.name, name=context.label, group=context.group,
             dir=str(context.run_dir), mode=os.environ.get("WANDB_MODE") or "offline",
             config=context.config, id=resumed, resume="allow" if resumed else None,
             settings=settings, reinit="create_new")
