@@ -12,6 +12,7 @@ import json
 import shutil
 import struct
 import sys
+import time
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -244,6 +245,25 @@ def test_samples_per_step_and_a_failing_tracker_that_is_dropped(tmp_path: Path) 
     plan.run.update(samples_per_step=0, trackers=[])
     assert run(plan, tmp_path / "none", progress=False).status == "done"
     assert not (tmp_path / "none/samples.jsonl").exists() and not (tmp_path / "none/trackers.json").exists()
+
+
+def test_wandb_writes_its_file_while_the_run_goes(tmp_path: Path) -> None:
+    """Durability: what was logged is in the .wandb file within FILE_FLUSH_S, the run still open
+    (wandb's own default, 15 s, would lose that much to a kill -9)."""
+    from flowrl.trackers.wandb import FILE_FLUSH_S, WandB
+
+    tracker = WandB()
+    tracker.open(TrackerContext(tmp_path, "toy", "run", None, time.time(), {}))
+    tracker.log([{"step": s, "node": "learner", "time": 0.1 * s, "reward": s / 2, "train": {"loss": 1.0 / (s + 1)}}
+                 for s in range(2)], [])
+    logged = time.time()
+    try:
+        while [h["_step"] for h in wandb_history(tmp_path)[1]] != [0, 1]:
+            assert time.time() - logged < FILE_FLUSH_S + 2.0, "the .wandb file does not hold the logged steps"
+            time.sleep(0.1)
+        assert wandb_history(tmp_path)[1][1]["train/loss"] == 0.5
+    finally:
+        tracker.close()
 
 
 @pytest.mark.parametrize("trackers, where, words", [

@@ -9,7 +9,8 @@ Resume. `trackers.json` in the run directory keeps, per tracker, the state its `
 back to the checkpoint as the record streams are: a resumed run opens the same tracker run again
 and sends only the steps after those, so a tracker keeps the values it got first for a step
 that the resumed run computes again (metrics.jsonl holds the resumed run's). A crash between a
-tracker's `log` and the rewrite of trackers.json can repeat that one flush's steps in it. A
+tracker's `log` and the rewrite of trackers.json can repeat that one flush's steps in it; one
+before a tracker's own files hold what it was sent (wandb: within 0.5 s) loses them in it. A
 tracker whose files are cut back with the streams (`rewound = True`: TensorBoard's event files,
 flowrl/runtime/streams.py) is sent everything after the checkpoint again.
 

@@ -7,7 +7,10 @@ else the pipeline's name; the run is named after the run directory, and the phas
 are grouped under its name; the run's config is the plan (plan.json's content).
 
 Each metrics row is one `log` at `step` = the train step, with `flowrl.trackers.scalars`' names;
-the step's sample rows are a `wandb.Table` under `samples` in the same call. A resume continues
+the step's sample rows are a `wandb.Table` under `samples` in the same call. Durability: wandb's
+service writes the .wandb file every FILE_FLUSH_S and writes nothing more when this process is
+killed, so a kill within FILE_FLUSH_S of a flush loses that flush's steps in wandb (the run's
+files keep them; trackers.json counts them as sent, so a resume does not send them again). A resume continues
 the same run id (kept in trackers.json, flowrl/runtime/tracking.py); offline, that writes a second
 offline-run folder with the same id, which `wandb sync` appends to the same run.
 """
@@ -18,6 +21,8 @@ import os
 from typing import Any, ClassVar
 
 from flowrl.trackers import SAMPLE_COLUMNS, TrackerContext, sample_cells, scalars
+
+FILE_FLUSH_S = 0.5
 
 
 class WandB:
@@ -31,7 +36,10 @@ class WandB:
 
         # console="off": wandb would otherwise wrap stdout, under the live view; no system
         # metrics sampler either, the trace and metrics.jsonl are the run's own measurements.
-        settings = wandb.Settings(console="off", x_disable_stats=True, silent=True)
+        # The .wandb file is written every FILE_FLUSH_S (wandb's default, 15 s, would lose that
+        # much to a kill: its service does not write what it holds when this process dies).
+        settings = wandb.Settings(console="off", x_disable_stats=True, silent=True,
+                                  x_transaction_log_flush_interval=FILE_FLUSH_S)
         resumed = context.state.get("id")
         self.run = wandb.init(
             project=os.environ.get("WANDB_PROJECT") or context.name, name=context.label, group=context.group,
@@ -48,7 +56,9 @@ class WandB:
             mine = [sample_cells(s) for s in samples if (s["node"], s["step"]) == (row["node"], row["step"])]
             if mine:
                 values["samples"] = wandb.Table(columns=list(SAMPLE_COLUMNS), data=mine)
-            self.run.log(values, step=row["step"])
+            # commit: the step is whole; without it wandb holds a step's row open until a later
+            # step arrives, and a kill would lose the last step sent.
+            self.run.log(values, step=row["step"], commit=True)
 
     def close(self) -> None:
         if self.run is not None:
