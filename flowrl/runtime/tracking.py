@@ -47,12 +47,12 @@ class Tracking:
             for name in self.names:
                 self._call(name, self._open, name)
         for name, tracker in list(self.open.items()):
-            sent = self.saved.get(name, {}).get("steps", {})
+            sent = self.saved[name]["steps"]
             new = [r for r in rows if r["step"] > sent.get(r["node"], -1)]
             if new and self._call(name, tracker.log, new, [s for s in samples if s["step"] > sent.get(s["node"], -1)]):
                 for r in new:
                     sent[r["node"]] = max(sent.get(r["node"], -1), r["step"])
-                self._save(name, steps=sent)
+        self._write()  # once a flush, after every tracker has had it
 
     def close(self) -> None:
         for name, tracker in list((self.open or {}).items()):
@@ -71,7 +71,8 @@ class Tracking:
         assert self.open is not None
         self.open[name] = tracker
         # A rewound tracker's files were cut back to the checkpoint: it gets the later steps again.
-        self._save(name, state=state or {}, steps={} if getattr(cls, "rewound", False) else entry.get("steps", {}))
+        steps = {} if getattr(cls, "rewound", False) else entry.get("steps", {})
+        self.saved[name] = {"state": state or {}, "steps": steps}
 
     def _call(self, name: str, fn: Any, *args: Any) -> bool:
         try:
@@ -84,8 +85,7 @@ class Tracking:
                 self.open.pop(name, None)
             return False
 
-    def _save(self, name: str, **entry: Any) -> None:
-        self.saved[name] = {**self.saved.get(name, {}), **entry}
+    def _write(self) -> None:
         path = self.run_dir / STATE_FILE
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.saved, indent=1))
