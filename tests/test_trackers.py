@@ -178,6 +178,7 @@ def test_every_tracker_gets_the_metrics_and_samples_of_each_step(finished: Path)
 
     ids, history = wandb_history(finished)
     assert len(ids) == 1 and [h["_step"] for h in history] == [0, 1, 2, 3]
+    assert list((finished / "wandb/data/artifacts/staging").iterdir())  # tables staged for sync: in the run dir
     for h in history:
         assert {k: h[k] for k in expected[h["_step"]]} == pytest.approx(expected[h["_step"]])
         assert h["samples"]["columns"] == list(SAMPLE_COLUMNS) and h["samples"]["data"] == cells[h["_step"]]

@@ -1,7 +1,8 @@
 """`wandb`: Weights & Biases, offline by default, its files under RUN_DIR/wandb.
 
 Mode: `WANDB_MODE` if you set it (`online` with `wandb login` streams to the server), else
-`offline`: the run is written to RUN_DIR/wandb/offline-run-<time>-<id>/ as it goes, and
+`offline`: the run is written to RUN_DIR/wandb/offline-run-<time>-<id>/ as it goes, the sample
+tables staged in RUN_DIR/wandb/data unless you set `WANDB_DATA_DIR`, and
 `wandb sync RUN_DIR/wandb/offline-run-*` uploads it later. The project is `WANDB_PROJECT` if set,
 else the pipeline's name; the run is named after the run directory, and the phases of a phased run
 are grouped under its name; the run's config is the plan (plan.json's content).
@@ -30,6 +31,7 @@ class WandB:
 
     def __init__(self) -> None:
         self.run: Any = None
+        self.data_dir_set = False
 
     def open(self, context: TrackerContext) -> dict[str, Any]:
         import wandb
@@ -40,6 +42,12 @@ class WandB:
         # much to a kill: its service does not write what it holds when this process dies).
         settings = wandb.Settings(console="off", x_disable_stats=True, silent=True,
                                   x_transaction_log_flush_interval=FILE_FLUSH_S)
+        if "WANDB_DATA_DIR" not in os.environ:
+            # Where wandb stages a table's files until `wandb sync` uploads them (default: the
+            # user's data folder): in the run directory, so that it syncs from anywhere. wandb
+            # reads the variable whenever it stages, so it stays set until close().
+            os.environ["WANDB_DATA_DIR"] = str(context.run_dir / "wandb" / "data")
+            self.data_dir_set = True
         resumed = context.state.get("id")
         self.run = wandb.init(
             project=os.environ.get("WANDB_PROJECT") or context.name, name=context.label, group=context.group,
@@ -62,5 +70,14 @@ class WandB:
 
     def close(self) -> None:
         if self.run is not None:
+            import wandb
+
             self.run.finish()
             self.run = None
+            # finish() returns before wandb's service has written the end of the .wandb file, and
+            # the service writes nothing more once this process is killed (a Ray actor is, when
+            # the run ends): teardown waits for it. A later open starts the service again.
+            wandb.teardown()
+        if self.data_dir_set:
+            os.environ.pop("WANDB_DATA_DIR", None)
+            self.data_dir_set = False
