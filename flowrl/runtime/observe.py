@@ -69,7 +69,7 @@ class Observer:
         self.samples: list[dict[str, Any]] = []
         self.samples_per_step = int(plan.run.get("samples_per_step", SAMPLES_PER_STEP))
         self.trace = TraceFile(run_dir / "trace.json") if run_dir is not None else None
-        self.tracking = None
+        self.tracking: Tracking | None = None
         if run_dir is not None:
             config = msgspec.json.decode(plan.record())  # environment values redacted
             self.tracking = Tracking(plan.run.get("trackers", DEFAULT_TRACKERS), run_dir, plan.name, origin, config)
