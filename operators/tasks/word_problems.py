@@ -1,0 +1,47 @@
+"""Arithmetic word problems for a real chat model (pipelines/smollm2_math.yaml).
+
+The rows are generated once by `tools/make_word_problems.py` and shipped as parquet, so the pipeline
+reads them as any user's dataset file would (`data.source: {file: ...}`). The reward checks the
+response's final answer with `math-verify` (the `math` extra), as verl's and AReaL's math rewards do.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from flowrl.data.trajectory import Trajectory
+from flowrl_operators.tasks.common import response_text
+
+INSTRUCTION = "Answer with the final number at the end."
+NAMES = ["Sam", "Mia", "Leo", "Ava", "Noah", "Zoe", "Omar", "Lena", "Ravi", "Ines"]
+THINGS = ["apples", "marbles", "stickers", "books", "coins", "pencils", "cards", "shells"]
+
+
+def make_problem(rng: random.Random) -> dict[str, Any]:
+    """One problem: a chat prompt and its answer (an integer, as text)."""
+    name, thing = rng.choice(NAMES), rng.choice(THINGS)
+    kind = rng.choice(["add", "sub", "mul", "add2"])
+    a, b, c = rng.randint(2, 40), rng.randint(2, 20), rng.randint(2, 9)
+    if kind == "add":
+        text, answer = f"{name} has {a} {thing} and gets {b} more. How many {thing} does {name} have now?", a + b
+    elif kind == "sub":
+        a = a + b  # never negative
+        text, answer = f"{name} has {a} {thing} and gives away {b}. How many {thing} are left?", a - b
+    elif kind == "mul":
+        text, answer = f"{name} buys {c} boxes with {b} {thing} in each box. How many {thing} is that?", b * c
+    else:
+        text = f"{name} has {a} {thing}, finds {b} more, then loses {c}. How many {thing} does {name} have?"
+        answer = a + b - c
+    return {"messages": [{"role": "user", "content": f"{text} {INSTRUCTION}"}], "answer": str(answer), "kind": kind}
+
+
+def final_answer(trajectory: Trajectory) -> float:
+    """1.0 when the response's last number equals the row's `answer` (math-verify), else 0.0."""
+    from math_verify import parse, verify
+
+    # math-verify's own timeouts use signal.alarm, which only works in the main thread; the reward
+    # node runs rewards in threads and times them out itself (`timeout`).
+    gold = parse(str(trajectory.metadata["sample"]["answer"]), parsing_timeout=None)
+    guess = parse(response_text(trajectory), parsing_timeout=None)
+    return 1.0 if guess and verify(gold, guess, timeout_seconds=None) else 0.0
