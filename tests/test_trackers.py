@@ -9,8 +9,11 @@ ships no Python reader of it any more) plus the table files it references.
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import struct
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -69,8 +72,8 @@ class Absent(Recorder):
     requires: ClassVar[tuple[str, ...]] = ("flowrl_no_such_module",)
 
 
-def toy(steps: int = 4, **run_keys: Any):
-    plan = ops.grpo("sync", 0, steps=steps, batch_size=3, gen={"text": True})
+def toy(steps: int = 4, train_delay: float = 0.0, **run_keys: Any):
+    plan = ops.grpo("sync", 0, steps=steps, batch_size=3, gen={"text": True}, train={"delay": train_delay})
     plan.run.update(trackers=ALL, **run_keys)
     return plan
 
@@ -119,6 +122,7 @@ def wandb_history(run_dir: Path) -> tuple[set[str], list[dict[str, Any]]]:
 def mlflow_client(run_dir: Path) -> tuple[Any, str]:
     from mlflow.tracking import MlflowClient
 
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # as the tracker does for its default store
     client = MlflowClient(tracking_uri=(run_dir / "mlruns").resolve().as_uri())
     return client, json.loads((run_dir / "trackers.json").read_text())["mlflow"]["state"]["run_id"]
 
@@ -228,6 +232,40 @@ def test_a_resume_sends_each_step_to_each_tracker_once(tmp_path: Path) -> None:
     recorded = lines(run_dir / "recorder.jsonl")
     assert {"open": "toy", "label": "run", "group": None, "state": {"opened": True}} in recorded
     assert [r["step"] for e in recorded if "rows" in e for r in e["rows"]] == list(range(6))
+
+
+KILLED = """
+import sys
+sys.path.insert(0, {tests!r})
+import test_trackers
+from flowrl.runtime.run import run
+run(test_trackers.toy(steps=10, train_delay=0.25, checkpoint_every=3), {run_dir!r}, progress=False)
+"""
+
+
+@pytest.mark.slow
+def test_a_run_killed_mid_step_resumes_its_tracker_runs(tmp_path: Path) -> None:
+    """kill -9 in the 8th train step (checkpoint step-6), then --resume: each tracker continues
+    its run; mlflow and TensorBoard hold every step once. wandb holds no step twice and every step
+    sent after the kill; it may lack the last flush before it (its file trails by 0.5 s)."""
+    run_dir = tmp_path / "run"
+    killed = subprocess.run([sys.executable, "-c", KILLED.format(tests=str(Path(__file__).parent), run_dir=str(run_dir))],
+                            env={**os.environ, "FLOWRL_FAULT": "train:8"}, capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert (run_dir / "checkpoints/latest").read_text() == "step-6"
+    sent = json.loads((run_dir / "trackers.json").read_text())["wandb"]["steps"]["learner"]
+    assert sent >= 5  # the rows of steps 0-5 were flushed with checkpoint step-6
+    assert run(toy(steps=10, train_delay=0.25, checkpoint_every=3), run_dir, progress=False, resume=True).status == "done"
+
+    assert [r["step"] for r in lines(run_dir / "metrics.jsonl")] == list(range(10))
+    client, run_id = mlflow_client(run_dir)
+    assert [m.step for m in client.get_metric_history(run_id, "train/loss")] == list(range(10))
+    assert client.get_run(run_id).info.status == "FINISHED"
+    assert [e.step for e in tensorboard_events(run_dir)] == list(range(10))
+    ids, history = wandb_history(run_dir)
+    steps = [h["_step"] for h in history]
+    assert len(ids) == 1 and len(list((run_dir / "wandb").glob("offline-run-*"))) == 2
+    assert steps == sorted(set(steps)) and set(range(sent + 1, 10)) <= set(steps) and set(steps) <= set(range(10))
 
 
 def test_samples_per_step_and_a_failing_tracker_that_is_dropped(tmp_path: Path) -> None:
