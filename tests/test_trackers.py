@@ -141,7 +141,8 @@ def test_every_registered_tracker_keeps_the_contract() -> None:
         assert isinstance(cls(), Tracker), name
         assert all(isinstance(m, str) for m in cls.requires)
     assert isinstance(resolve("test_trackers:Recorder")(), Tracker)
-    for bad, message in ((len, "not a class"), (object, "no open, log, close method")):
+    for bad, message in ((len, "not a class"), (object, "no open, log, close method"),
+                         (type("NoRequires", (Recorder,), {"requires": None}), "`requires` must be a tuple")):
         with pytest.raises(TrackerError, match=message):
             check(bad, "bad")
     with pytest.raises(TrackerError, match="unknown tracker 'wandbb'.*did you mean 'wandb'"):

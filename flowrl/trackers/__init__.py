@@ -96,9 +96,10 @@ def check(cls: Any, name: str) -> None:
     missing = [m for m in ("open", "log", "close") if not callable(getattr(cls, m, None))]
     if missing:
         raise TrackerError(f"tracker '{name}' ({cls.__name__}) has no {', '.join(missing)} method")
-    requires = getattr(cls, "requires", ())
+    requires = getattr(cls, "requires", None)
     if not (isinstance(requires, tuple) and all(isinstance(r, str) for r in requires)):
-        raise TrackerError(f"tracker '{name}' ({cls.__name__}): requires must be a tuple of module names")
+        raise TrackerError(f"tracker '{name}' ({cls.__name__}): `requires` must be a tuple of the module "
+                           "names it imports (() for none)")
 
 
 def problem(name: str, section: Any = None) -> str | None:
@@ -108,7 +109,7 @@ def problem(name: str, section: Any = None) -> str | None:
         cls = resolve(name)
     except TrackerError as e:
         return str(e)
-    absent = [m for m in cls.requires if importlib.util.find_spec(m) is None]
+    absent = [m for m in cls.requires if not _installed(m)]
     if not absent:
         return None
     packages = " ".join(INSTALL.get(m, m) for m in absent)
@@ -133,6 +134,13 @@ def sample_cells(sample: dict[str, Any]) -> list[Any]:
         if cells[i] is None and sample.get(f"{key}_ids") is not None:
             cells[i] = f"ids: {sample[f'{key}_ids']}"
     return cells
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a dotted name whose parent is missing
+        return False
 
 
 def _number(value: Any) -> bool:
