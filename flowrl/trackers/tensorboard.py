@@ -34,15 +34,15 @@ class TensorBoard:
         from tensorboard.compat.proto.event_pb2 import Event
         from tensorboard.compat.proto.summary_pb2 import Summary
 
-        by_step: dict[int, list[dict[str, Any]]] = {}
+        by_step: dict[tuple[str, int], list[dict[str, Any]]] = {}
         for sample in samples:
-            by_step.setdefault(sample["step"], []).append(sample)
+            by_step.setdefault((sample["node"], sample["step"]), []).append(sample)
         for row in rows:
             values = [Summary.Value(tag=tag, simple_value=value) for tag, value in scalars(row).items()]
             if row.get("staleness"):
                 values.append(Summary.Value(tag="runtime/staleness", histo=_histogram(row["staleness"])))
-            if row["step"] in by_step:
-                values.append(_text("samples", _markdown(by_step.pop(row["step"]))))
+            if (row["node"], row["step"]) in by_step:
+                values.append(_text("samples", _markdown(by_step.pop((row["node"], row["step"])))))
             self.writer.add_event(Event(wall_time=self.origin + row["time"], step=row["step"],
                                         summary=Summary(value=values)))
         self.writer.flush()
