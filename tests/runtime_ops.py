@@ -67,6 +67,7 @@ class GenConfig(msgspec.Struct, forbid_unknown_fields=True):
     partial_rollout: bool = False
     max_concurrency: int = 64
     setup_delay: float = 0.0  # seconds that setup() takes (it logs when it ran, see log_setup)
+    text: bool = False  # carry text as the real generate node does (metadata "sample" and "text")
 
 
 class ToyGenerate(Operator):
@@ -110,7 +111,9 @@ class ToyGenerate(Operator):
         trajectories = [
             Trajectory(id=f"{sample_id}/{i}", group_id=sample_id, sample_id=sample_id, prompt_ids=[sample["x"]],
                        response_ids=[sample["x"] + i, version], loss_mask=[1, 1], behaviour_logprobs=[-1.0, -1.0],
-                       versions=[start_version, version], step=step)
+                       versions=[start_version, version], step=step,
+                       metadata={"sample": {"prompt": f"x={sample['x']}"}, "text": f"{sample['x'] + i} v{version}"}
+                       if c.text else {})
             for i in range(c.group_size)
         ]
         return Group(id=sample_id, step=step, trajectories=trajectories)

@@ -23,6 +23,7 @@ def check_references(spec: Any, configs: dict[str, msgspec.Struct], loc: Locator
     """Every `module:attr`, model folder and data source the spec names."""
     found = refs.problems(spec.model, ("model",))
     model = None if found else msgspec.to_builtins(spec.model)  # a source may ask for its tokenizer
+    found += refs.problems(spec.run, ("run",))  # run.trackers: registered and installed
     for name, config in configs.items():
         found += refs.problems(config, ("nodes", name))
     if not any(path[:2] == ("data", "source") for path, _ in found):

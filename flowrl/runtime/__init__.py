@@ -14,7 +14,8 @@ Pieces (each file is short; read them in this order):
 - targets.py      run.stop_when: the metrics that end a run once they reach a value
 - checkpoints.py  when checkpoints are taken, their atomic write, disk space
 - snapshot.py     the coordinator's state in a checkpoint, and what a resume restores
-- observe.py      trace.json, metrics.jsonl, TensorBoard;  progress.py  the live view
+- observe.py      trace.json, metrics.jsonl, samples.jsonl;  progress.py  the live view
+- tracking.py     run.trackers (TensorBoard, wandb, mlflow, plugins: flowrl/trackers/) and the sample rows
 - streams.py      the record files as they grow, cut back to a checkpoint on resume
 - ledger.py       ledger.jsonl and check(run_dir)
 - faults.py       FLOWRL_FAULT=<point>:<n>: kill -9 at a chosen point (durability tests)
@@ -26,7 +27,8 @@ Run keys read from `plan.run`: `steps` (train steps, default 10), `executor` (in
 with a checkpoint, after this long, counted from when every stage has set up: status "done",
 stopped_by "max_seconds"), `stop_when` (the same once a metric reaches a value: stopped_by
 "stop_when", targets.py), `max_restarts` (restarts of a dead generate actor under Ray,
-default 3), `checkpoint_every` / `checkpoint_seconds` / `keep_checkpoints` (checkpoints.py). `data`: `source` (module:attr, builtin:<task>, or a dataset file: flowrl/data/files.py), `batch_size`, `options` (see flowrl/data/source.py). Node
+default 3), `checkpoint_every` / `checkpoint_seconds` / `keep_checkpoints` (checkpoints.py),
+`trackers` (default [tensorboard]) and `samples_per_step` (default 4; tracking.py). `data`: `source` (module:attr, builtin:<task>, or a dataset file: flowrl/data/files.py), `batch_size`, `options` (see flowrl/data/source.py). Node
 `resources` place the stage (Ray: one actor per replica; `replicas: N` of a train node are the
 ranks of one sharded model, see flowrl/runtime/ray_executor.py). How many calls a stage keeps in
 flight and whether a generate stage updates weights mid-generation come from the operator's
@@ -50,7 +52,13 @@ Run directory layout (all written by the coordinator or by run()):
                          dropped (this step), dropped_total, stale_kept_total, rejected_total,
                          filtered_total, idle {node: fraction of the step's wall time it was idle},
                          train {the train operator's metrics}
-    tensorboard/       the same numbers as TensorBoard scalars; staleness as a histogram
+    samples.jsonl      `samples_per_step` trajectories of each trained batch: step, node, id, version
+                         (the policy that generated it), reward, prompt, response (text the records
+                         carry; prompt_ids / response_ids where they carry none), tracking.py
+    tensorboard/       the same numbers as TensorBoard scalars; staleness as a histogram; the
+                       samples as a text table (tracker `tensorboard`, the default)
+    wandb/, mlruns/    the wandb and mlflow trackers' files, when run.trackers names them
+    trackers.json      each tracker's run id and last step sent (not cut back on resume: tracking.py)
     checkpoints/latest names the newest checkpoints/step-<version>/, which holds
                        coordinator.pkl (channels with their waiting records, versions, sample
                        cursor, samples to re-issue; snapshot.py), streams.json (the size of each

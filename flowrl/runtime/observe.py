@@ -12,21 +12,28 @@ holds the run's own work: `checkpoint` spans (from the step that made one due un
 train nodes wait meanwhile) and `flush` spans (these files appended). Timestamps are microseconds
 since the run's origin (`meta.json`).
 
-`metrics.jsonl` has one JSON object per train step (see flowrl/runtime/__init__.py for the keys);
-the same numbers go to TensorBoard under `tensorboard/`. All three are written by `flush()`, which
-the runtime calls every few seconds and at checkpoints, so memory stays bounded in a long run.
+`metrics.jsonl` has one JSON object per train step (see flowrl/runtime/__init__.py for the keys),
+`samples.jsonl` `run.samples_per_step` trajectories of each trained batch (flowrl/runtime/tracking.py);
+the same rows go to each tracker of `run.trackers` (flowrl/trackers/; TensorBoard under
+`tensorboard/` by default). All are written by `flush()`, which the runtime calls every few
+seconds and at checkpoints, so memory stays bounded in a long run.
 """
 
 from __future__ import annotations
 
 import json
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from flowrl.graph.plan import Plan
 from flowrl.runtime.streams import TraceFile, append_lines
+from flowrl.runtime.tracking import Tracking, sample_rows
+
+DEFAULT_TRACKERS = ["tensorboard"]  # run.trackers
+SAMPLES_PER_STEP = 4  # run.samples_per_step
 
 
 def span(pid: int, tid: int, name: str, start: float, end: float, origin: float, **args: Any) -> dict[str, Any]:
@@ -59,8 +66,13 @@ class Observer:
         self.last_row: dict[str, Any] | None = None
         self.rows: list[dict[str, Any]] = []
         self._mark = {"time": time.time(), "busy": {}, "dropped": 0}
-        self._tb: Any = None
+        self.samples: list[dict[str, Any]] = []
+        self.samples_per_step = int(plan.run.get("samples_per_step", SAMPLES_PER_STEP))
         self.trace = TraceFile(run_dir / "trace.json") if run_dir is not None else None
+        self.tracking: Tracking | None = None
+        if run_dir is not None:
+            config = msgspec.json.decode(plan.record())  # environment values redacted
+            self.tracking = Tracking(plan.run.get("trackers", DEFAULT_TRACKERS), run_dir, plan.name, origin, config)
 
     def runtime(self, name: str, start: float, **args: Any) -> None:
         """A span of the run's own work (a checkpoint, a flush) from `start` until now."""
@@ -104,6 +116,7 @@ class Observer:
         self._mark = {"time": now, "busy": dict(self.busy), "dropped": self.dropped,
                       "filtered": counters["filtered"], "oversampled": counters["oversampled"]}
         self.rows.append(row)
+        self.samples += sample_rows(node, step, trajectories, self.samples_per_step)
         self.last_row = row
         self.events.append(span(self.pids[node], 0, "step", now - dt, now, self.origin, step=step))
 
@@ -116,58 +129,24 @@ class Observer:
         return totals
 
     def flush(self) -> None:
-        """Append what accumulated to metrics.jsonl, TensorBoard and trace.json."""
-        rows, events, self.rows, self.events = self.rows, self.events, [], []
+        """Append what accumulated to metrics.jsonl, samples.jsonl and trace.json, and hand the
+        rows to the run's trackers (TensorBoard's event files among them, by default)."""
+        rows, samples, events = self.rows, self.samples, self.events
+        self.rows, self.samples, self.events = [], [], []
         if self.run_dir is None:
             return
         start = time.time()
         self.trace.append(events)
         append_lines(self.run_dir / "metrics.jsonl", [json.dumps(row).encode() for row in rows])
-        if rows:
-            self._tensorboard(rows)
+        append_lines(self.run_dir / "samples.jsonl", [json.dumps(sample).encode() for sample in samples])
+        if self.tracking is not None:
+            self.tracking.log(rows, samples)
         self.runtime("flush", start, rows=len(rows), events=len(events))
-
-    def _tensorboard(self, rows: list[dict[str, Any]]) -> None:
-        # TensorBoard's own event writer: torch.utils.tensorboard would import torch (seconds)
-        # into the coordinator, which otherwise never needs it.
-        if self._tb is None:
-            try:
-                from tensorboard.summary.writer.event_file_writer import EventFileWriter
-            except ImportError as e:  # metrics.jsonl still has everything
-                warnings.warn(f"TensorBoard logging disabled: {e}", stacklevel=2)
-                self._tb = False
-                return
-            self._tb = EventFileWriter(str(self.run_dir / "tensorboard"))
-        if self._tb is False:
-            return
-        from tensorboard.compat.proto.event_pb2 import Event
-        from tensorboard.compat.proto.summary_pb2 import HistogramProto, Summary
-
-        for row in rows:
-            values = [Summary.Value(tag=f"runtime/{key}", simple_value=row[key])
-                      for key in ("samples_per_s", "trajectories_per_s", "reward", "dropped", "step_seconds")
-                      if row[key] is not None]
-            values += [Summary.Value(tag=f"{group}/{key}", simple_value=value)
-                       for group in ("queues", "idle", "train") for key, value in row[group].items()
-                       if isinstance(value, (int, float))]
-            values += [Summary.Value(tag=f"{node}/{key}", simple_value=value)
-                       for node, counters in row["operators"].items() for key, value in counters.items()]
-            if row["staleness"]:
-                lags = {int(k): n for k, n in row["staleness"].items()}
-                top = max(lags)
-                histo = HistogramProto(
-                    min=min(lags), max=top, num=sum(lags.values()), sum=sum(k * n for k, n in lags.items()),
-                    sum_squares=sum(k * k * n for k, n in lags.items()),
-                    bucket_limit=[k + 0.5 for k in range(top + 1)], bucket=[lags.get(k, 0) for k in range(top + 1)])
-                values.append(Summary.Value(tag="runtime/staleness", histo=histo))
-            self._tb.add_event(Event(wall_time=self.origin + row["time"], step=row["step"], summary=Summary(value=values)))
-        self._tb.flush()
 
     def close(self) -> None:
         self.flush()
-        if self._tb:
-            self._tb.close()
-            self._tb = None
+        if self.tracking is not None:
+            self.tracking.close()
 
     def offsets(self) -> dict[str, Any]:
         """Every stream's size now, for a checkpoint (flowrl/runtime/streams.py)."""

@@ -17,7 +17,7 @@ from typing import Any
 
 TRACE_HEAD = b'{"displayTimeUnit": "ms", "traceEvents": [\n'
 TRACE_TAIL = b"\n]}\n"
-STREAMS = ("ledger.jsonl", "metrics.jsonl")
+STREAMS = ("ledger.jsonl", "metrics.jsonl", "samples.jsonl")
 
 
 def append_lines(path: Path, lines: list[bytes]) -> None:

@@ -69,14 +69,17 @@ def problems(section: msgspec.Struct, path: tuple[str | int, ...] = ()) -> list[
         if isinstance(value, msgspec.Struct):
             out += problems(value, (*path, name))
             continue
+        # A checked key, or a list of them (`run.trackers`): each item is reported at its index.
+        items = [((*path, name), value)] if isinstance(value, str) else \
+            [((*path, name, i), v) for i, v in enumerate(value) if isinstance(v, str)] if isinstance(value, list) else []
         for check in _checks(hints[name]):
-            if isinstance(value, str):
+            for where, item in items:
                 try:
-                    problem = check(value, section)
+                    problem = check(item, section)
                 except Exception as e:  # noqa: BLE001 - a checker's own failure is reported, not raised
-                    problem = f"cannot check '{value}': {type(e).__name__}: {e}"
+                    problem = f"cannot check '{item}': {type(e).__name__}: {e}"
                 if problem:
-                    out.append(((*path, name), problem))
+                    out.append((where, problem))
     return out
 
 
@@ -84,7 +87,7 @@ def _checks(hint: Any) -> list[Check]:
     import typing
 
     found: list[Check] = []
-    for arg in [hint, *typing.get_args(hint)]:
+    for arg in [hint, *typing.get_args(hint)]:  # also finds list[Annotated[str, check_with(...)]]
         if typing.get_origin(arg) is typing.Annotated:
             found += [m.extra["check"] for m in arg.__metadata__
                       if isinstance(m, Meta) and m.extra and "check" in m.extra]

@@ -13,6 +13,7 @@ from msgspec import Meta
 
 from flowrl.operator import Resources
 from flowrl.spec.refs import check_with, model_folder
+from flowrl.trackers import problem as tracker_problem
 
 PositiveInt = Annotated[int, Meta(ge=1)]
 NonNegativeInt = Annotated[int, Meta(ge=0)]
@@ -99,11 +100,19 @@ class RunSpec(Strict):
     checkpoint_every: PositiveInt | None = None
     checkpoint_seconds: Annotated[float, Meta(gt=0)] | None = None
     keep_checkpoints: PositiveInt = 2
+    # Where step metrics and the sample table go besides metrics.jsonl / samples.jsonl: registered
+    # tracker names (tensorboard, wandb, mlflow, or a plugin's) or module:attr (flowrl/trackers/).
+    trackers: list[Annotated[str, check_with(tracker_problem)]] = msgspec.field(
+        default_factory=lambda: ["tensorboard"])
+    samples_per_step: NonNegativeInt = 4  # trajectories of each trained batch in samples.jsonl (0: none)
 
     def __post_init__(self) -> None:
         from flowrl.runtime.targets import check_names
 
         check_names(self.stop_when)
+        twice = sorted({t for t in self.trackers if self.trackers.count(t) > 1})
+        if twice:
+            raise ValueError(f"trackers: {', '.join(twice)} is listed twice")
 
 
 class EdgeSpec(Strict):
