@@ -37,6 +37,10 @@ class EngineConfig(Strict):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     threads: PositiveInt = 1  # torch threads per engine process
     max_batch: PositiveInt = 32  # slots of the KV cache: requests decoded together
+    # embedded: the most tokens (prompt + output) one request may hold; default the model's
+    # max_position_embeddings, which it may not exceed. The KV cache is sized by the requests
+    # admitted, not by this limit; a longer prompt is refused, output stops here ("length").
+    max_context: Annotated[int, Meta(ge=2)] | None = None
     server_args: dict[str, Any] = {}  # forwarded to sglang.launch_server
     # How the SGLang adapter delivers weights to its servers: tensor (HTTP; CUDA IPC on real SGLang,
     # colocated only), distributed (the adapter broadcasts: NCCL on GPU, gloo on CPU), disk
@@ -48,6 +52,11 @@ class EngineConfig(Strict):
     # from, e.g. a later phase's. The servers must be able to read that folder (same machine or a
     # shared filesystem); false serves whatever the servers were started with until the first sync.
     load_on_attach: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_context is not None and self.kind != "embedded":
+            raise ValueError("max_context sizes the embedded engine; an SGLang server takes its own "
+                             "(server_args: {context_length: N})")
 
 
 class GenerateConfig(Strict):

@@ -66,6 +66,11 @@ class Sequence:
     finish_reason: str | None = None
     error: str | None = None
 
+    @property
+    def need(self) -> int:
+        """Cache positions this request may use: its prompt and every token it may still add."""
+        return len(self.request.input_ids) + self.request.sampling.max_new_tokens
+
     def result(self) -> GenerateResult:
         return GenerateResult(
             request_id=self.request.request_id,
@@ -81,7 +86,9 @@ class EmbeddedEngine:
     """flowrl's torch engine for Llama / Qwen2 / Qwen3 checkpoints (implements `InferenceEngine`).
 
     `max_slots` bounds the requests decoded together (the rest queue); `max_context` bounds prompt +
-    output per request (default: the model's max_position_embeddings, at most 4096). `threads` sets
+    output per request (default: the model's max_position_embeddings; a prompt that leaves no room is
+    refused, output stops there with finish_reason "length"). Neither is allocated up front: the KV
+    cache grows to the slots and lengths (prompt + max_new_tokens) of the requests it admits. `threads` sets
     torch's intra-op threads for the process (one per process is fastest when processes share cores).
     """
 
@@ -108,7 +115,7 @@ class EmbeddedEngine:
         config = self.model.config
         self.vocab_size = config.vocab_size
         self.eos_ids = end_token_ids(self.folder, config)
-        self.max_context = max_context or min(config.max_position_embeddings, 4096)
+        self.max_context = check_max_context(max_context, config)
         self.max_slots = max_slots
         self.cache = KVCache(config, max_slots, self.max_context, dtype, self.device)
         self._version = version
@@ -259,7 +266,8 @@ class EmbeddedEngine:
 
     def stats(self) -> dict:
         return {"running": len(self._running()), "waiting": len(self._waiting), "paused": self._paused,
-                "version": self._version, "max_slots": self.max_slots, "max_context": self.max_context}
+                "version": self._version, "max_slots": self.max_slots, "max_context": self.max_context,
+                "cache_slots": self.cache.slots, "cache_positions": self.cache.capacity, "cache_bytes": self.cache.nbytes()}
 
     async def close(self) -> None:
         if self._closed:
@@ -373,6 +381,8 @@ class EmbeddedEngine:
 
     @torch.no_grad()
     def _step(self, running: list[Sequence]) -> None:
+        # Room for every admitted request's whole length before any forward writes the cache.
+        self.cache.ensure(max(seq.slot for seq in running) + 1, max(seq.need for seq in running))
         prefill = [seq for seq in running if seq.needs_prefill]
         decode = [seq for seq in running if not seq.needs_prefill]
         if prefill:
@@ -428,3 +438,15 @@ class EmbeddedEngine:
             elif len(seq.output) >= p.max_new_tokens or len(seq.tokens) >= self.max_context:
                 seq.finish_reason = "length"
 
+
+
+def check_max_context(max_context: int | None, config) -> int:
+    """The context limit: `max_context`, or the model's max_position_embeddings, which it may not exceed
+    (RoPE was trained up to there)."""
+    limit = config.max_position_embeddings
+    if max_context is None:
+        return limit
+    if not 2 <= max_context <= limit:
+        raise ValueError(f"max_context {max_context} must be between 2 and the model's max_position_embeddings "
+                         f"({limit}); lower it")
+    return max_context

@@ -6,11 +6,12 @@ three families differ only in details read from the config: Qwen2 has biases on 
 RMSNorm on each query/key head, Llama has neither (unless `attention_bias`).
 
 KV cache: one tensor per layer for keys and one for values, shaped
-[slots, kv_heads, max_context + 1, head_dim]. A request owns one slot; the key and value of its token
+[slots, kv_heads, capacity + 1, head_dim], grown to what admitted requests need (`KVCache.ensure`).
+A request owns one slot; the key and value of its token
 at position p live at [slot, :, p]. `forward` runs a rectangular block of rows: row b feeds S tokens
 starting at position `start[b]` and attends to its own positions 0..start[b]+i. Decoding is S = 1
 over the rows 0..B-1; prefilling one request is B = 1 over its slot. The extra column, position
-`KVCache.scratch` (= max_context), is written by rows that only fill out a rectangular block and is
+`KVCache.scratch` (= capacity), is written by rows that only fill out a rectangular block and is
 never attended to, so filler work cannot touch any request's KV.
 """
 
@@ -58,7 +59,7 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
 
     def forward(self, x, cos, sin, keys, values, rows, positions, mask, length):
-        """x [B, S, hidden]; keys/values: this layer's whole cache [slots, kv_heads, max_context, head_dim].
+        """x [B, S, hidden]; keys/values: this layer's whole cache [slots, kv_heads, capacity + 1, head_dim].
 
         `rows` picks the B cache rows: a slice (decode: rows 0..B-1, read without copying) or a
         tensor of slot numbers (prefill: any slots, read through a gather).
@@ -181,19 +182,58 @@ def check_config(config) -> None:
 
 
 class KVCache:
-    """Per-layer key/value tensors [slots, kv_heads, max_context + 1, head_dim], plus the RoPE tables.
+    """Per-layer key/value tensors [slots, kv_heads, capacity + 1, head_dim], plus the RoPE tables.
 
-    Positions 0..max_context-1 hold requests' tokens; position `scratch` (= max_context) is a dump
-    for filler rows (a free or just-prefilled slot inside a decoded block of rows). Requests never
-    reach it (they stop at max_context tokens) and so never attend to it.
+    Sized by need: it starts empty and `ensure(slots, length)` grows it (copying what it holds) to the
+    slots and positions the admitted requests need (prompt + max_new_tokens each), never beyond
+    `max_slots` x `max_context`; a model's max_position_embeddings is only the limit of max_context,
+    not an allocation. Capacity grows in steps of `GROW` positions, slots to the next power of two,
+    so growth is rare. Positions 0..capacity-1 hold requests' tokens; position `scratch`
+    (= capacity) is a dump for filler rows (a free or just-prefilled slot inside a decoded block of
+    rows). Requests never reach it (a request needs at most its admitted length, which the capacity
+    covers) and so never attend to it.
     """
 
-    def __init__(self, config, slots: int, max_context: int, dtype: torch.dtype, device: torch.device) -> None:
-        shape = (slots, config.num_key_value_heads, max_context + 1, head_dim_of(config))
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
-        self.cos, self.sin = rope_tables(config, max_context + 1, device)
-        self.slots, self.max_context, self.scratch = slots, max_context, max_context
+    GROW = 64
+
+    def __init__(self, config, max_slots: int, max_context: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.config, self.dtype, self.device = config, dtype, device
+        self.max_slots, self.max_context = max_slots, max_context
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.slots = self.capacity = 0
+        self._allocate(1, min(self.GROW, max_context))
+
+    @property
+    def scratch(self) -> int:
+        return self.capacity
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+    def ensure(self, slots: int, length: int) -> None:
+        """Room for `slots` slots of `length` positions each (both capped at the maximum)."""
+        slots, length = min(slots, self.max_slots), min(length, self.max_context)
+        if slots <= self.slots and length <= self.capacity:
+            return
+        grown_slots = self.slots if slots <= self.slots else min(self.max_slots, 1 << (slots - 1).bit_length())
+        grown = self.capacity if length <= self.capacity else min(
+            self.max_context, -(-length // self.GROW) * self.GROW)
+        self._allocate(grown_slots, grown)
+
+    def _allocate(self, slots: int, capacity: int) -> None:
+        shape = (slots, self.config.num_key_value_heads, capacity + 1, head_dim_of(self.config))
+        old_slots, old_capacity = self.slots, self.capacity
+        for store in (self.keys, self.values):
+            for i in range(self.config.num_hidden_layers):
+                fresh = torch.zeros(shape, dtype=self.dtype, device=self.device)
+                if store[i:]:  # keep every position requests hold (the old scratch column is not one)
+                    fresh[:old_slots, :, :old_capacity] = store[i][:, :, :old_capacity]
+                    store[i] = fresh
+                else:
+                    store.append(fresh)
+        self.slots, self.capacity = slots, capacity
+        self.cos, self.sin = rope_tables(self.config, capacity + 1, self.device)
 
 
 def rope_tables(config, max_context: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
