@@ -29,6 +29,7 @@ from flowrl.data.trajectory import Group
 from flowrl.operator import (
     POLICY,
     TRAJECTORIES,
+    ConfigError,
     GraphFacts,
     Operator,
     OperatorContext,
@@ -38,14 +39,16 @@ from flowrl.operator import (
 from flowrl_operators.config import OptimConfig, TrainConfig
 
 
-def trainer_config(optim: OptimConfig, micro_batch_tokens: int, max_nonfinite_steps: int, steps: int, seed: int):
-    """The Trainer's config from a node's YAML keys."""
+def trainer_config(optim: OptimConfig, micro_batch_tokens: int, max_nonfinite_steps: int, steps: int, seed: int,
+                   **model_keys: Any):
+    """The Trainer's config from a node's YAML keys (`model_keys`: the train node's
+    gradient_checkpointing, freeze and lora)."""
     from flowrl_operators.training.trainer import TrainerConfig
 
     return TrainerConfig(
         lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay, warmup_steps=optim.warmup_steps,
         schedule=optim.schedule, total_steps=steps, grad_clip=optim.grad_clip,
-        micro_batch_tokens=micro_batch_tokens, max_nonfinite_steps=max_nonfinite_steps, seed=seed,
+        micro_batch_tokens=micro_batch_tokens, max_nonfinite_steps=max_nonfinite_steps, seed=seed, **model_keys,
     )
 
 
@@ -102,6 +105,10 @@ class Learner:
 
         self.trainer = build(engine, model, config, "policy")
         self.loss, self.advantage, self.epochs = loss, advantage, epochs
+        # What a version must send (training/tuning.py): with LoRA always the adapters (or the merged
+        # adapted weights) on the engine's own base; with frozen parameters a step sends the rest.
+        self.lora = getattr(config, "lora", None) is not None
+        self.partial = self.lora or bool(getattr(config, "freeze", None))
         self.loss_fn = policy_loss(loss)
 
     def train(self, trajectories: list) -> tuple[dict[str, float], list]:
@@ -130,13 +137,15 @@ class Learner:
                 start = {k: v for k, v in metrics.items() if k.startswith("mismatch_")}
             metrics |= self.trainer.step()
         metrics |= start
-        return metrics, self.policy()
+        return metrics, self.policy(changed_only=True)
 
-    def policy(self) -> list:
+    def policy(self, changed_only: bool = False) -> list:
         """The weights as buckets of copies: the next step changes the live parameters while sync
-        ships these."""
-        return [[(name, tensor.detach().clone()) for name, tensor in bucket]
-                for bucket in self.trainer.named_weights()]
+        ships these. `changed_only`: what a step can change (no frozen parameter; with LoRA the
+        adapters), which the engines, started from the same model, need; else everything."""
+        changed_only = self.lora or (changed_only and self.partial)
+        buckets = self.trainer.named_weights(changed_only=True) if changed_only else self.trainer.named_weights()
+        return [[(name, tensor.detach().clone()) for name, tensor in bucket] for bucket in buckets]
 
     def save(self, path: str) -> None:
         self.trainer.save(path)
@@ -163,6 +172,8 @@ class Train(Operator):
         from flowrl_operators.training.engine import check_name
 
         out = [(("engine",), problem)] if (problem := check_name(config.engine)) else []
+        if config.freeze and config.lora is not None:
+            out.append((("freeze",), "with lora only the adapters train (the base is frozen already); remove freeze"))
         # Every name and key of the objective, against the registries (a plugin's entries included).
         found = objective.problems(config.loss, config.advantage)
         out += found
@@ -203,14 +214,29 @@ class Train(Operator):
             _join_train_group(self.context.rank, self.context.world_size)
         loss, advantage = loss_config(c.loss), advantage_config(c.advantage)
         check_compatible(loss, advantage)
+        self._check_tuning()
         horizon = schedule_horizon(c.optim, self.context, c.epochs)
-        config = trainer_config(c.optim, c.micro_batch_tokens, c.max_nonfinite_steps, horizon, self.context.seed)
+        config = trainer_config(c.optim, c.micro_batch_tokens, c.max_nonfinite_steps, horizon, self.context.seed,
+                                gradient_checkpointing=c.gradient_checkpointing, freeze=list(c.freeze), lora=c.lora)
         args = (c.engine, self.context.model["path"], config, loss, advantage, c.epochs)
         if c.own_process is not None:
             self.child = await asyncio.to_thread(Child, Learner, args, threads=c.own_process.threads,
                                                  name=f"flowrl-train-{self.context.node}")
         else:
             self.learner = await asyncio.to_thread(Learner, *args)
+
+    def _check_tuning(self) -> None:
+        """freeze patterns and lora targets against the model's names, before any weight loads."""
+        from flowrl_operators.training.tuning import check
+
+        c: TrainConfig = self.config
+        if c.lora is not None and self.context.world_size > 1:
+            raise ConfigError(self.context.node, ("lora",), f"LoRA trains on one rank here; node "
+                              f"'{self.context.node}' has replicas: {self.context.world_size}: use replicas: 1")
+        if c.freeze or c.lora is not None:
+            problems = check(self.context.model["path"], list(c.freeze), c.lora)
+            if problems:
+                raise ConfigError(self.context.node, *problems[0])
 
     def _call_now(self, method: str, *args: Any) -> Any:
         """A Learner method, here or in the child process."""
