@@ -13,8 +13,11 @@ temperature / top-k / top-p; flowrl_operators.training.kernels). The train/infer
 metrics (`mismatch_*`, flowrl_operators.training.losses) are those of the first epoch, whose forward
 passes all run before the step's update.
 
-The policy record it publishes is the new weights as buckets of (HF name, tensor) copied after
-the step, so the sync node can ship them while the next step already changes the live weights.
+The policy record it publishes is the new weights as buckets of (HF name, tensor) copied once after
+the step (a `Snapshot`), so the sync node can ship them while the next step already changes the
+live weights; no one copies them again: the in-process transport hands them over as they are and
+the embedded engine adopts them as its weights. Only what a step can change is sent (frozen
+parameters are not; with LoRA the adapters), the whole model when a restored policy is published.
 All of it is the `Learner`'s work; with `own_process: {threads: N}` the Learner lives in a child
 process (flowrl_operators.training.process), and the node only passes trajectories and weights.
 """
@@ -99,7 +102,8 @@ class Learner:
     """The model side of a train step (trainer, loss, advantages), built in the train node's process
     or, with `own_process`, in a child process (flowrl_operators.training.process)."""
 
-    def __init__(self, engine: str, model: str, config: Any, loss: Any, advantage: Any, epochs: int) -> None:
+    def __init__(self, engine: str, model: str, config: Any, loss: Any, advantage: Any, epochs: int,
+                 copy: bool = True) -> None:
         from flowrl_operators.training.engine import build
         from flowrl_operators.training.losses import policy_loss
 
@@ -109,6 +113,9 @@ class Learner:
         # adapted weights) on the engine's own base; with frozen parameters a step sends the rest.
         self.lora = getattr(config, "lora", None) is not None
         self.partial = self.lora or bool(getattr(config, "freeze", None))
+        # In a child process (own_process) the reply's pickling copies the tensors before the next
+        # call can change them: there a published policy is views, in process a copy.
+        self.copy = copy
         self.loss_fn = policy_loss(loss)
 
     def train(self, trajectories: list) -> tuple[dict[str, float], list]:
@@ -140,12 +147,17 @@ class Learner:
         return metrics, self.policy(changed_only=True)
 
     def policy(self, changed_only: bool = False) -> list:
-        """The weights as buckets of copies: the next step changes the live parameters while sync
-        ships these. `changed_only`: what a step can change (no frozen parameter; with LoRA the
-        adapters), which the engines, started from the same model, need; else everything."""
+        """The weights as a Snapshot: buckets of tensors of this version alone, copied once here (the
+        next step changes the live parameters while sync ships these), never again on the way: the
+        embedded engine adopts them as its weights. `changed_only`: what a step can change (no frozen
+        parameter; with LoRA the adapters), which the engines, started from the same model, need."""
+        from flowrl_operators.transport import Snapshot
+
         changed_only = self.lora or (changed_only and self.partial)
         buckets = self.trainer.named_weights(changed_only=True) if changed_only else self.trainer.named_weights()
-        return [[(name, tensor.detach().clone()) for name, tensor in bucket] for bucket in buckets]
+        fresh = self.lora  # adapter tensors (or merged weights) are new tensors already
+        return Snapshot([[(name, t.detach() if fresh or not self.copy else t.detach().clone()) for name, t in bucket]
+                         for bucket in buckets])
 
     def save(self, path: str) -> None:
         self.trainer.save(path)
@@ -218,7 +230,7 @@ class Train(Operator):
         horizon = schedule_horizon(c.optim, self.context, c.epochs)
         config = trainer_config(c.optim, c.micro_batch_tokens, c.max_nonfinite_steps, horizon, self.context.seed,
                                 gradient_checkpointing=c.gradient_checkpointing, freeze=list(c.freeze), lora=c.lora)
-        args = (c.engine, self.context.model["path"], config, loss, advantage, c.epochs)
+        args = (c.engine, self.context.model["path"], config, loss, advantage, c.epochs, c.own_process is None)
         if c.own_process is not None:
             self.child = await asyncio.to_thread(Child, Learner, args, threads=c.own_process.threads,
                                                  name=f"flowrl-train-{self.context.node}")

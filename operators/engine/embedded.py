@@ -18,8 +18,9 @@ teacher-forced forward computes). Greedy requests (temperature 0) report the unt
 log_softmax(logits) of the chosen token, since the point mass they sample from has logprob 0.
 
 Weights and the KV cache. `update_weights` stages every incoming tensor off to the side while the
-engine keeps serving, and only when the whole version has arrived and checked out copies it into the
-live parameters between two steps; an error leaves the old weights untouched. KV entries already
+engine keeps serving (a copy, or the tensor itself when the stream says the version owns it), and
+only when the whole version has arrived and checked out swaps the staged tensors in as the live
+parameters between two steps; an error leaves the old weights untouched. KV entries already
 computed by the old weights are *kept* (the "in_place" behaviour, cheap) unless the engine was
 paused with mode "retract": then each running request's prompt and output so far are prefilled again
 at resume, so its next tokens equal what the new weights produce from that prefix.
@@ -193,18 +194,23 @@ class EmbeddedEngine:
 
     async def update_weights(self, buckets: Buckets, version: int) -> None:
         """Apply a complete new version between two steps, or nothing (see the module docs)."""
+        owned = bool(getattr(buckets, "owned", False))  # a stream of tensors nobody changes later
         staged: dict[str, torch.Tensor] = {}
         if isinstance(buckets, AsyncIterable):
             async for bucket in buckets:
-                staged.update(await asyncio.to_thread(self.stage, bucket))
+                staged.update(await asyncio.to_thread(self.stage, bucket, owned))
         else:
             for bucket in buckets:
                 staged.update(await asyncio.to_thread(self.stage, bucket))
         await self.commit(staged, version)
 
-    def stage(self, bucket) -> dict[str, torch.Tensor]:
-        """Check one bucket of (HF name, tensor) against the model and copy it aside, on the
-        engine's device and dtype. Raises on an unknown name or a wrong shape; touches nothing live."""
+    def stage(self, bucket, owned: bool = False) -> dict[str, torch.Tensor]:
+        """Check one bucket of (HF name, tensor) against the model and set it aside, on the engine's
+        device and dtype. Raises on an unknown name or a wrong shape; touches nothing live.
+
+        Set aside means copied, unless `owned` (the tensors are this version's alone, e.g. the train
+        node's Snapshot in process) and already right in device, dtype and layout: then the tensor
+        itself is kept and becomes the live weight at commit, so a version costs no second copy."""
         params = dict(self.model.named_parameters())
         staged = {}
         for name, tensor in bucket:
@@ -213,11 +219,13 @@ class EmbeddedEngine:
             if name not in params:
                 raise KeyError(f"weight update names {name!r}, which this model does not have "
                                f"(expected HF names such as {next(iter(params))!r})")
-            tensor = torch.as_tensor(tensor)
-            if tuple(tensor.shape) != tuple(params[name].shape):
+            tensor = torch.as_tensor(tensor).detach()
+            live = params[name]
+            if tuple(tensor.shape) != tuple(live.shape):
                 raise ValueError(f"weight update for {name} has shape {tuple(tensor.shape)}, "
-                                 f"the model has {tuple(params[name].shape)}")
-            staged[name] = tensor.detach().to(self.device, params[name].dtype, copy=True)
+                                 f"the model has {tuple(live.shape)}")
+            keep = owned and tensor.device == live.device and tensor.dtype == live.dtype and tensor.is_contiguous()
+            staged[name] = tensor if keep else tensor.to(self.device, live.dtype, copy=True)
         return staged
 
     async def commit(self, staged: dict[str, torch.Tensor], version: int) -> None:
@@ -315,9 +323,12 @@ class EmbeddedEngine:
 
     @torch.no_grad()
     def _apply(self, staged: dict[str, torch.Tensor]) -> None:
+        # The staged tensors (the engine's own copies, or a version's private tensors) become the
+        # weights: no copy, and the old ones are freed. The engine never writes into its weights,
+        # so tensors shared with another engine of the same version stay as sent.
         params = dict(self.model.named_parameters())
         for name, tensor in staged.items():
-            params[name].copy_(tensor)
+            params[name].data = tensor
 
     # --- scheduling ------------------------------------------------------------------------------------
 
