@@ -20,7 +20,8 @@ log_softmax(logits) of the chosen token, since the point mass they sample from h
 Weights and the KV cache. `update_weights` stages every incoming tensor off to the side while the
 engine keeps serving (a copy, or the tensor itself when the stream says the version owns it), and
 only when the whole version has arrived and checked out swaps the staged tensors in as the live
-parameters between two steps; an error leaves the old weights untouched. KV entries already
+parameters between two steps; an error leaves the old weights untouched. A version may also carry
+LoRA adapters, which the engine adds next to its base weights (flowrl_operators.engine.weights). KV entries already
 computed by the old weights are *kept* (the "in_place" behaviour, cheap) unless the engine was
 paused with mode "retract": then each running request's prompt and output so far are prefilled again
 at resume, so its next tokens equal what the new weights produce from that prefix.
@@ -38,6 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from flowrl_operators.engine import weights
 from flowrl_operators.engine.base import (
     PAUSE_MODES,
     Buckets,
@@ -206,30 +208,13 @@ class EmbeddedEngine:
 
     def stage(self, bucket, owned: bool = False) -> dict[str, torch.Tensor]:
         """Check one bucket of (HF name, tensor) against the model and set it aside, on the engine's
-        device and dtype. Raises on an unknown name or a wrong shape; touches nothing live.
-
-        Set aside means copied, unless `owned` (the tensors are this version's alone, e.g. the train
-        node's Snapshot in process) and already right in device, dtype and layout: then the tensor
-        itself is kept and becomes the live weight at commit, so a version costs no second copy."""
-        params = dict(self.model.named_parameters())
-        staged = {}
-        for name, tensor in bucket:
-            if name == "lm_head.weight" and self.model.tied:
-                name = "model.embed_tokens.weight"  # a tied head is the embedding (trainers send both)
-            if name not in params:
-                raise KeyError(f"weight update names {name!r}, which this model does not have "
-                               f"(expected HF names such as {next(iter(params))!r})")
-            tensor = torch.as_tensor(tensor).detach()
-            live = params[name]
-            if tuple(tensor.shape) != tuple(live.shape):
-                raise ValueError(f"weight update for {name} has shape {tuple(tensor.shape)}, "
-                                 f"the model has {tuple(live.shape)}")
-            keep = owned and tensor.device == live.device and tensor.dtype == live.dtype and tensor.is_contiguous()
-            staged[name] = tensor if keep else tensor.to(self.device, live.dtype, copy=True)
-        return staged
+        device and dtype (a copy, or with `owned` the tensor itself); touches nothing live
+        (flowrl_operators.engine.weights, which also takes LoRA adapters)."""
+        return weights.stage(self.model, bucket, self.device, owned)
 
     async def commit(self, staged: dict[str, torch.Tensor], version: int) -> None:
-        """Copy staged tensors into the live parameters between two steps and stamp `version`."""
+        """Swap staged tensors in as the live weights between two steps and stamp `version`."""
+        weights.check(self.model, staged)  # a bad version raises here, before anything changes
         self._start()
         async with self._lock:
             await asyncio.get_running_loop().run_in_executor(self._executor, self._apply, staged)
@@ -321,14 +306,8 @@ class EmbeddedEngine:
 
     # --- weights -------------------------------------------------------------------------------------
 
-    @torch.no_grad()
     def _apply(self, staged: dict[str, torch.Tensor]) -> None:
-        # The staged tensors (the engine's own copies, or a version's private tensors) become the
-        # weights: no copy, and the old ones are freed. The engine never writes into its weights,
-        # so tensors shared with another engine of the same version stay as sent.
-        params = dict(self.model.named_parameters())
-        for name, tensor in staged.items():
-            params[name].data = tensor
+        weights.apply(self.model, staged)
 
     # --- scheduling ------------------------------------------------------------------------------------
 

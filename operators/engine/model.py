@@ -39,6 +39,24 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
+class Linear(nn.Linear):
+    """nn.Linear plus an optional low-rank adapter: y = x W^T + b + (x A^T) B^T.
+
+    `lora_a` [r, in] and `lora_b` [out, r] (the scale alpha / r already folded into B) are plain
+    attributes, not parameters, so the module's parameter names stay the checkpoint's. A LoRA weight
+    update sets them (`EmbeddedEngine`); unset, the layer is exactly nn.Linear.
+    """
+
+    lora_a: torch.Tensor | None = None
+    lora_b: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight, self.bias)
+        if self.lora_a is not None:
+            out = out + F.linear(F.linear(x, self.lora_a), self.lora_b)
+        return out
+
+
 class Attention(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
@@ -48,10 +66,10 @@ class Attention(nn.Module):
         qkv_bias = config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
         o_bias = config.model_type != "qwen2" and bool(getattr(config, "attention_bias", False))
         hidden = config.hidden_size
-        self.q_proj = nn.Linear(hidden, self.heads * self.head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(hidden, self.kv_heads * self.head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(hidden, self.kv_heads * self.head_dim, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.heads * self.head_dim, hidden, bias=o_bias)
+        self.q_proj = Linear(hidden, self.heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = Linear(hidden, self.kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = Linear(hidden, self.kv_heads * self.head_dim, bias=qkv_bias)
+        self.o_proj = Linear(self.heads * self.head_dim, hidden, bias=o_bias)
         if config.model_type == "qwen3":
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -91,9 +109,9 @@ class MLP(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.gate_proj = Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.up_proj = Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
