@@ -103,7 +103,7 @@ class Learner:
     or, with `own_process`, in a child process (flowrl_operators.training.process)."""
 
     def __init__(self, engine: str, model: str, config: Any, loss: Any, advantage: Any, epochs: int,
-                 copy: bool = True) -> None:
+                 copy: bool = True, share: bool = False) -> None:
         from flowrl_operators.training.engine import build
         from flowrl_operators.training.losses import policy_loss
 
@@ -114,12 +114,14 @@ class Learner:
         self.lora = getattr(config, "lora", None) is not None
         self.partial = self.lora or bool(getattr(config, "freeze", None))
         # In a child process (own_process) the reply's pickling copies the tensors before the next
-        # call can change them: there a published policy is views, in process a copy.
-        self.copy = copy
+        # call can change them: there a published policy is views, in process a copy. `share`: the
+        # engines run in this process, so tensors that never change can be handed over once as they are.
+        self.copy, self.share, self.shared = copy, share, False
         self.loss_fn = policy_loss(loss)
 
     def train(self, trajectories: list) -> tuple[dict[str, float], list]:
         """One step on these trajectories: (metrics, the new weights as buckets of copies)."""
+        from flowrl_operators.memory import release
         from flowrl_operators.training.advantages import compute_advantages
         from flowrl_operators.training.batch import pack, shard
         from flowrl_operators.training.losses import apply_kl_penalty, needs_proximal, set_behaviour_weights
@@ -144,20 +146,31 @@ class Learner:
                 start = {k: v for k, v in metrics.items() if k.startswith("mismatch_")}
             metrics |= self.trainer.step()
         metrics |= start
-        return metrics, self.policy(changed_only=True)
+        policy = self.policy(changed_only=True)
+        release()  # the step's activations and gradients, freed: back to the OS (flowrl_operators.memory)
+        return metrics, policy
 
     def policy(self, changed_only: bool = False) -> list:
         """The weights as a Snapshot: buckets of tensors of this version alone, copied once here (the
         next step changes the live parameters while sync ships these), never again on the way: the
         embedded engine adopts them as its weights. `changed_only`: what a step can change (no frozen
-        parameter; with LoRA the adapters), which the engines, started from the same model, need."""
+        parameter; with LoRA the adapters), which the engines, started from the same model, need.
+        Tensors that never change go uncopied, in one process once (training/tuning.py)."""
+        from flowrl_operators.training.tuning import frozen_tensors
         from flowrl_operators.transport import Snapshot
 
         changed_only = self.lora or (changed_only and self.partial)
         buckets = self.trainer.named_weights(changed_only=True) if changed_only else self.trainer.named_weights()
-        fresh = self.lora  # adapter tensors (or merged weights) are new tensors already
-        return Snapshot([[(name, t.detach() if fresh or not self.copy else t.detach().clone()) for name, t in bucket]
-                         for bucket in buckets])
+        frozen = frozen_tensors(self.trainer.model, self.trainer.config.lora) if self.partial else {}
+        # Adapter tensors (or merged weights) are new tensors already; frozen ones never change.
+        keep = self.lora or not self.copy
+        out = Snapshot([[(n, t.detach() if keep or n in frozen else t.detach().clone()) for n, t in bucket]
+                        for bucket in buckets])
+        if self.share and frozen and not self.shared:
+            sent = {n for bucket in out for n, _ in bucket}
+            out.append([(n, t) for n, t in frozen.items() if n not in sent])
+            self.shared = True
+        return out
 
     def save(self, path: str) -> None:
         self.trainer.save(path)
@@ -230,7 +243,9 @@ class Train(Operator):
         horizon = schedule_horizon(c.optim, self.context, c.epochs)
         config = trainer_config(c.optim, c.micro_batch_tokens, c.max_nonfinite_steps, horizon, self.context.seed,
                                 gradient_checkpointing=c.gradient_checkpointing, freeze=list(c.freeze), lora=c.lora)
-        args = (c.engine, self.context.model["path"], config, loss, advantage, c.epochs, c.own_process is None)
+        in_process = c.own_process is None
+        args = (c.engine, self.context.model["path"], config, loss, advantage, c.epochs, in_process,
+                in_process and self.context.executor == "inprocess")
         if c.own_process is not None:
             self.child = await asyncio.to_thread(Child, Learner, args, threads=c.own_process.threads,
                                                  name=f"flowrl-train-{self.context.node}")

@@ -84,22 +84,31 @@ def node(tmp_path: Path, **keys) -> Train:
 
 
 def test_train_node_reads_freeze_and_gradient_checkpointing(tmp_path: Path):
+    """The first version hands the frozen parameters over as they are (no copy: they never change),
+    later versions send only the trainable ones."""
+    def groups(step):
+        return [Group(id=f"{step}:0", step=step, trajectories=trajectories(step)[:3]),
+                Group(id=f"{step}:1", step=step, trajectories=trajectories(step)[3:])]
+
     async def main():
         op = node(tmp_path, freeze=FROZEN, gradient_checkpointing=True)
         await op.setup()
         try:
             trainer = op.learner.trainer
             assert any(getattr(m, "gradient_checkpointing", False) for m in trainer.model.modules())
-            result = await op.train([Group(id="g0", step=0, trajectories=trajectories()[:3]),
-                                     Group(id="g1", step=0, trajectories=trajectories()[3:])], step=0)
-            sent = {n for b in result.policy for n, _ in b}
+            first = {n: t for b in (await op.train(groups(0), step=0)).policy for n, t in b}
+            second = {n for b in (await op.train(groups(1), step=1)).policy for n, _ in b}
             everything = {n for b in (await op.publish()).policy for n, _ in b}
-            return sent, everything, {n for n, p in trainer.model.named_parameters() if not p.requires_grad}
+            params = dict(trainer.model.named_parameters())
+            return first, second, everything, params
         finally:
             await op.close()
 
-    sent, everything, frozen = asyncio.run(main())
-    assert frozen and not sent & frozen and sent | frozen <= everything
+    first, second, everything, params = asyncio.run(main())
+    frozen = {n for n, p in params.items() if not p.requires_grad}
+    assert frozen and set(first) == set(params) and second == set(params) - frozen and everything >= set(params)
+    for name, tensor in first.items():  # frozen: the live tensor itself; trainable: a copy
+        assert (tensor.data_ptr() == params[name].data_ptr()) == (name in frozen), name
 
 
 def test_freeze_errors_are_located(tmp_path: Path):

@@ -84,3 +84,32 @@ def test_buckets_that_are_not_a_snapshot_are_copied():
             await engine.close()
 
     asyncio.run(run())
+
+
+def test_frozen_weights_are_shared_by_trainer_and_engine(tmp_path: Path):
+    """LoRA: the first version hands the base over as it is, the engine adopts it, and trainer and
+    engine hold one copy of the base weights between them; later versions carry only adapters."""
+    async def run():
+        config = {"optim": {"lr": 1e-2}, "lora": {"r": 2, "target_modules": ["q_proj", "up_proj"]}}
+        learner = Train(msgspec.convert(config, TrainConfig),
+                        OperatorContext(node="learner", run_dir=tmp_path, seed=1, model={"path": MODEL}))
+        publish = Sync(SyncConfig(transport="inprocess"), OperatorContext(node="publish"))
+        engine = EmbeddedEngine(MODEL, max_slots=2)
+        await learner.setup()
+        try:
+            for step in range(2):
+                policy = (await learner.train(groups(step), step=step)).policy
+                await apply(engine, await publish.sync(policy, version=step + 1), step + 1)
+                if step == 0:
+                    first = {n for b in policy for n, _ in b}
+            base = {n.removeprefix("base_model.model.").replace(".base_layer.", "."): p
+                    for n, p in learner.learner.trainer.model.named_parameters() if ".lora_" not in n}
+            live = dict(engine.named_parameters())
+            assert set(live) <= set(base) and first >= set(live)
+            assert {n for b in policy for n, _ in b} == {n for n in first if ".lora_" in n}
+            assert all(live[n].data_ptr() == base[n].data_ptr() for n in live)
+        finally:
+            await engine.close()
+            await learner.close()
+
+    asyncio.run(run())

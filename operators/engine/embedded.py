@@ -49,6 +49,7 @@ from flowrl_operators.engine.base import (
 )
 from flowrl_operators.engine.model import CausalLM, KVCache, end_token_ids, load_model
 from flowrl_operators.engine.sampling import sample
+from flowrl_operators.memory import configure, release
 from flowrl_operators.models import resolve_model, silence_hf
 
 
@@ -108,6 +109,7 @@ class EmbeddedEngine:
         version: int = 0,
     ) -> None:
         silence_hf()
+        configure()  # large blocks as their own mappings: freed memory leaves the process (memory.py)
         if threads is not None:
             torch.set_num_threads(threads)
         if isinstance(dtype, str):
@@ -308,6 +310,7 @@ class EmbeddedEngine:
 
     def _apply(self, staged: dict[str, torch.Tensor]) -> None:
         weights.apply(self.model, staged)
+        release()  # the replaced version's tensors, freed: back to the OS (flowrl_operators.memory)
 
     # --- scheduling ------------------------------------------------------------------------------------
 

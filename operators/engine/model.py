@@ -274,7 +274,7 @@ def rope_tables(config, max_context: int, device: torch.device) -> tuple[torch.T
 
 def load_model(folder: Path, dtype: torch.dtype, device: torch.device | str):
     """Build the model for a checkpoint folder and load its safetensors by HF name."""
-    from safetensors.torch import load_file
+    from safetensors import safe_open
     from transformers import AutoConfig
 
     from flowrl_operators.models import BUILD_LOCK
@@ -290,22 +290,25 @@ def load_model(folder: Path, dtype: torch.dtype, device: torch.device | str):
         raise FileNotFoundError(f"{folder} has no *.safetensors weights")
     loaded = set()
     for file in files:
-        for name, tensor in load_file(str(file)).items():
-            if name == "lm_head.weight" and model.tied:
-                continue
-            if name not in params:
-                continue  # e.g. rotary buffers saved by old exports
-            if params[name].shape != tensor.shape:
-                raise ValueError(f"{file.name}: {name} has shape {tuple(tensor.shape)}, "
-                                 f"the config implies {tuple(params[name].shape)}")
-            with torch.no_grad():
-                params[name].copy_(tensor)
-            loaded.add(name)
+        # One tensor at a time (not load_file's whole dict): loading holds the model plus one tensor.
+        with safe_open(str(file), "pt") as reader:
+            for name in reader.keys():  # noqa: SIM118 - safe_open has keys(), not iteration
+                if name in params and not (name == "lm_head.weight" and model.tied):
+                    _load_one(params[name], reader.get_tensor(name), name, file)
+                    loaded.add(name)
     missing = sorted(set(params) - loaded)
     if missing:
         raise ValueError(f"{folder}: checkpoint lacks {len(missing)} parameters, e.g. {missing[:3]}")
     model.eval()
     return model
+
+
+def _load_one(param: torch.Tensor, tensor: torch.Tensor, name: str, file: Path) -> None:
+    if param.shape != tensor.shape:
+        raise ValueError(f"{file.name}: {name} has shape {tuple(tensor.shape)}, "
+                         f"the config implies {tuple(param.shape)}")
+    with torch.no_grad():
+        param.copy_(tensor)
 
 
 def end_token_ids(folder: Path, config) -> frozenset[int]:

@@ -155,7 +155,8 @@ def load(trainer: Trainer, target: Path) -> None:
 def export_hf(trainer: Trainer, target: Path) -> Path:
     """Full weights as safetensors with the model's config and the source's tokenizer files."""
     target = target.absolute()
-    full = trainer.state_dict_full()  # collective; rank 0 holds the tensors
+    # Collective; rank 0 holds the tensors. Written before the trainer's next call: no copy needed.
+    full = trainer.state_dict_full(copy=False)
     tmp = _prepare_tmp(trainer, target)
     if trainer.rank == 0:
         model = trainer.model

@@ -130,7 +130,10 @@ class Trainer:
     trainable: bool = True
 
     def __init__(self, model_path: str | Path, config: TrainerConfig | None = None) -> None:
+        from flowrl_operators.memory import configure
         from flowrl_operators.models import BUILD_LOCK, resolve_model
+
+        configure()  # large blocks as their own mappings: freed memory leaves the process (memory.py)
 
         self.config = config or TrainerConfig()
         self.model_path = resolve_model(model_path)
@@ -358,14 +361,15 @@ class Trainer:
         if bucket and self.rank == 0:
             yield bucket
 
-    def state_dict_full(self) -> dict[str, torch.Tensor]:
-        """The whole model as full CPU tensors on rank 0 (`{}` elsewhere); collective."""
+    def state_dict_full(self, copy: bool = True) -> dict[str, torch.Tensor]:
+        """The whole model as full CPU tensors on rank 0 (`{}` elsewhere); collective. `copy=False`
+        (one rank): the live CPU tensors, for a caller that is done with them before the next step."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         if tuning.is_peft(self.model):  # the adapters merged, under checkpoint names
-            return {k: v.to("cpu", copy=True) for k, v in tuning.merged_state(self.model).items()}
+            return {k: v.to("cpu", copy=copy) for k, v in tuning.merged_state(self.model).items()}
         if not self.sharded:  # a copy, so that it stays a snapshot while training goes on
-            return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+            return {k: v.detach().to("cpu", copy=copy) for k, v in self.model.state_dict().items()}
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return get_model_state_dict(self.model, options=options)
 

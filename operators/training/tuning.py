@@ -11,7 +11,9 @@ changed (`changed_tensors`): the trainable parameters; with LoRA the adapters (`
 `A` and `scale * B` under `<module>.lora_A.weight` / `<module>.lora_B.weight`, which the embedded
 engine adds next to its base weights) or the merged weights of the adapted modules
 (`sync: merged`, base + scale * B @ A under the base weight's name, for any engine). A restored
-policy publishes everything (`full_tensors`).
+policy publishes everything. Tensors that never change (`frozen_tensors`: frozen parameters, LoRA's
+base) need no copy: in one process the first version hands them over as they are, and the embedded
+engine adopts them, so trainer and engine hold one copy of them between them.
 """
 
 from __future__ import annotations
@@ -126,6 +128,18 @@ def merged_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         name = hf_name(name)
         state[name] = merged.get(name, tensor.detach())
     return state
+
+
+def frozen_tensors(model: torch.nn.Module, lora: Any) -> dict[str, torch.Tensor]:
+    """Checkpoint name -> live tensor of every parameter that never changes (frozen, or LoRA's base;
+    with `sync: merged` not the adapted modules' weights, which the merged ones replace)."""
+    adapted = {f"{m}.weight" for m, _ in lora_layers(model)} if lora is not None and lora.sync == "merged" else set()
+    out = {}
+    for name, param in model.named_parameters():
+        name = hf_name(name)
+        if not param.requires_grad and name not in adapted:
+            out[name] = param.detach()
+    return out
 
 
 def changed_tensors(model: torch.nn.Module, lora: Any) -> Iterator[tuple[str, torch.Tensor]]:
