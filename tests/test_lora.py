@@ -76,6 +76,14 @@ def test_one_lora_step_equals_the_update_by_hand():
             torch.testing.assert_close(param.detach(), old - lr * expected[key] / (expected[key].abs() + 1e-8),
                                        atol=1e-5, rtol=0)
     assert all(not p.requires_grad for n, p in lora.model.named_parameters() if ".lora_" not in n)
+    assert {layer.scaling["default"] for layer in layers.values()} == {8.0 / 4}  # alpha / r
+
+
+def test_lora_dropout_is_the_configured_one():
+    """The trainer zeroes the model's own dropout (logprobs must be a function of the weights) but
+    keeps LoRA's, which the user asked for."""
+    trainer = Trainer(MODEL, TrainerConfig(lora=LoraSpec(r=2, dropout=0.25, target_modules=["o_proj"])))
+    assert {layer.lora_dropout["default"].p for _, layer in lora_layers(trainer.model)} == {0.25}
 
 
 def node(tmp_path: Path, **lora) -> Train:
