@@ -125,12 +125,16 @@ class Learner:
         from flowrl_operators.training.advantages import compute_advantages
         from flowrl_operators.training.batch import pack, shard
         from flowrl_operators.training.losses import apply_kl_penalty, needs_proximal, set_behaviour_weights
+        from flowrl_operators.training.objective import needs_reference
+        from flowrl_operators.training.tuning import base_logprobs
 
         supervised = self.loss.supervised
         batch = pack(trajectories, require_reward=not supervised)
         if supervised:  # a supervised target trains the model's own distribution, however it was drawn
             batch.temperature = batch.top_p = batch.top_k = None
         else:  # on the whole batch: group statistics need every member of a group
+            if self.lora and needs_reference(self.loss) and batch.reference_logprobs is None:
+                batch.reference_logprobs = base_logprobs(self.trainer, batch)  # the base is the reference
             apply_kl_penalty(batch, self.loss)
             compute_advantages(batch, self.advantage)
         # Every rank of a replicated train node gets the same groups and trains on its share of rows.
@@ -209,12 +213,15 @@ class Train(Operator):
             where = ("advantage", "estimator") if isinstance(config.advantage, dict) else ("advantage",)
             out.append((where, f"advantage {advantage.estimator} needs value estimates: add a critic "
                         "node (op: critic) between the reward and this node"))
-        if objective.needs_reference(loss) and "reference_logprobs" not in facts.upstream_provides:
+        # With lora the train node scores the reference itself: its base, adapters disabled.
+        if objective.needs_reference(loss) and "reference_logprobs" not in facts.upstream_provides \
+                and config.lora is None:
             kl = ("loss", "kl", "coef") if isinstance(config.loss, dict) and isinstance(config.loss.get("kl"), dict) \
                 else ("loss",)
             coef = objective.kl_config(loss).coef
             out.append((kl, f"a KL term (coef {coef:g}) needs reference logprobs: add a reference node "
-                        "(op: reference) before this node, or set coef: 0"))
+                        "(op: reference) before this node (or train with lora, whose base is the reference), "
+                        "or set coef: 0"))
         return out
 
     def __init__(self, config: TrainConfig, context: OperatorContext) -> None:

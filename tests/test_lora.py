@@ -185,3 +185,35 @@ def test_lora_checkpoint_restores_the_adapters(tmp_path: Path):
     assert any(not torch.equal(t, saved[n]) for n, t in adapters().items())
     trainer.load(tmp_path / "ckpt")
     assert all(torch.equal(t, saved[n]) for n, t in adapters().items())
+
+
+def test_lora_base_is_the_reference(tmp_path: Path):
+    """A KL term with lora needs no reference node: the train node scores the reference with its
+    adapters disabled, which equals a separate reference model of the same checkpoint."""
+    from flowrl.operator import GraphFacts
+    from flowrl_operators.training.trainer import Reference
+    from flowrl_operators.training.tuning import base_logprobs
+
+    keys = {"optim": {"lr": 1e-2}, "loss": {"kind": "ppo_clip", "kl": {"coef": 0.1, "apply_as": "loss"}}}
+    with_lora = msgspec.convert(keys | {"lora": {"r": 2}}, TrainConfig)
+    assert Train.check_graph(with_lora, GraphFacts()) == []
+    assert Train.check_graph(msgspec.convert(keys, TrainConfig), GraphFacts())[0][0] == ("loss", "kl", "coef")
+
+    async def run():
+        op = Train(with_lora, OperatorContext(node="learner", run_dir=tmp_path, seed=1, model={"path": MODEL}))
+        await op.setup()
+        try:
+            groups = [Group(id=f"0:{k}", step=0, trajectories=trajectories()[3 * k:3 * k + 3]) for k in range(2)]
+            first = (await op.train(groups, step=0)).metrics
+            second = (await op.train([Group(id="1:0", step=1, trajectories=trajectories(1))], step=1)).metrics
+            batch = pack(trajectories(2), require_reward=False)
+            trainer = op.learner.trainer
+            return first, second, base_logprobs(trainer, batch), trainer.compute_logprobs(batch), batch
+        finally:
+            await op.close()
+
+    first, second, base, policy, batch = asyncio.run(run())
+    assert abs(first["kl"]) < 1e-6 < abs(second["kl"])  # zero while the adapters are zero, then not
+    reference = Reference(MODEL, TrainerConfig()).compute_logprobs(batch)
+    torch.testing.assert_close(base, reference, atol=1e-6, rtol=0)
+    assert (policy - reference).abs().max() > 1e-4

@@ -13,7 +13,8 @@ engine adds next to its base weights) or the merged weights of the adapted modul
 (`sync: merged`, base + scale * B @ A under the base weight's name, for any engine). A restored
 policy publishes everything. Tensors that never change (`frozen_tensors`: frozen parameters, LoRA's
 base) need no copy: in one process the first version hands them over as they are, and the embedded
-engine adopts them, so trainer and engine hold one copy of them between them.
+engine adopts them, so trainer and engine hold one copy of them between them. With LoRA the base
+is also the reference policy (`base_logprobs`): a KL term needs no reference node.
 """
 
 from __future__ import annotations
@@ -151,3 +152,10 @@ def changed_tensors(model: torch.nn.Module, lora: Any) -> Iterator[tuple[str, to
     for name, param in model.named_parameters():
         if param.requires_grad:
             yield name, param
+
+
+def base_logprobs(trainer: Any, batch: Any) -> torch.Tensor:
+    """Logprobs of the batch under the LoRA model's base, its adapters disabled: the initial policy
+    (the base never trains), so a KL term needs no reference node and no second copy of the model."""
+    with trainer.model.disable_adapter():
+        return trainer.compute_logprobs(batch)
