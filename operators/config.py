@@ -37,6 +37,10 @@ class EngineConfig(Strict):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     threads: PositiveInt = 1  # torch threads per engine process
     max_batch: PositiveInt = 32  # slots of the KV cache: requests decoded together
+    # embedded: the most tokens (prompt + output) one request may hold; default the model's
+    # max_position_embeddings, which it may not exceed. The KV cache is sized by the requests
+    # admitted, not by this limit; a longer prompt is refused, output stops here ("length").
+    max_context: Annotated[int, Meta(ge=2)] | None = None
     server_args: dict[str, Any] = {}  # forwarded to sglang.launch_server
     # How the SGLang adapter delivers weights to its servers: tensor (HTTP; CUDA IPC on real SGLang,
     # colocated only), distributed (the adapter broadcasts: NCCL on GPU, gloo on CPU), disk
@@ -48,6 +52,11 @@ class EngineConfig(Strict):
     # from, e.g. a later phase's. The servers must be able to read that folder (same machine or a
     # shared filesystem); false serves whatever the servers were started with until the first sync.
     load_on_attach: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_context is not None and self.kind != "embedded":
+            raise ValueError("max_context sizes the embedded engine; an SGLang server takes its own "
+                             "(server_args: {context_length: N})")
 
 
 class GenerateConfig(Strict):
@@ -172,6 +181,20 @@ class AggregationConfig(Strict):
     kind: str = "token_mean"  # a registered aggregation (flowrl.aggregations)
 
 
+class LoraSpec(Strict):
+    """Low-rank adapters (peft) on the policy's linear layers; only they train, the base is frozen."""
+
+    r: PositiveInt = 8  # the adapters' rank
+    alpha: Annotated[float, Meta(gt=0)] = 16.0  # the update is scaled by alpha / r
+    dropout: Probability = 0.0  # on the adapters' input; > 0 makes the trainer's logprobs noisy
+    # Module names (their last part, as peft matches them) that get adapters.
+    target_modules: Annotated[list[str], Meta(min_length=1)] = msgspec.field(default_factory=lambda: [
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    # What each version sends to the engines: the adapter tensors (the embedded engine applies them
+    # next to its base weights), or the merged weights of the adapted modules (any engine, SGLang too).
+    sync: Literal["adapter", "merged"] = "adapter"
+
+
 class OwnProcess(Strict):
     threads: PositiveInt = 1  # torch threads of the trainer's process
 
@@ -192,6 +215,14 @@ class TrainConfig(Strict):
     # The trainer in a child process of its own, e.g. {threads: 1}: under the in-process executor
     # training then overlaps generation without sharing the GIL (flowrl_operators.training.process).
     own_process: OwnProcess | None = None
+    # Recompute each decoder layer's activations in the backward pass instead of keeping them:
+    # less memory for activations, about one more forward pass of time; the same gradients.
+    gradient_checkpointing: bool = False
+    # Parameters that do not train: shell-style patterns (fnmatch) over the model's parameter names,
+    # e.g. ["model.embed_tokens.*", "model.layers.[0-9].*"]. Frozen parameters get no gradient and
+    # no optimizer state, and are not sent to the engines again (they keep the model's values).
+    freeze: list[str] = []
+    lora: LoraSpec | None = None  # train low-rank adapters instead of the whole model (needs peft)
 
 
 class ReferenceConfig(Strict):

@@ -10,7 +10,17 @@ from typing import Any, ClassVar
 import msgspec
 
 from flowrl.data.trajectory import Group, SamplingSpan, Trajectory
-from flowrl.operator import PROMPTS, TRAJECTORIES, WEIGHTS, Knobs, Operator, OperatorContext, Resources
+from flowrl.operator import (
+    PROMPTS,
+    TRAJECTORIES,
+    WEIGHTS,
+    ConfigError,
+    GraphFacts,
+    Knobs,
+    Operator,
+    OperatorContext,
+    Resources,
+)
 from flowrl_operators.config import EngineConfig, GenerateConfig
 from flowrl_operators.engine.base import SamplingParams
 
@@ -28,6 +38,16 @@ class Generate(Operator):
     @classmethod
     def knobs(cls, config: GenerateConfig) -> Knobs:
         return Knobs(concurrency=config.max_concurrency, partial_rollout=config.partial_rollout)
+
+    @classmethod
+    def check_graph(cls, config: GenerateConfig, facts: GraphFacts) -> list[tuple[tuple[str, ...], str]]:
+        limit = config.engine.max_context if isinstance(config.engine, EngineConfig) else None
+        if limit is not None and config.sampling.max_new_tokens >= limit:
+            return [(("engine", "max_context"), f"max_context {limit} leaves no room for a prompt next to "
+                     f"sampling.max_new_tokens {config.sampling.max_new_tokens}; raise max_context or lower "
+                     "max_new_tokens")]
+        return []
+
     inputs: ClassVar = {"prompts": PROMPTS, "weights": WEIGHTS}
     outputs: ClassVar = {"trajectories": TRAJECTORIES}
     resources = Resources(cpus=0.5)
@@ -55,6 +75,7 @@ class Generate(Operator):
         model = self.context.model.get("path")
         if not model:
             raise ValueError("the generate node needs the pipeline's model.path (a checkpoint or builtin:<name>)")
+        self._check_max_context(model)
         # In a thread, so that the other stages set up meanwhile (the runtime starts them together).
         self.engine = await asyncio.to_thread(self._make_engine, model)
         engine = self.config.engine
@@ -90,6 +111,19 @@ class Generate(Operator):
 
             self.evaluator = Evaluator(self.context.data, self.context.seed, self.context.run_dir, self.tokenizer)
             await self.evaluate(self.engine.version)
+
+    def _check_max_context(self, model: str) -> None:
+        """engine.max_context within the model's max_position_embeddings, before any weight loads."""
+        engine = self.config.engine
+        if not isinstance(engine, EngineConfig) or engine.max_context is None:
+            return
+        from flowrl_operators.engine.embedded import check_max_context
+        from flowrl_operators.models import load_config
+
+        try:
+            check_max_context(engine.max_context, load_config(model))
+        except ValueError as e:
+            raise ConfigError(self.context.node, ("engine", "max_context"), str(e)) from None
 
     def _make_engine(self, model: str) -> Any:
         """The embedded engine in this process, or the SGLang adapter (servers at `engine.url`, or

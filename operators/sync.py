@@ -52,14 +52,18 @@ class Sync(Operator):
         self.sender = make_sender(self.config)
 
     async def sync(self, policy: Any, *, version: int) -> Any:
-        from flowrl_operators.transport import registry, weight_buckets
+        from flowrl_operators.transport import Snapshot, rebucket, registry, weight_buckets
 
         if registry.of_record(policy) is not None:
             return policy
         if self.sender is None:
             await self.setup()
         # None: the train step changed nothing (no data); the version still advances, with no bytes.
-        buckets = [] if policy is None else weight_buckets(policy, int(self.config.bucket_mb * 2**20))
+        size = int(self.config.bucket_mb * 2**20)
+        if isinstance(policy, Snapshot):  # the train node's private copy: stays one, so it is not copied again
+            buckets = Snapshot(rebucket((pair for bucket in policy for pair in bucket), size))
+        else:
+            buckets = [] if policy is None else weight_buckets(policy, size)
         # Gathering and copying block: keep the stage's event loop free.
         return await asyncio.to_thread(self.sender.send, buckets, version)
 

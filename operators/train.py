@@ -13,8 +13,11 @@ temperature / top-k / top-p; flowrl_operators.training.kernels). The train/infer
 metrics (`mismatch_*`, flowrl_operators.training.losses) are those of the first epoch, whose forward
 passes all run before the step's update.
 
-The policy record it publishes is the new weights as buckets of (HF name, tensor) copied after
-the step, so the sync node can ship them while the next step already changes the live weights.
+The policy record it publishes is the new weights as buckets of (HF name, tensor) copied once after
+the step (a `Snapshot`), so the sync node can ship them while the next step already changes the
+live weights; no one copies them again: the in-process transport hands them over as they are and
+the embedded engine adopts them as its weights. Only what a step can change is sent (frozen
+parameters are not; with LoRA the adapters), the whole model when a restored policy is published.
 All of it is the `Learner`'s work; with `own_process: {threads: N}` the Learner lives in a child
 process (flowrl_operators.training.process), and the node only passes trajectories and weights.
 """
@@ -29,6 +32,7 @@ from flowrl.data.trajectory import Group
 from flowrl.operator import (
     POLICY,
     TRAJECTORIES,
+    ConfigError,
     GraphFacts,
     Operator,
     OperatorContext,
@@ -38,14 +42,16 @@ from flowrl.operator import (
 from flowrl_operators.config import OptimConfig, TrainConfig
 
 
-def trainer_config(optim: OptimConfig, micro_batch_tokens: int, max_nonfinite_steps: int, steps: int, seed: int):
-    """The Trainer's config from a node's YAML keys."""
+def trainer_config(optim: OptimConfig, micro_batch_tokens: int, max_nonfinite_steps: int, steps: int, seed: int,
+                   **model_keys: Any):
+    """The Trainer's config from a node's YAML keys (`model_keys`: the train node's
+    gradient_checkpointing, freeze and lora)."""
     from flowrl_operators.training.trainer import TrainerConfig
 
     return TrainerConfig(
         lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay, warmup_steps=optim.warmup_steps,
         schedule=optim.schedule, total_steps=steps, grad_clip=optim.grad_clip,
-        micro_batch_tokens=micro_batch_tokens, max_nonfinite_steps=max_nonfinite_steps, seed=seed,
+        micro_batch_tokens=micro_batch_tokens, max_nonfinite_steps=max_nonfinite_steps, seed=seed, **model_keys,
     )
 
 
@@ -96,25 +102,39 @@ class Learner:
     """The model side of a train step (trainer, loss, advantages), built in the train node's process
     or, with `own_process`, in a child process (flowrl_operators.training.process)."""
 
-    def __init__(self, engine: str, model: str, config: Any, loss: Any, advantage: Any, epochs: int) -> None:
+    def __init__(self, engine: str, model: str, config: Any, loss: Any, advantage: Any, epochs: int,
+                 copy: bool = True, share: bool = False) -> None:
         from flowrl_operators.training.engine import build
         from flowrl_operators.training.losses import policy_loss
 
         self.trainer = build(engine, model, config, "policy")
         self.loss, self.advantage, self.epochs = loss, advantage, epochs
+        # What a version must send (training/tuning.py): with LoRA always the adapters (or the merged
+        # adapted weights) on the engine's own base; with frozen parameters a step sends the rest.
+        self.lora = getattr(config, "lora", None) is not None
+        self.partial = self.lora or bool(getattr(config, "freeze", None))
+        # In a child process (own_process) the reply's pickling copies the tensors before the next
+        # call can change them: there a published policy is views, in process a copy. `share`: the
+        # engines run in this process, so tensors that never change can be handed over once as they are.
+        self.copy, self.share, self.shared = copy, share, False
         self.loss_fn = policy_loss(loss)
 
     def train(self, trajectories: list) -> tuple[dict[str, float], list]:
         """One step on these trajectories: (metrics, the new weights as buckets of copies)."""
+        from flowrl_operators.memory import release
         from flowrl_operators.training.advantages import compute_advantages
         from flowrl_operators.training.batch import pack, shard
         from flowrl_operators.training.losses import apply_kl_penalty, needs_proximal, set_behaviour_weights
+        from flowrl_operators.training.objective import needs_reference
+        from flowrl_operators.training.tuning import base_logprobs
 
         supervised = self.loss.supervised
         batch = pack(trajectories, require_reward=not supervised)
         if supervised:  # a supervised target trains the model's own distribution, however it was drawn
             batch.temperature = batch.top_p = batch.top_k = None
         else:  # on the whole batch: group statistics need every member of a group
+            if self.lora and needs_reference(self.loss) and batch.reference_logprobs is None:
+                batch.reference_logprobs = base_logprobs(self.trainer, batch)  # the base is the reference
             apply_kl_penalty(batch, self.loss)
             compute_advantages(batch, self.advantage)
         # Every rank of a replicated train node gets the same groups and trains on its share of rows.
@@ -130,13 +150,31 @@ class Learner:
                 start = {k: v for k, v in metrics.items() if k.startswith("mismatch_")}
             metrics |= self.trainer.step()
         metrics |= start
-        return metrics, self.policy()
+        policy = self.policy(changed_only=True)
+        release()  # the step's activations and gradients, freed: back to the OS (flowrl_operators.memory)
+        return metrics, policy
 
-    def policy(self) -> list:
-        """The weights as buckets of copies: the next step changes the live parameters while sync
-        ships these."""
-        return [[(name, tensor.detach().clone()) for name, tensor in bucket]
-                for bucket in self.trainer.named_weights()]
+    def policy(self, changed_only: bool = False) -> list:
+        """The weights as a Snapshot: buckets of tensors of this version alone, copied once here (the
+        next step changes the live parameters while sync ships these), never again on the way: the
+        embedded engine adopts them as its weights. `changed_only`: what a step can change (no frozen
+        parameter; with LoRA the adapters), which the engines, started from the same model, need.
+        Tensors that never change go uncopied, in one process once (training/tuning.py)."""
+        from flowrl_operators.training.tuning import frozen_tensors
+        from flowrl_operators.transport import Snapshot
+
+        changed_only = self.lora or (changed_only and self.partial)
+        buckets = self.trainer.named_weights(changed_only=True) if changed_only else self.trainer.named_weights()
+        frozen = frozen_tensors(self.trainer.model, self.trainer.config.lora) if self.partial else {}
+        # Adapter tensors (or merged weights) are new tensors already; frozen ones never change.
+        keep = self.lora or not self.copy
+        out = Snapshot([[(n, t.detach() if keep or n in frozen else t.detach().clone()) for n, t in bucket]
+                        for bucket in buckets])
+        if self.share and frozen and not self.shared:
+            sent = {n for bucket in out for n, _ in bucket}
+            out.append([(n, t) for n, t in frozen.items() if n not in sent])
+            self.shared = True
+        return out
 
     def save(self, path: str) -> None:
         self.trainer.save(path)
@@ -163,6 +201,8 @@ class Train(Operator):
         from flowrl_operators.training.engine import check_name
 
         out = [(("engine",), problem)] if (problem := check_name(config.engine)) else []
+        if config.freeze and config.lora is not None:
+            out.append((("freeze",), "with lora only the adapters train (the base is frozen already); remove freeze"))
         # Every name and key of the objective, against the registries (a plugin's entries included).
         found = objective.problems(config.loss, config.advantage)
         out += found
@@ -173,12 +213,15 @@ class Train(Operator):
             where = ("advantage", "estimator") if isinstance(config.advantage, dict) else ("advantage",)
             out.append((where, f"advantage {advantage.estimator} needs value estimates: add a critic "
                         "node (op: critic) between the reward and this node"))
-        if objective.needs_reference(loss) and "reference_logprobs" not in facts.upstream_provides:
+        # With lora the train node scores the reference itself: its base, adapters disabled.
+        if objective.needs_reference(loss) and "reference_logprobs" not in facts.upstream_provides \
+                and config.lora is None:
             kl = ("loss", "kl", "coef") if isinstance(config.loss, dict) and isinstance(config.loss.get("kl"), dict) \
                 else ("loss",)
             coef = objective.kl_config(loss).coef
             out.append((kl, f"a KL term (coef {coef:g}) needs reference logprobs: add a reference node "
-                        "(op: reference) before this node, or set coef: 0"))
+                        "(op: reference) before this node (or train with lora, whose base is the reference), "
+                        "or set coef: 0"))
         return out
 
     def __init__(self, config: TrainConfig, context: OperatorContext) -> None:
@@ -203,14 +246,31 @@ class Train(Operator):
             _join_train_group(self.context.rank, self.context.world_size)
         loss, advantage = loss_config(c.loss), advantage_config(c.advantage)
         check_compatible(loss, advantage)
+        self._check_tuning()
         horizon = schedule_horizon(c.optim, self.context, c.epochs)
-        config = trainer_config(c.optim, c.micro_batch_tokens, c.max_nonfinite_steps, horizon, self.context.seed)
-        args = (c.engine, self.context.model["path"], config, loss, advantage, c.epochs)
+        config = trainer_config(c.optim, c.micro_batch_tokens, c.max_nonfinite_steps, horizon, self.context.seed,
+                                gradient_checkpointing=c.gradient_checkpointing, freeze=list(c.freeze), lora=c.lora)
+        in_process = c.own_process is None
+        args = (c.engine, self.context.model["path"], config, loss, advantage, c.epochs, in_process,
+                in_process and self.context.executor == "inprocess")
         if c.own_process is not None:
             self.child = await asyncio.to_thread(Child, Learner, args, threads=c.own_process.threads,
                                                  name=f"flowrl-train-{self.context.node}")
         else:
             self.learner = await asyncio.to_thread(Learner, *args)
+
+    def _check_tuning(self) -> None:
+        """freeze patterns and lora targets against the model's names, before any weight loads."""
+        from flowrl_operators.training.tuning import check
+
+        c: TrainConfig = self.config
+        if c.lora is not None and self.context.world_size > 1:
+            raise ConfigError(self.context.node, ("lora",), f"LoRA trains on one rank here; node "
+                              f"'{self.context.node}' has replicas: {self.context.world_size}: use replicas: 1")
+        if c.freeze or c.lora is not None:
+            problems = check(self.context.model["path"], list(c.freeze), c.lora)
+            if problems:
+                raise ConfigError(self.context.node, *problems[0])
 
     def _call_now(self, method: str, *args: Any) -> Any:
         """A Learner method, here or in the child process."""

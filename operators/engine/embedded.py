@@ -18,8 +18,10 @@ teacher-forced forward computes). Greedy requests (temperature 0) report the unt
 log_softmax(logits) of the chosen token, since the point mass they sample from has logprob 0.
 
 Weights and the KV cache. `update_weights` stages every incoming tensor off to the side while the
-engine keeps serving, and only when the whole version has arrived and checked out copies it into the
-live parameters between two steps; an error leaves the old weights untouched. KV entries already
+engine keeps serving (a copy, or the tensor itself when the stream says the version owns it), and
+only when the whole version has arrived and checked out swaps the staged tensors in as the live
+parameters between two steps; an error leaves the old weights untouched. A version may also carry
+LoRA adapters, which the engine adds next to its base weights (flowrl_operators.engine.weights). KV entries already
 computed by the old weights are *kept* (the "in_place" behaviour, cheap) unless the engine was
 paused with mode "retract": then each running request's prompt and output so far are prefilled again
 at resume, so its next tokens equal what the new weights produce from that prefix.
@@ -37,6 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from flowrl_operators.engine import weights
 from flowrl_operators.engine.base import (
     PAUSE_MODES,
     Buckets,
@@ -46,6 +49,7 @@ from flowrl_operators.engine.base import (
 )
 from flowrl_operators.engine.model import CausalLM, KVCache, end_token_ids, load_model
 from flowrl_operators.engine.sampling import sample
+from flowrl_operators.memory import configure, release
 from flowrl_operators.models import resolve_model, silence_hf
 
 
@@ -66,6 +70,11 @@ class Sequence:
     finish_reason: str | None = None
     error: str | None = None
 
+    @property
+    def need(self) -> int:
+        """Cache positions this request may use: its prompt and every token it may still add."""
+        return len(self.request.input_ids) + self.request.sampling.max_new_tokens
+
     def result(self) -> GenerateResult:
         return GenerateResult(
             request_id=self.request.request_id,
@@ -81,7 +90,9 @@ class EmbeddedEngine:
     """flowrl's torch engine for Llama / Qwen2 / Qwen3 checkpoints (implements `InferenceEngine`).
 
     `max_slots` bounds the requests decoded together (the rest queue); `max_context` bounds prompt +
-    output per request (default: the model's max_position_embeddings, at most 4096). `threads` sets
+    output per request (default: the model's max_position_embeddings; a prompt that leaves no room is
+    refused, output stops there with finish_reason "length"). Neither is allocated up front: the KV
+    cache grows to the slots and lengths (prompt + max_new_tokens) of the requests it admits. `threads` sets
     torch's intra-op threads for the process (one per process is fastest when processes share cores).
     """
 
@@ -98,6 +109,7 @@ class EmbeddedEngine:
         version: int = 0,
     ) -> None:
         silence_hf()
+        configure()  # large blocks as their own mappings: freed memory leaves the process (memory.py)
         if threads is not None:
             torch.set_num_threads(threads)
         if isinstance(dtype, str):
@@ -108,7 +120,7 @@ class EmbeddedEngine:
         config = self.model.config
         self.vocab_size = config.vocab_size
         self.eos_ids = end_token_ids(self.folder, config)
-        self.max_context = max_context or min(config.max_position_embeddings, 4096)
+        self.max_context = check_max_context(max_context, config)
         self.max_slots = max_slots
         self.cache = KVCache(config, max_slots, self.max_context, dtype, self.device)
         self._version = version
@@ -186,35 +198,25 @@ class EmbeddedEngine:
 
     async def update_weights(self, buckets: Buckets, version: int) -> None:
         """Apply a complete new version between two steps, or nothing (see the module docs)."""
+        owned = bool(getattr(buckets, "owned", False))  # a stream of tensors nobody changes later
         staged: dict[str, torch.Tensor] = {}
         if isinstance(buckets, AsyncIterable):
             async for bucket in buckets:
-                staged.update(await asyncio.to_thread(self.stage, bucket))
+                staged.update(await asyncio.to_thread(self.stage, bucket, owned))
         else:
             for bucket in buckets:
                 staged.update(await asyncio.to_thread(self.stage, bucket))
         await self.commit(staged, version)
 
-    def stage(self, bucket) -> dict[str, torch.Tensor]:
-        """Check one bucket of (HF name, tensor) against the model and copy it aside, on the
-        engine's device and dtype. Raises on an unknown name or a wrong shape; touches nothing live."""
-        params = dict(self.model.named_parameters())
-        staged = {}
-        for name, tensor in bucket:
-            if name == "lm_head.weight" and self.model.tied:
-                name = "model.embed_tokens.weight"  # a tied head is the embedding (trainers send both)
-            if name not in params:
-                raise KeyError(f"weight update names {name!r}, which this model does not have "
-                               f"(expected HF names such as {next(iter(params))!r})")
-            tensor = torch.as_tensor(tensor)
-            if tuple(tensor.shape) != tuple(params[name].shape):
-                raise ValueError(f"weight update for {name} has shape {tuple(tensor.shape)}, "
-                                 f"the model has {tuple(params[name].shape)}")
-            staged[name] = tensor.detach().to(self.device, params[name].dtype, copy=True)
-        return staged
+    def stage(self, bucket, owned: bool = False) -> dict[str, torch.Tensor]:
+        """Check one bucket of (HF name, tensor) against the model and set it aside, on the engine's
+        device and dtype (a copy, or with `owned` the tensor itself); touches nothing live
+        (flowrl_operators.engine.weights, which also takes LoRA adapters)."""
+        return weights.stage(self.model, bucket, self.device, owned)
 
     async def commit(self, staged: dict[str, torch.Tensor], version: int) -> None:
-        """Copy staged tensors into the live parameters between two steps and stamp `version`."""
+        """Swap staged tensors in as the live weights between two steps and stamp `version`."""
+        weights.check(self.model, staged)  # a bad version raises here, before anything changes
         self._start()
         async with self._lock:
             await asyncio.get_running_loop().run_in_executor(self._executor, self._apply, staged)
@@ -259,7 +261,8 @@ class EmbeddedEngine:
 
     def stats(self) -> dict:
         return {"running": len(self._running()), "waiting": len(self._waiting), "paused": self._paused,
-                "version": self._version, "max_slots": self.max_slots, "max_context": self.max_context}
+                "version": self._version, "max_slots": self.max_slots, "max_context": self.max_context,
+                "cache_slots": self.cache.slots, "cache_positions": self.cache.capacity, "cache_bytes": self.cache.nbytes()}
 
     async def close(self) -> None:
         if self._closed:
@@ -305,11 +308,9 @@ class EmbeddedEngine:
 
     # --- weights -------------------------------------------------------------------------------------
 
-    @torch.no_grad()
     def _apply(self, staged: dict[str, torch.Tensor]) -> None:
-        params = dict(self.model.named_parameters())
-        for name, tensor in staged.items():
-            params[name].copy_(tensor)
+        weights.apply(self.model, staged)
+        release()  # the replaced version's tensors, freed: back to the OS (flowrl_operators.memory)
 
     # --- scheduling ------------------------------------------------------------------------------------
 
@@ -373,6 +374,8 @@ class EmbeddedEngine:
 
     @torch.no_grad()
     def _step(self, running: list[Sequence]) -> None:
+        # Room for every admitted request's whole length before any forward writes the cache.
+        self.cache.ensure(max(seq.slot for seq in running) + 1, max(seq.need for seq in running))
         prefill = [seq for seq in running if seq.needs_prefill]
         decode = [seq for seq in running if not seq.needs_prefill]
         if prefill:
@@ -428,3 +431,15 @@ class EmbeddedEngine:
             elif len(seq.output) >= p.max_new_tokens or len(seq.tokens) >= self.max_context:
                 seq.finish_reason = "length"
 
+
+
+def check_max_context(max_context: int | None, config) -> int:
+    """The context limit: `max_context`, or the model's max_position_embeddings, which it may not exceed
+    (RoPE was trained up to there)."""
+    limit = config.max_position_embeddings
+    if max_context is None:
+        return limit
+    if not 2 <= max_context <= limit:
+        raise ValueError(f"max_context {max_context} must be between 2 and the model's max_position_embeddings "
+                         f"({limit}); lower it")
+    return max_context

@@ -6,11 +6,12 @@ three families differ only in details read from the config: Qwen2 has biases on 
 RMSNorm on each query/key head, Llama has neither (unless `attention_bias`).
 
 KV cache: one tensor per layer for keys and one for values, shaped
-[slots, kv_heads, max_context + 1, head_dim]. A request owns one slot; the key and value of its token
+[slots, kv_heads, capacity + 1, head_dim], grown to what admitted requests need (`KVCache.ensure`).
+A request owns one slot; the key and value of its token
 at position p live at [slot, :, p]. `forward` runs a rectangular block of rows: row b feeds S tokens
 starting at position `start[b]` and attends to its own positions 0..start[b]+i. Decoding is S = 1
 over the rows 0..B-1; prefilling one request is B = 1 over its slot. The extra column, position
-`KVCache.scratch` (= max_context), is written by rows that only fill out a rectangular block and is
+`KVCache.scratch` (= capacity), is written by rows that only fill out a rectangular block and is
 never attended to, so filler work cannot touch any request's KV.
 """
 
@@ -38,6 +39,24 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
+class Linear(nn.Linear):
+    """nn.Linear plus an optional low-rank adapter: y = x W^T + b + (x A^T) B^T.
+
+    `lora_a` [r, in] and `lora_b` [out, r] (the scale alpha / r already folded into B) are plain
+    attributes, not parameters, so the module's parameter names stay the checkpoint's. A LoRA weight
+    update sets them (`EmbeddedEngine`); unset, the layer is exactly nn.Linear.
+    """
+
+    lora_a: torch.Tensor | None = None
+    lora_b: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight, self.bias)
+        if self.lora_a is not None:
+            out = out + F.linear(F.linear(x, self.lora_a), self.lora_b)
+        return out
+
+
 class Attention(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
@@ -47,10 +66,10 @@ class Attention(nn.Module):
         qkv_bias = config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
         o_bias = config.model_type != "qwen2" and bool(getattr(config, "attention_bias", False))
         hidden = config.hidden_size
-        self.q_proj = nn.Linear(hidden, self.heads * self.head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(hidden, self.kv_heads * self.head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(hidden, self.kv_heads * self.head_dim, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.heads * self.head_dim, hidden, bias=o_bias)
+        self.q_proj = Linear(hidden, self.heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = Linear(hidden, self.kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = Linear(hidden, self.kv_heads * self.head_dim, bias=qkv_bias)
+        self.o_proj = Linear(self.heads * self.head_dim, hidden, bias=o_bias)
         if config.model_type == "qwen3":
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -58,7 +77,7 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
 
     def forward(self, x, cos, sin, keys, values, rows, positions, mask, length):
-        """x [B, S, hidden]; keys/values: this layer's whole cache [slots, kv_heads, max_context, head_dim].
+        """x [B, S, hidden]; keys/values: this layer's whole cache [slots, kv_heads, capacity + 1, head_dim].
 
         `rows` picks the B cache rows: a slice (decode: rows 0..B-1, read without copying) or a
         tensor of slot numbers (prefill: any slots, read through a gather).
@@ -90,9 +109,9 @@ class MLP(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.gate_proj = Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.up_proj = Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -181,19 +200,58 @@ def check_config(config) -> None:
 
 
 class KVCache:
-    """Per-layer key/value tensors [slots, kv_heads, max_context + 1, head_dim], plus the RoPE tables.
+    """Per-layer key/value tensors [slots, kv_heads, capacity + 1, head_dim], plus the RoPE tables.
 
-    Positions 0..max_context-1 hold requests' tokens; position `scratch` (= max_context) is a dump
-    for filler rows (a free or just-prefilled slot inside a decoded block of rows). Requests never
-    reach it (they stop at max_context tokens) and so never attend to it.
+    Sized by need: it starts empty and `ensure(slots, length)` grows it (copying what it holds) to the
+    slots and positions the admitted requests need (prompt + max_new_tokens each), never beyond
+    `max_slots` x `max_context`; a model's max_position_embeddings is only the limit of max_context,
+    not an allocation. Capacity grows in steps of `GROW` positions, slots to the next power of two,
+    so growth is rare. Positions 0..capacity-1 hold requests' tokens; position `scratch`
+    (= capacity) is a dump for filler rows (a free or just-prefilled slot inside a decoded block of
+    rows). Requests never reach it (a request needs at most its admitted length, which the capacity
+    covers) and so never attend to it.
     """
 
-    def __init__(self, config, slots: int, max_context: int, dtype: torch.dtype, device: torch.device) -> None:
-        shape = (slots, config.num_key_value_heads, max_context + 1, head_dim_of(config))
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
-        self.cos, self.sin = rope_tables(config, max_context + 1, device)
-        self.slots, self.max_context, self.scratch = slots, max_context, max_context
+    GROW = 64
+
+    def __init__(self, config, max_slots: int, max_context: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.config, self.dtype, self.device = config, dtype, device
+        self.max_slots, self.max_context = max_slots, max_context
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.slots = self.capacity = 0
+        self._allocate(1, min(self.GROW, max_context))
+
+    @property
+    def scratch(self) -> int:
+        return self.capacity
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+    def ensure(self, slots: int, length: int) -> None:
+        """Room for `slots` slots of `length` positions each (both capped at the maximum)."""
+        slots, length = min(slots, self.max_slots), min(length, self.max_context)
+        if slots <= self.slots and length <= self.capacity:
+            return
+        grown_slots = self.slots if slots <= self.slots else min(self.max_slots, 1 << (slots - 1).bit_length())
+        grown = self.capacity if length <= self.capacity else min(
+            self.max_context, -(-length // self.GROW) * self.GROW)
+        self._allocate(grown_slots, grown)
+
+    def _allocate(self, slots: int, capacity: int) -> None:
+        shape = (slots, self.config.num_key_value_heads, capacity + 1, head_dim_of(self.config))
+        old_slots, old_capacity = self.slots, self.capacity
+        for store in (self.keys, self.values):
+            for i in range(self.config.num_hidden_layers):
+                fresh = torch.zeros(shape, dtype=self.dtype, device=self.device)
+                if store[i:]:  # keep every position requests hold (the old scratch column is not one)
+                    fresh[:old_slots, :, :old_capacity] = store[i][:, :, :old_capacity]
+                    store[i] = fresh
+                else:
+                    store.append(fresh)
+        self.slots, self.capacity = slots, capacity
+        self.cos, self.sin = rope_tables(self.config, capacity + 1, self.device)
 
 
 def rope_tables(config, max_context: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -216,7 +274,7 @@ def rope_tables(config, max_context: int, device: torch.device) -> tuple[torch.T
 
 def load_model(folder: Path, dtype: torch.dtype, device: torch.device | str):
     """Build the model for a checkpoint folder and load its safetensors by HF name."""
-    from safetensors.torch import load_file
+    from safetensors import safe_open
     from transformers import AutoConfig
 
     from flowrl_operators.models import BUILD_LOCK
@@ -232,22 +290,25 @@ def load_model(folder: Path, dtype: torch.dtype, device: torch.device | str):
         raise FileNotFoundError(f"{folder} has no *.safetensors weights")
     loaded = set()
     for file in files:
-        for name, tensor in load_file(str(file)).items():
-            if name == "lm_head.weight" and model.tied:
-                continue
-            if name not in params:
-                continue  # e.g. rotary buffers saved by old exports
-            if params[name].shape != tensor.shape:
-                raise ValueError(f"{file.name}: {name} has shape {tuple(tensor.shape)}, "
-                                 f"the config implies {tuple(params[name].shape)}")
-            with torch.no_grad():
-                params[name].copy_(tensor)
-            loaded.add(name)
+        # One tensor at a time (not load_file's whole dict): loading holds the model plus one tensor.
+        with safe_open(str(file), "pt") as reader:
+            for name in reader.keys():  # noqa: SIM118 - safe_open has keys(), not iteration
+                if name in params and not (name == "lm_head.weight" and model.tied):
+                    _load_one(params[name], reader.get_tensor(name), name, file)
+                    loaded.add(name)
     missing = sorted(set(params) - loaded)
     if missing:
         raise ValueError(f"{folder}: checkpoint lacks {len(missing)} parameters, e.g. {missing[:3]}")
     model.eval()
     return model
+
+
+def _load_one(param: torch.Tensor, tensor: torch.Tensor, name: str, file: Path) -> None:
+    if param.shape != tensor.shape:
+        raise ValueError(f"{file.name}: {name} has shape {tuple(tensor.shape)}, "
+                         f"the config implies {tuple(param.shape)}")
+    with torch.no_grad():
+        param.copy_(tensor)
 
 
 def end_token_ids(folder: Path, config) -> frozenset[int]:

@@ -202,8 +202,8 @@ def make_engine(config: Any, model_path: str, *, dtype: str = "float32", seed: i
         from flowrl_operators.engine.embedded import EmbeddedEngine
 
         device = config.device if config.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        return EmbeddedEngine(model_path, max_slots=config.max_batch, device=device, threads=config.threads,
-                              dtype=dtype, seed=seed)
+        return EmbeddedEngine(model_path, max_slots=config.max_batch, max_context=config.max_context,
+                              device=device, threads=config.threads, dtype=dtype, seed=seed)
     sync = getattr(config, "weight_sync", "auto")
     if config.url is not None:  # an empty url is the adapter's clear error, not a launch
         return SGLangEngine(config.url, weight_sync=sync, model_path=model_path)

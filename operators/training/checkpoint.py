@@ -155,7 +155,8 @@ def load(trainer: Trainer, target: Path) -> None:
 def export_hf(trainer: Trainer, target: Path) -> Path:
     """Full weights as safetensors with the model's config and the source's tokenizer files."""
     target = target.absolute()
-    full = trainer.state_dict_full()  # collective; rank 0 holds the tensors
+    # Collective; rank 0 holds the tensors. Written before the trainer's next call: no copy needed.
+    full = trainer.state_dict_full(copy=False)
     tmp = _prepare_tmp(trainer, target)
     if trainer.rank == 0:
         model = trainer.model
@@ -176,8 +177,10 @@ def _save_safetensors(model: torch.nn.Module, full: dict[str, torch.Tensor], fol
     from safetensors.torch import save_file
 
     # safetensors refuses shared storage: keep one name of each tied weight (HF reties on load).
-    tied_away = {k for k, _ in model.named_parameters(remove_duplicate=False)} - {
-        k for k, _ in model.named_parameters()
+    from flowrl_operators.training.tuning import hf_name
+
+    tied_away = {hf_name(k) for k, _ in model.named_parameters(remove_duplicate=False)} - {
+        hf_name(k) for k, _ in model.named_parameters()
     }
     tensors = {name: t.contiguous() for name, t in full.items() if name not in tied_away}
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})

@@ -28,13 +28,13 @@ import math
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 import torch
 import torch.distributed as dist
 
-from flowrl_operators.training import checkpoint
+from flowrl_operators.training import checkpoint, tuning
 from flowrl_operators.training.batch import (
     SAMPLING_DEFAULTS,
     TOKEN_FIELDS,
@@ -64,6 +64,8 @@ class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_nonfinite_steps: int = 3  # consecutive skipped (non-finite) steps before the run stops
     mixed_precision: bool = True  # bf16 compute on GPU; CPU always runs fp32
     gradient_checkpointing: bool = False
+    freeze: list[str] = []  # fnmatch patterns of parameters that do not train (training/tuning.py)
+    lora: Any = None  # a flowrl_operators.config.LoraSpec: train peft adapters instead
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -112,6 +114,15 @@ def _disable_dropout(model: torch.nn.Module) -> None:
         model.config.attention_dropout = 0.0
 
 
+def _checkpoint_layers(model: torch.nn.Module) -> None:
+    """Recompute each decoder layer in backward (transformers 5 renamed the method)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 class Trainer:
     """One rank of a (possibly sharded) policy: forward/backward, optimizer step, weights, checkpoints."""
 
@@ -119,7 +130,10 @@ class Trainer:
     trainable: bool = True
 
     def __init__(self, model_path: str | Path, config: TrainerConfig | None = None) -> None:
+        from flowrl_operators.memory import configure
         from flowrl_operators.models import BUILD_LOCK, resolve_model
+
+        configure()  # large blocks as their own mappings: freed memory leaves the process (memory.py)
 
         self.config = config or TrainerConfig()
         self.model_path = resolve_model(model_path)
@@ -135,8 +149,10 @@ class Trainer:
             torch.manual_seed(self.config.seed)  # the same fresh heads on every rank
             self.model = _load_model(self.model_path, self.head).to(self.device)
         _disable_dropout(self.model)
-        if self.config.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable()
+        if self.config.gradient_checkpointing:  # non-reentrant: also right when the inputs need no grad
+            _checkpoint_layers(self.model)
+        if self.trainable:
+            self.model = tuning.prepare(self.model, self.config.freeze, self.config.lora)
         self.sharded = self.world_size > 1
         if self.sharded:
             self._shard()
@@ -147,8 +163,8 @@ class Trainer:
         self._nonfinite_loss = False
         if self.trainable:
             self.model.train()
-            self.optimizer = torch.optim.AdamW(
-                self.model.parameters(),
+            self.optimizer = torch.optim.AdamW(  # frozen parameters get no optimizer state
+                [p for p in self.model.parameters() if p.requires_grad],
                 lr=self.config.lr,
                 betas=self.config.betas,
                 eps=self.config.eps,
@@ -169,7 +185,8 @@ class Trainer:
         self.mesh = init_device_mesh(self.device.type, (self.world_size,))
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if self.bf16 else None
         kwargs = {"mesh": self.mesh} | ({"mp_policy": mp} if mp else {})
-        for layer in self.model.base_model.layers:
+        hf = self.model.get_base_model() if tuning.is_peft(self.model) else self.model
+        for layer in hf.base_model.layers:
             fully_shard(layer, **kwargs)
         fully_shard(self.model, **kwargs)
 
@@ -303,7 +320,13 @@ class Trainer:
 
     # --- weights ---------------------------------------------------------------------------------
 
-    def _named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def _named_tensors(self, changed_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        if changed_only:
+            yield from tuning.changed_tensors(self.model, self.config.lora)
+            return
+        if tuning.is_peft(self.model):
+            yield from tuning.merged_state(self.model).items()
+            return
         # named_parameters() lists a tied weight once (under its first name, e.g. the embedding).
         yield from self.model.named_parameters()
         persistent = set(self.model.state_dict().keys())
@@ -312,9 +335,11 @@ class Trainer:
                 yield name, buffer
 
     def named_weights(
-        self, bucket_bytes: int = 64 << 20, dtype: torch.dtype | None = None
+        self, bucket_bytes: int = 64 << 20, dtype: torch.dtype | None = None, *, changed_only: bool = False
     ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """Full tensors with Hugging Face names, in buckets of about `bucket_bytes`.
+        """Full tensors with Hugging Face names, in buckets of about `bucket_bytes`; with
+        `changed_only`, only what a train step can change (training/tuning.py: no frozen parameter;
+        with LoRA the adapters or the merged adapted weights).
 
         Collective: every rank must iterate it to the end (each sharded parameter is gathered with
         `full_tensor()`, one at a time, in the same order on every rank); only rank 0 yields. With
@@ -323,7 +348,7 @@ class Trainer:
         """
         bucket: list[tuple[str, torch.Tensor]] = []
         size = 0
-        for name, tensor in self._named_tensors():
+        for name, tensor in self._named_tensors(changed_only):
             full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
             if self.rank != 0:
                 continue
@@ -336,12 +361,15 @@ class Trainer:
         if bucket and self.rank == 0:
             yield bucket
 
-    def state_dict_full(self) -> dict[str, torch.Tensor]:
-        """The whole model as full CPU tensors on rank 0 (`{}` elsewhere); collective."""
+    def state_dict_full(self, copy: bool = True) -> dict[str, torch.Tensor]:
+        """The whole model as full CPU tensors on rank 0 (`{}` elsewhere); collective. `copy=False`
+        (one rank): the live CPU tensors, for a caller that is done with them before the next step."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+        if tuning.is_peft(self.model):  # the adapters merged, under checkpoint names
+            return {k: v.to("cpu", copy=copy) for k, v in tuning.merged_state(self.model).items()}
         if not self.sharded:  # a copy, so that it stays a snapshot while training goes on
-            return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+            return {k: v.detach().to("cpu", copy=copy) for k, v in self.model.state_dict().items()}
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return get_model_state_dict(self.model, options=options)
 

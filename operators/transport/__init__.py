@@ -21,6 +21,7 @@ from typing import Any
 from flowrl_operators.transport import registry
 from flowrl_operators.transport.base import (
     Bucket,
+    Snapshot,
     Stream,
     SyncMetrics,
     TensorMeta,
@@ -35,7 +36,7 @@ from flowrl_operators.transport.object_store import ObjectStoreRecord, ObjectSto
 
 __all__ = [
     "Bucket", "BroadcastGroup", "BroadcastRecord", "BroadcastSender", "InProcessRecord", "InProcessSender",
-    "ObjectStoreRecord", "ObjectStoreSender", "Stream", "SyncMetrics", "TensorMeta", "TransferError",
+    "ObjectStoreRecord", "ObjectStoreSender", "Snapshot", "Stream", "SyncMetrics", "TensorMeta", "TransferError",
     "WeightSender", "WeightsRecord", "apply", "make_sender", "open_stream", "rebucket", "weight_buckets",
 ]
 

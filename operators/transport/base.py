@@ -23,6 +23,13 @@ Bucket = list[tuple[str, torch.Tensor]]
 ALIGN = 64  # bytes; tensors packed into one flat buffer start at aligned offsets so views stay legal
 
 
+class Snapshot(list):
+    """Buckets whose tensors belong to one version alone: whoever made them (the train node's copy
+    after a step, or the tensors a pipe or process boundary just rebuilt) changes them never again.
+    A receiver may therefore keep such tensors as they are instead of copying them; the embedded
+    engine adopts them as its weights (`Stream.owned`)."""
+
+
 class TransferError(RuntimeError):
     """A version could not be delivered (the sender failed, a peer died, a record is unusable)."""
 
@@ -86,6 +93,9 @@ class Stream:
     """
 
     transport = "none"
+    # True when the buckets hold tensors nobody changes after this version (a Snapshot): the engine
+    # may adopt them as its weights without copying. False (the default): it copies each tensor.
+    owned = False
 
     def __init__(self) -> None:
         self.bytes = 0
