@@ -10,6 +10,7 @@ Pieces (each file is short; read them in this order):
 - stage.py        one replica of one node: take work, call the operator, complete it (both executors)
 - inprocess.py    every stage an asyncio task in this process (debugging, tests)
 - ray_executor.py every stage replica a Ray actor, the coordinator an async actor
+- ray_stage.py    the stage actor, and the coordinator proxy that passes policies as object refs
 - run.py          run(): run directory, resume, SIGINT/SIGTERM, max_seconds
 - targets.py      run.stop_when: the metrics that end a run once they reach a value
 - checkpoints.py  when checkpoints are taken, their atomic write, disk space
@@ -51,7 +52,10 @@ Run directory layout (all written by the coordinator or by run()):
                          staleness {lag: count} (lag = train version - record version),
                          dropped (this step), dropped_total, stale_kept_total, rejected_total,
                          filtered_total, idle {node: fraction of the step's wall time it was idle},
-                         train {the train operator's metrics}
+                         coordinator_weight_bytes (tensor bytes of policy / weights values handed
+                         to the coordinator since the previous row: in-process the policy's size,
+                         passed by reference and never copied; under Ray 0, the policy travels as
+                         an object ref, ray_stage.py), train {the train operator's metrics}
     samples.jsonl      `samples_per_step` trajectories of each trained batch: step, node, id, version
                          (the policy that generated it), reward, prompt, response (text the records
                          carry; prompt_ids / response_ids where they carry none), tracking.py

@@ -1,5 +1,5 @@
 """The Ray executor: each stage replica is a Ray actor running the same Stage code as in-process;
-the coordinator is an async actor the stages call through `RemoteCoordinator`.
+the coordinator is an async actor the stages call through `RemoteCoordinator` (ray_stage.py).
 
 Placement: one placement group (strategy PACK) with a bundle per stage replica, sized from the
 node's resources (fractional CPUs, so a 2-core machine hosts a whole pipeline). A generate actor
@@ -19,8 +19,6 @@ form one group: every rank gets the same batch and the step completes when all r
 from __future__ import annotations
 
 import asyncio
-import os
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -33,50 +31,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from flowrl.graph.plan import Plan
 from flowrl.runtime.coordinator import Coordinator
 from flowrl.runtime.ray_local import init_ray
-from flowrl.runtime.stage import Stage
-
-
-class RemoteCoordinator:
-    """Makes `await coord.method(...)` call the coordinator actor."""
-
-    def __init__(self, handle: Any) -> None:
-        self._handle = handle
-
-    def __getattr__(self, name: str) -> Any:
-        method = getattr(self._handle, name)
-
-        async def call(*args: Any, **kwargs: Any) -> Any:
-            return await method.remote(*args, **kwargs)
-
-        return call
-
-
-class StageActor:
-    def __init__(self, plan: bytes, node: str, replica: int, coord: Any, run_dir: str | None, origin: float) -> None:
-        # The plan travels as msgspec JSON: small arguments are inlined in the actor's creation
-        # task, so a restart never depends on an object-store copy.
-        self.stage = Stage(msgspec.json.decode(plan, type=Plan), node, replica, RemoteCoordinator(coord),
-                           run_dir, origin, "ray")
-
-    async def start(self, checkpoint: str | None, env: dict[str, str] | None = None) -> int:
-        os.environ.update(env or {})
-        await self.stage.start(checkpoint)
-        return os.getpid()
-
-    def address(self) -> tuple[str, int]:
-        """This host's address and a free port: the rendezvous of a replica group."""
-        with socket.socket() as sock:
-            sock.bind(("", 0))
-            return ray.util.get_node_ip_address(), sock.getsockname()[1]
-
-    async def run(self) -> str | None:
-        return await self.stage.run()
-
-    def save(self, path: str) -> None:
-        self.stage.save(path)
-
-    async def close(self) -> None:
-        await self.stage.close()
+from flowrl.runtime.ray_stage import StageActor
 
 
 class RayExecutor:
@@ -87,7 +42,7 @@ class RayExecutor:
         self.owns_ray = False
         self.coord: Any = None
         self.actors: dict[tuple[str, int], Any] = {}
-        self.pids: dict[tuple[str, int], int] = {}
+        self.where: dict[tuple[str, int], dict[str, Any]] = {}  # pid, Ray node id and address per actor
         self.tasks: dict[asyncio.Task, tuple[str, int]] = {}
         self.pg: Any = None
         self.max_restarts = int(plan.run.get("max_restarts", 3))
@@ -119,10 +74,10 @@ class RayExecutor:
                     env[(name, r)] = {"MASTER_ADDR": host, "MASTER_PORT": str(port), "RANK": str(r),
                                       "WORLD_SIZE": str(size), "LOCAL_RANK": str(r)}
         # Started together: the ranks of a group meet in their operators' setup().
-        pids = await asyncio.gather(*(
+        where = await asyncio.gather(*(
             actor.start.remote(str(checkpoint / name / f"r{r}") if checkpoint else None, env.get((name, r)))
             for (name, r), actor in self.actors.items()))
-        self.pids = dict(zip(self.actors, pids, strict=True))
+        self.where = dict(zip(self.actors, where, strict=True))
         self.tasks = {asyncio.get_running_loop().create_task(self._supervise(key)): key for key in self.actors}
 
     async def _supervise(self, key: tuple[str, int]) -> str | None:
@@ -134,7 +89,7 @@ class RayExecutor:
                 if starting:
                     # The restarted actor sets up again and attaches to the coordinator, which
                     # re-issues the samples the dead one held.
-                    self.pids[key] = await actor.start.remote(None)
+                    self.where[key] = await actor.start.remote(None)
                     starting = False
                 return await actor.run.remote()
             except ActorUnavailableError:  # still restarting: ask again shortly
