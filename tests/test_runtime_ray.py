@@ -102,6 +102,7 @@ def test_weights_reach_sync_by_reference_not_through_the_coordinator(tmp_path):
     assert crossed["ray"] == [0] * 3  # only object refs crossed the coordinator actor
 
 
+@pytest.mark.slow
 def test_checkpoint_under_ray_keeps_no_weights_ref_and_resumes(tmp_path):
     plan = ops.grpo("async", 1, steps=4, batch_size=2, train={"weights_kb": 64, "delay": 0.05})
     first = run(plan, tmp_path, executor="ray", progress=False, max_steps=2)

@@ -1,8 +1,10 @@
 """The Ray executor: each stage replica is a Ray actor running the same Stage code as in-process;
 the coordinator is an async actor the stages call through `RemoteCoordinator` (ray_stage.py).
 
-Placement: one placement group (strategy PACK) with a bundle per stage replica, sized from the
-node's resources (fractional CPUs, so a 2-core machine hosts a whole pipeline). A generate actor
+Placement (ray_placement.py): a placement group per node, with a bundle per replica sized from the
+node's resources (fractional CPUs, so a 2-core machine hosts a whole pipeline), its custom
+resources and labels, and its `placement` strategy; where each replica went is written to
+placement.json. A generate actor
 that dies is restarted by Ray (`plan.run["max_restarts"]`, default 3); on restart it attaches to
 the coordinator again, which re-issues the samples the dead actor had in flight (ledger
 `reissue`), and it receives the latest weights before new work. Any other actor's death, or a
@@ -25,10 +27,11 @@ from typing import Any
 import msgspec
 import ray
 from ray.exceptions import ActorUnavailableError, RayActorError
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.placement_group import remove_placement_group
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from flowrl.graph.plan import Plan
+from flowrl.runtime import ray_placement as placement
 from flowrl.runtime.coordinator import Coordinator
 from flowrl.runtime.ray_local import init_ray
 from flowrl.runtime.ray_stage import StageActor
@@ -39,32 +42,37 @@ class RayExecutor:
         self.plan = plan
         self.run_dir = str(run_dir) if run_dir else None
         self.origin = origin
-        self.owns_ray = False
+        self.connected = False  # this executor called ray.init, and disconnects at the end
+        self.attached = False  # to a cluster that was running already (left running)
         self.coord: Any = None
         self.actors: dict[tuple[str, int], Any] = {}
         self.where: dict[tuple[str, int], dict[str, Any]] = {}  # pid, Ray node id and address per actor
         self.tasks: dict[asyncio.Task, tuple[str, int]] = {}
-        self.pg: Any = None
+        self.pgs: dict[str, Any] = {}  # node -> its placement group
         self.max_restarts = int(plan.run.get("max_restarts", 3))
 
     async def start(self, steps: int, stop_at: int | None, state: bytes | None, checkpoint: Path | None) -> None:
         if not ray.is_initialized():
-            init_ray(include_dashboard=False)  # RAY_ADDRESS's cluster, or a loopback-only one
-            self.owns_ray = True
-        self.coord = ray.remote(Coordinator).options(num_cpus=0).remote(
+            # run.ray_address's or RAY_ADDRESS's cluster, or a loopback-only one of our own.
+            self.attached = init_ray(self.plan.run.get("ray_address"), include_dashboard=False)
+            self.connected = True
+        placement.check({n: self.plan.nodes[n].resources for n in self.plan.nodes}, ray.nodes())
+        # On this (the driver's) node: the coordinator writes the run's records into run_dir.
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        self.coord = ray.remote(Coordinator).options(num_cpus=0, scheduling_strategy=here).remote(
             self.plan, self.run_dir, steps, stop_at, self.origin, state)
         names = self.plan.order + [n for n in self.plan.nodes if n not in self.plan.order]
-        replicas = [(name, r) for name in names for r in range(self.plan.nodes[name].resources.replicas)]
-        self.pg = placement_group([_bundle(self.plan.nodes[name].resources) for name, _ in replicas], strategy="PACK")
-        await self.pg.ready()
-        for index, (name, r) in enumerate(replicas):
+        self.pgs = {name: placement.group(name, self.plan.nodes[name].resources) for name in names}
+        await asyncio.gather(*(pg.ready() for pg in self.pgs.values()))
+        for name in names:
             res = self.plan.nodes[name].resources
-            self.actors[(name, r)] = ray.remote(StageActor).options(
-                num_cpus=res.cpus, num_gpus=res.gpus,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=index),
-                max_restarts=self.max_restarts if self.plan.nodes[name].kind == "generate" else 0,
-                max_task_retries=0,  # a call that killed its actor must not be retried (it would again)
-            ).remote(msgspec.json.encode(self.plan), name, r, self.coord, self.run_dir, self.origin)
+            for r in range(res.replicas):
+                self.actors[(name, r)] = ray.remote(StageActor).options(
+                    num_cpus=res.cpus, num_gpus=res.gpus, resources=dict(res.custom),
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(self.pgs[name], placement_group_bundle_index=r),
+                    max_restarts=self.max_restarts if self.plan.nodes[name].kind == "generate" else 0,
+                    max_task_retries=0,  # a call that killed its actor must not be retried (it would again)
+                ).remote(msgspec.json.encode(self.plan), name, r, self.coord, self.run_dir, self.origin)
         env = {}
         for name in names:
             size = self.plan.nodes[name].resources.replicas
@@ -78,6 +86,7 @@ class RayExecutor:
             actor.start.remote(str(checkpoint / name / f"r{r}") if checkpoint else None, env.get((name, r)))
             for (name, r), actor in self.actors.items()))
         self.where = dict(zip(self.actors, where, strict=True))
+        placement.write(self.run_dir, self.where, self.attached)
         self.tasks = {asyncio.get_running_loop().create_task(self._supervise(key)): key for key in self.actors}
 
     async def _supervise(self, key: tuple[str, int]) -> str | None:
@@ -90,6 +99,7 @@ class RayExecutor:
                     # The restarted actor sets up again and attaches to the coordinator, which
                     # re-issues the samples the dead one held.
                     self.where[key] = await actor.start.remote(None)
+                    placement.write(self.run_dir, self.where, self.attached)  # Ray may have put it on another node
                     starting = False
                 return await actor.run.remote()
             except ActorUnavailableError:  # still restarting: ask again shortly
@@ -143,20 +153,11 @@ class RayExecutor:
             ray.kill(actor, no_restart=True)
         if self.coord is not None:
             ray.kill(self.coord, no_restart=True)
-        if self.pg is not None:
-            remove_placement_group(self.pg)
-        if self.owns_ray:
-            ray.shutdown()
+        for pg in self.pgs.values():
+            remove_placement_group(pg)
+        if self.connected:
+            ray.shutdown()  # stops only a cluster of our own; from one we attached to it only disconnects
         return failures
-
-
-def _bundle(resources: Any) -> dict[str, float]:
-    if resources.cpus <= 0:
-        raise ValueError("Ray rejects a bundle of 0 CPUs: give every node resources.cpus > 0 (fractions are fine)")
-    bundle = {"CPU": resources.cpus}
-    if resources.gpus:
-        bundle["GPU"] = resources.gpus
-    return bundle
 
 
 async def _quiet(ref: Any) -> str | None:

@@ -1,0 +1,78 @@
+"""Scale-out under Ray: stages placed on named nodes of a multi-node cluster, and a run that attaches
+to a cluster it did not start and leaves it running (the `ray_cluster` fixture, tests/conftest.py:
+a head and worker nodes a and b started with `ray start` on this machine)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import msgspec
+import pytest
+import runtime_ops as ops
+
+from flowrl.cli import main
+from flowrl.graph.compile import compile_file
+from flowrl.runtime import ledger
+from flowrl.runtime.ray_placement import PlacementError
+from flowrl.runtime.run import run
+
+ROOT = Path(__file__).resolve().parents[1]
+ray = pytest.importorskip("ray")
+
+
+def placed(plan, **resources):
+    """`plan` with node name -> extra resources keys."""
+    nodes = {name: msgspec.structs.replace(n, resources=msgspec.structs.replace(n.resources, **resources[name]))
+             if name in resources else n for name, n in plan.nodes.items()}
+    return msgspec.structs.replace(plan, nodes=nodes)
+
+
+def test_placement_keys_reach_the_plan(tmp_path):
+    spec = (ROOT / "tests/specs/good/base.yaml").read_text().replace(
+        "    op: generate\n", "    op: generate\n    resources: {cpus: 0.5, custom: {flowrl_node_a: 0.01}, placement: spread}\n"
+    ).replace("    op: train\n", "    op: train\n    resources: {cpus: 0.5, labels: {flowrl_node: b}}\n"
+              ).replace("cluster: {cpus: 2}", "cluster: {cpus: 2}\nrun: {executor: ray, ray_address: '10.0.0.1:6379'}")
+    (tmp_path / "p.yaml").write_text(spec)
+    plan = compile_file(str(tmp_path / "p.yaml")).plan
+    rollout, learner = plan.nodes["rollout"].resources, plan.nodes["learner"].resources
+    assert (rollout.custom, rollout.labels, rollout.placement) == ({"flowrl_node_a": 0.01}, {}, "spread")
+    assert (learner.custom, learner.labels, learner.placement) == ({}, {"flowrl_node": "b"}, "pack")
+    assert plan.run["ray_address"] == "10.0.0.1:6379"
+
+
+@pytest.mark.slow
+def test_stages_run_on_the_nodes_they_name_and_the_cluster_stays_up(ray_cluster, tmp_path, capsys):
+    plan = placed(ops.grpo("sync", steps=3, batch_size=2, train={"weights_kb": 256}),
+                  rollout={"custom": {"flowrl_node_a": 0.5}}, learner={"labels": {"flowrl_node": "b"}})
+    plan.run["executor"], plan.run["ray_address"] = "ray", ray_cluster.address
+    result = run(plan, tmp_path, progress=False)
+    assert result.status == "done" and result.steps == 3
+    report = ledger.check(tmp_path)
+    assert report.ended and report.clean, report.problems
+    record = json.loads((tmp_path / "placement.json").read_text())
+    assert record["attached"] is True and record["ray_nodes"] == 3
+    rollout, learner = record["nodes"]["rollout"][0], record["nodes"]["learner"][0]
+    assert "flowrl_node_a" in rollout["custom"] and learner["labels"] == {"flowrl_node": "b"}
+    assert rollout["ray_node"] != learner["ray_node"]
+    trained = [json.loads(line) for line in (tmp_path / "train-learner.jsonl").read_text().splitlines()]
+    assert {r["pid"] for r in trained} == {learner["pid"]}  # the record names the process that trained
+    # Across nodes too, the weights went by reference: none through the coordinator.
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["coordinator_weight_bytes"] for r in rows] == [0, 0, 0]
+    assert main(["inspect", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "ray placement (attached to a running cluster, 3 nodes)" in out
+    assert "flowrl_node_a" in out and "flowrl_node=b" in out
+    assert not ray.is_initialized()  # flowrl disconnected its driver ...
+    assert ray_cluster.alive_nodes() == 3  # ... and left the cluster it attached to running
+
+
+@pytest.mark.slow
+def test_a_node_no_ray_node_can_host_fails_fast_and_names_it(ray_cluster, tmp_path, monkeypatch):
+    monkeypatch.setenv("RAY_ADDRESS", ray_cluster.address)  # attach through the environment this time
+    plan = placed(ops.grpo("sync", steps=2, batch_size=2), learner={"custom": {"flowrl_node_c": 1}})
+    with pytest.raises(PlacementError, match=r"node 'learner': no Ray node can host it.*flowrl_node_c.*flowrl_node_a"):
+        run(plan, tmp_path, executor="ray", progress=False)
+    assert not ray.is_initialized()
+    assert ray_cluster.alive_nodes() == 3
