@@ -13,6 +13,7 @@ import runtime_ops as ops
 
 from flowrl.cli import main
 from flowrl.graph.compile import compile_file
+from flowrl.graph.render import resources_label
 from flowrl.runtime import ledger
 from flowrl.runtime.ray_placement import PlacementError
 from flowrl.runtime.run import run
@@ -39,6 +40,8 @@ def test_placement_keys_reach_the_plan(tmp_path):
     assert (rollout.custom, rollout.labels, rollout.placement) == ({"flowrl_node_a": 0.01}, {}, "spread")
     assert (learner.custom, learner.labels, learner.placement) == ({}, {"flowrl_node": "b"}, "pack")
     assert plan.run["ray_address"] == "10.0.0.1:6379"
+    assert resources_label(plan.nodes["rollout"]) == "0.5 CPU + 0.01 flowrl_node_a on spread"
+    assert resources_label(plan.nodes["learner"]) == "0.5 CPU on flowrl_node=b"
 
 
 @pytest.mark.slow
