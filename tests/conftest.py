@@ -8,7 +8,7 @@ import pytest
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
+def ray_nodes():
     """A head (1 CPU) and worker nodes `a` and `b` (1 CPU each) started with `ray start` on
     127.0.0.1 (tests/ray_cluster.py); stopped after the module's tests, whatever they did."""
     pytest.importorskip("ray")

@@ -1,5 +1,5 @@
 """Scale-out under Ray: stages placed on named nodes of a multi-node cluster, and a run that attaches
-to a cluster it did not start and leaves it running (the `ray_cluster` fixture, tests/conftest.py:
+to a cluster it did not start and leaves it running (the `ray_nodes` fixture, tests/conftest.py:
 a head and worker nodes a and b started with `ray start` on this machine)."""
 
 from __future__ import annotations
@@ -45,10 +45,10 @@ def test_placement_keys_reach_the_plan(tmp_path):
 
 
 @pytest.mark.slow
-def test_stages_run_on_the_nodes_they_name_and_the_cluster_stays_up(ray_cluster, tmp_path, capsys):
+def test_stages_run_on_the_nodes_they_name_and_the_cluster_stays_up(ray_nodes, tmp_path, capsys):
     plan = placed(ops.grpo("sync", steps=3, batch_size=2, train={"weights_kb": 256}),
                   rollout={"custom": {"flowrl_node_a": 0.5}}, learner={"labels": {"flowrl_node": "b"}})
-    plan.run["executor"], plan.run["ray_address"] = "ray", ray_cluster.address
+    plan.run["executor"], plan.run["ray_address"] = "ray", ray_nodes.address
     result = run(plan, tmp_path, progress=False)
     assert result.status == "done" and result.steps == 3
     report = ledger.check(tmp_path)
@@ -68,14 +68,14 @@ def test_stages_run_on_the_nodes_they_name_and_the_cluster_stays_up(ray_cluster,
     assert "ray placement (attached to a running cluster, 3 nodes)" in out
     assert "flowrl_node_a" in out and "flowrl_node=b" in out
     assert not ray.is_initialized()  # flowrl disconnected its driver ...
-    assert ray_cluster.alive_nodes() == 3  # ... and left the cluster it attached to running
+    assert ray_nodes.alive_nodes() == 3  # ... and left the cluster it attached to running
 
 
 @pytest.mark.slow
-def test_a_node_no_ray_node_can_host_fails_fast_and_names_it(ray_cluster, tmp_path, monkeypatch):
-    monkeypatch.setenv("RAY_ADDRESS", ray_cluster.address)  # attach through the environment this time
+def test_a_node_no_ray_node_can_host_fails_fast_and_names_it(ray_nodes, tmp_path, monkeypatch):
+    monkeypatch.setenv("RAY_ADDRESS", ray_nodes.address)  # attach through the environment this time
     plan = placed(ops.grpo("sync", steps=2, batch_size=2), learner={"custom": {"flowrl_node_c": 1}})
     with pytest.raises(PlacementError, match=r"node 'learner': no Ray node can host it.*flowrl_node_c.*flowrl_node_a"):
         run(plan, tmp_path, executor="ray", progress=False)
     assert not ray.is_initialized()
-    assert ray_cluster.alive_nodes() == 3
+    assert ray_nodes.alive_nodes() == 3
