@@ -79,3 +79,19 @@ def test_a_node_no_ray_node_can_host_fails_fast_and_names_it(ray_nodes, tmp_path
         run(plan, tmp_path, executor="ray", progress=False)
     assert not ray.is_initialized()
     assert ray_nodes.alive_nodes() == 3
+
+
+def test_coordinator_counts_weight_tensors_once_and_refs_as_nothing():
+    import numpy as np
+    import torch
+
+    from flowrl.runtime.observe import tensor_bytes
+    from flowrl_operators.transport.inprocess import InProcessRecord
+
+    weights = torch.zeros(256)  # 1 KiB
+    buckets = [[("w", weights)], [("b", torch.zeros(2, dtype=torch.bfloat16))]]
+    assert tensor_bytes(buckets) == 1024 + 4
+    # A weights record aliasing the policy's tensors is the same bytes, counted once.
+    assert tensor_bytes([buckets, InProcessRecord(1, buckets, 1028)]) == 1028
+    assert tensor_bytes({"arrays": [np.zeros(8, dtype=np.uint8)]}) == 8
+    assert tensor_bytes(ray.ObjectRef(b"\x01" * 28)) == 0  # what Ray's stages hand over instead
