@@ -95,3 +95,20 @@ def test_coordinator_counts_weight_tensors_once_and_refs_as_nothing():
     assert tensor_bytes([buckets, InProcessRecord(1, buckets, 1028)]) == 1028
     assert tensor_bytes({"arrays": [np.zeros(8, dtype=np.uint8)]}) == 8
     assert tensor_bytes(ray.ObjectRef(b"\x01" * 28)) == 0  # what Ray's stages hand over instead
+
+
+@pytest.mark.slow
+def test_a_two_rank_fsdp2_train_node_spreads_over_two_ray_nodes(ray_nodes, tmp_path):
+    # The real pipeline (tiny model, FSDP2 trainer, object-store sync); the learner's two ranks
+    # must land on distinct Ray nodes and meet over gloo across them.
+    spec = (ROOT / "tests/specs/good/base.yaml").read_text().replace(
+        "    op: train\n", "    op: train\n    resources: {cpus: 0.5, replicas: 2, placement: strict_spread}\n"
+    ).replace("cluster: {cpus: 2}", f"cluster: {{cpus: 3}}\nrun: {{steps: 2, executor: ray, ray_address: '{ray_nodes.address}'}}")
+    (tmp_path / "p.yaml").write_text(spec)
+    result = run(compile_file(str(tmp_path / "p.yaml")).plan, tmp_path / "run", progress=False)
+    assert result.status == "done" and result.steps == 2
+    ranks = json.loads((tmp_path / "run" / "placement.json").read_text())["nodes"]["learner"]
+    assert len({r["ray_node"] for r in ranks}) == 2
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["coordinator_weight_bytes"] for r in rows] == [0, 0]
+    assert all(abs(r["train"]["loss"]) < 10 for r in rows)
