@@ -22,40 +22,58 @@ from pathlib import Path
 
 OBJECT_STORE_BYTES = 100 * 2**20
 RAY = str(Path(sys.executable).with_name("ray"))
+COMMON = ["--node-ip-address", "127.0.0.1", "--object-store-memory", str(OBJECT_STORE_BYTES), "--block",
+          "--disable-usage-stats"]
 
 
 class LocalCluster:
     def __init__(self, workers: dict[str, int], head_cpus: int = 1) -> None:
         """workers: name -> CPUs. Worker `x` offers the custom resource `flowrl_node_x` (1 unit)
-        and carries the label `flowrl_node=x`."""
+        and carries the labels `flowrl_node=x` and `flowrl_pool=workers` (the head carries none)."""
         self.workers, self.head_cpus = workers, head_cpus
         # Ray's socket paths must stay short: a directory of its own under /tmp, not pytest's tmp_path.
         self.temp = tempfile.mkdtemp(prefix="flowrl-ray-")
         self.address = f"127.0.0.1:{_free_port()}"
-        self.sessions: list[subprocess.Popen] = []
+        self.sessions: list[subprocess.Popen] = []  # every `ray start` process, for stop()
+        self.live: dict[str, subprocess.Popen] = {}  # worker name -> its session
 
     def start(self, timeout: float = 180) -> LocalCluster:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
-        common = ["--node-ip-address", "127.0.0.1", "--object-store-memory", str(OBJECT_STORE_BYTES), "--block",
-                  "--disable-usage-stats"]
         port = self.address.split(":")[1]
         deadline = time.time() + timeout
         self._spawn([RAY, "start", "--head", "--port", port, "--num-cpus", str(self.head_cpus),
-                     "--include-dashboard", "false", "--temp-dir", self.temp, *common], env, "head")
+                     "--include-dashboard", "false", "--temp-dir", self.temp, *COMMON], "head")
         self._wait(1, deadline)
+        for name in self.workers:
+            self._start_worker(name, deadline)
+        return self
+
+    def _start_worker(self, name: str, deadline: float) -> None:
         # One at a time, each retried: `ray start` gives a node 30 s to register with the GCS,
         # which a loaded 2-core machine does not always manage with several nodes starting at once.
-        for index, (name, cpus) in enumerate(self.workers.items()):
-            for _ in range(3):
-                self._spawn([RAY, "start", "--address", self.address, "--num-cpus", str(cpus),
-                             "--resources", json.dumps({f"flowrl_node_{name}": 1}), "--labels",
-                             f"flowrl_node={name}", *common], env, name)
-                if self._wait(2 + index, deadline):
-                    break
-        if self.alive_nodes() < 1 + len(self.workers):
-            self.stop()
-            raise RuntimeError(f"the test Ray cluster did not come up; logs in {self.temp}")
-        return self
+        nodes = self.alive_nodes() + 1
+        for _ in range(3):
+            self._spawn([RAY, "start", "--address", self.address, "--num-cpus", str(self.workers[name]),
+                         "--resources", json.dumps({f"flowrl_node_{name}": 1}), "--labels",
+                         f"flowrl_node={name},flowrl_pool=workers", *COMMON], name)
+            if self._wait(nodes, deadline):
+                self.live[name] = self.sessions[-1]
+                return
+        self.stop()
+        raise RuntimeError(f"worker node {name} of the test Ray cluster did not come up; logs in {self.temp}")
+
+    def kill(self, name: str) -> None:
+        """End worker node `name`, all its processes at once (a lost machine)."""
+        for pid in _pids([self.live.pop(name)]):
+            _signal(pid, signal.SIGKILL)
+
+    def revive(self, name: str, timeout: float = 120) -> None:
+        """Start worker node `name` again after kill()."""
+        deadline = time.time() + timeout
+        while self.alive_nodes() > len(self.live) + 1:  # until Ray has noticed the loss
+            if time.time() > deadline:
+                raise RuntimeError(f"Ray still counts worker node {name} alive")
+            time.sleep(1)
+        self._start_worker(name, deadline)
 
     def _wait(self, nodes: int, deadline: float) -> bool:
         """Wait until `nodes` nodes are alive (True), or the newest `ray start` has exited (False)."""
@@ -69,7 +87,9 @@ class LocalCluster:
             time.sleep(1)
         return True
 
-    def _spawn(self, command: list[str], env: dict[str, str], name: str) -> None:
+    def _spawn(self, command: list[str], name: str) -> None:
+        # Ray's workers import the test modules (runtime_ops) by name: PYTHONPATH as `ray start` had it.
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
         log = open(Path(self.temp) / f"{name}.out", "a")  # noqa: SIM115 - the process keeps it
         self.sessions.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
                                               start_new_session=True))
@@ -86,6 +106,7 @@ class LocalCluster:
     def stop(self) -> None:
         """End every process of this cluster's sessions (and nothing else): SIGTERM, then SIGKILL."""
         _end(self.sessions)
+
 
 def _end(sessions: list[subprocess.Popen]) -> None:
     for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):

@@ -5,6 +5,8 @@ a head and worker nodes a and b started with `ray start` on this machine)."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 from pathlib import Path
 
 import msgspec
@@ -56,7 +58,7 @@ def test_stages_run_on_the_nodes_they_name_and_the_cluster_stays_up(ray_nodes, t
     record = json.loads((tmp_path / "placement.json").read_text())
     assert record["attached"] is True and record["ray_nodes"] == 3
     rollout, learner = record["nodes"]["rollout"][0], record["nodes"]["learner"][0]
-    assert "flowrl_node_a" in rollout["custom"] and learner["labels"] == {"flowrl_node": "b"}
+    assert "flowrl_node_a" in rollout["custom"] and learner["labels"]["flowrl_node"] == "b"
     assert rollout["ray_node"] != learner["ray_node"]
     trained = [json.loads(line) for line in (tmp_path / "train-learner.jsonl").read_text().splitlines()]
     assert {r["pid"] for r in trained} == {learner["pid"]}  # the record names the process that trained
@@ -112,3 +114,43 @@ def test_a_two_rank_fsdp2_train_node_spreads_over_two_ray_nodes(ray_nodes, tmp_p
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["coordinator_weight_bytes"] for r in rows] == [0, 0]
     assert all(abs(r["train"]["loss"]) < 10 for r in rows)
+
+
+@pytest.mark.slow
+def test_a_lost_machine_moves_the_generate_stage_to_another_node(ray_nodes, tmp_path):
+    # Generate may run on either worker; everything else on the head. Worker nodes a and b
+    # carry flowrl_pool=workers, the head does not.
+    others = {n: {"labels": {"flowrl_pool": "!workers"}} for n in ("score", "learner", "publish")}
+    plan = placed(ops.grpo("sync", steps=30, batch_size=2, gen={"delay": 0.2}),
+                  rollout={"labels": {"flowrl_pool": "workers"}}, **others)
+    plan.run["ray_address"] = ray_nodes.address
+    killed: list[str] = []
+    finished = threading.Event()
+
+    def lose_the_rollout_machine() -> None:
+        trained = tmp_path / "train-learner.jsonl"  # the toy trainer appends a line per step
+        while not finished.is_set():
+            if trained.exists() and len(trained.read_text().splitlines()) >= 3:
+                where = json.loads((tmp_path / "placement.json").read_text())["nodes"]["rollout"][0]
+                killed.append(where["labels"]["flowrl_node"])
+                ray_nodes.kill(killed[0])
+                return
+            time.sleep(0.1)
+
+    thread = threading.Thread(target=lose_the_rollout_machine)
+    thread.start()
+    try:
+        result = run(plan, tmp_path, executor="ray", progress=False)
+    finally:
+        finished.set()
+        thread.join()
+        if killed:
+            ray_nodes.revive(killed[0])  # the cluster as the module's other tests expect it
+    assert killed, "the run ended before the machine could be lost"
+    assert result.status == "done" and result.steps == 30
+    moved = json.loads((tmp_path / "placement.json").read_text())["nodes"]["rollout"][0]
+    assert moved["labels"]["flowrl_node"] not in killed  # Ray re-placed it; flowrl restarted it there
+    report = ledger.check(tmp_path)
+    assert report.ended and report.clean, report.problems
+    trained = [i for line in (tmp_path / "train-learner.jsonl").read_text().splitlines() for i in json.loads(line)["ids"]]
+    assert sorted(trained) == sorted(f"{s}:{i}" for s in range(30) for i in range(2))  # none lost, none twice

@@ -35,6 +35,7 @@ from flowrl.runtime import ray_placement as placement
 from flowrl.runtime.coordinator import Coordinator
 from flowrl.runtime.ray_local import init_ray
 from flowrl.runtime.ray_stage import StageActor
+from flowrl.runtime.run import StageFailed
 
 
 class RayExecutor:
@@ -140,8 +141,15 @@ class RayExecutor:
         return failures
 
     async def save(self, directory: Path) -> None:
-        await asyncio.gather(*(actor.save.remote(str(directory / name / f"r{r}"))
-                               for (name, r), actor in self.actors.items()))
+        keys = list(self.actors)
+        results = await asyncio.gather(*(self.actors[(name, r)].save.remote(str(directory / name / f"r{r}"))
+                                         for name, r in keys), return_exceptions=True)
+        for (name, r), result in zip(keys, results, strict=True):
+            if isinstance(result, RayActorError):  # its process or machine is gone: say which
+                raise StageFailed(f"the checkpoint could not be written: node '{name}' (replica {r}) is "
+                                  f"unreachable (its actor died, or its machine was lost):\n{result}")
+            if isinstance(result, BaseException):
+                raise result
 
     async def shutdown(self) -> list[tuple[str, str]]:
         """Close and remove every actor; returns (node, error) for those whose close failed."""
