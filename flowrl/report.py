@@ -32,7 +32,23 @@ class Phase:
     rows: list[dict[str, Any]]
     events: list[dict[str, Any]] = field(default_factory=list)
     evals: list[dict[str, Any]] = field(default_factory=list)  # eval.jsonl: version, eval_reward, time
+    samples: list[dict[str, Any]] = field(default_factory=list)  # samples.jsonl rows of the last step
     placement: dict[str, Any] = field(default_factory=dict)  # placement.json (Ray executor)
+
+
+def last_samples(path: Path) -> list[dict[str, Any]]:
+    """The rows of samples.jsonl's last step (a long run's file is read line by line, not kept)."""
+    if not path.exists():
+        return []
+    rows: list[dict[str, Any]] = []
+    with path.open() as f:
+        for line in f:
+            if line.strip():
+                row = json.loads(line)
+                if rows and rows[-1]["step"] != row["step"]:
+                    rows = []
+                rows.append(row)
+    return rows
 
 
 def load_run(run_dir: Path) -> list[Phase]:
@@ -50,7 +66,8 @@ def load_run(run_dir: Path) -> list[Phase]:
             if (d / "eval.jsonl").exists() else []
         name = d.name.split("-", 1)[1] if d != run_dir else "main"
         placement = json.loads((d / "placement.json").read_text()) if (d / "placement.json").exists() else {}
-        phases.append(Phase(name, d, json.loads((d / "meta.json").read_text()), rows, events, evals, placement))
+        phases.append(Phase(name, d, json.loads((d / "meta.json").read_text()), rows, events, evals,
+                            last_samples(d / "samples.jsonl"), placement))
     if not phases:
         raise FileNotFoundError(f"{run_dir} is not a run directory (no meta.json, nor phases/*/meta.json)")
     return phases
@@ -78,7 +95,8 @@ def summary(phase: Phase) -> dict[str, Any]:
 def render_run(run_dir: Path, fmt: str = "text") -> str | bytes:
     phases = load_run(Path(run_dir))
     if fmt == "json":
-        return json.dumps([summary(p) | {"metrics": p.rows, "evals": p.evals} for p in phases], indent=1) + "\n"
+        return json.dumps([summary(p) | {"metrics": p.rows, "evals": p.evals, "samples": p.samples} for p in phases],
+                          indent=1) + "\n"
     if fmt == "html":
         return render_html(phases)
     if fmt == "png":
@@ -90,6 +108,22 @@ def render_run(run_dir: Path, fmt: str = "text") -> str | bytes:
 
 def _fmt(value: Any) -> str:
     return "-" if value is None else (f"{value:.3f}" if isinstance(value, float) else str(value))
+
+
+def _clip(text: Any, width: int = 60) -> str:
+    """One line of a prompt or response: escaped, cut to `width` characters."""
+    text = json.dumps(text, ensure_ascii=False)[1:-1] if isinstance(text, str) else str(text)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def samples_text(phase: Phase) -> list[str]:
+    if not phase.samples:
+        return []
+    lines = [f"  samples of step {phase.samples[0]['step']} (samples.jsonl):"]
+    for row in phase.samples:
+        prompt, response = row.get("prompt", row.get("prompt_ids")), row.get("response", row.get("response_ids"))
+        lines.append(f"    reward {_fmt(row.get('reward'))} v{row.get('version')}: {_clip(prompt)} -> {_clip(response)}")
+    return lines
 
 
 def render_text(phases: list[Phase]) -> str:
@@ -108,6 +142,7 @@ def render_text(phases: list[Phase]) -> str:
         for r in p.rows:  # eval of the policy this step published (version step + 1)
             lines.append(f"  {r['step']:>5} {r.get('time', 0):>8.1f} {_fmt(r.get('reward')):>8} "
                          f"{_fmt(evals.get(r['step'] + 1)):>8} {r.get('samples_per_s', 0):>10.1f}")
+        lines += samples_text(p)
     return "\n".join(lines) + "\n"
 
 

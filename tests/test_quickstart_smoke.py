@@ -7,6 +7,7 @@ it, every record is accounted for in the ledgers, and the run directory renders.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -71,9 +72,12 @@ def test_inspect_run_dir(run_dir: Path, fmt: str, capsys: pytest.CaptureFixture[
     out = capsys.readouterr().out
     if fmt == "text":
         assert "quickstart · phase warmup: 2 steps" in out and "quickstart · phase grpo: 2 steps" in out
+        # The last step's sample table, prompt -> response: `<digits> -> ...` in the GRPO phase.
+        assert re.search(r"samples of step 1 \(samples.jsonl\):\n    reward [0-9.]+ v1: <\d+> -> ", out), out
     elif fmt == "json":
         phases = json.loads(out)
         assert [p["phase"] for p in phases] == ["warmup", "grpo"] and len(phases[1]["metrics"]) == 2
+        assert {r["step"] for r in phases[1]["samples"]} == {1} and len(phases[1]["samples"]) == 4
     else:
         assert out.startswith("<!doctype html>") and "<svg" in out and "<script" not in out
         for lane in ("rollout", "score", "learner", "publish"):
