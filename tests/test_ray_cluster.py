@@ -154,3 +154,15 @@ def test_a_lost_machine_moves_the_generate_stage_to_another_node(ray_nodes, tmp_
     assert report.ended and report.clean, report.problems
     trained = [i for line in (tmp_path / "train-learner.jsonl").read_text().splitlines() for i in json.loads(line)["ids"]]
     assert sorted(trained) == sorted(f"{s}:{i}" for s in range(30) for i in range(2))  # none lost, none twice
+
+
+def test_a_policy_goes_to_the_object_store_as_it_is_on_the_cpu():
+    import torch
+
+    from flowrl.runtime.ray_stage import on_host
+
+    weights = torch.arange(4.0)
+    policy = [[("w", weights)], {"version": 3, "extra": (weights,)}]
+    moved = on_host(policy)
+    assert isinstance(moved[0], list) and isinstance(moved[0][0], tuple) and isinstance(moved[1]["extra"], tuple)
+    assert moved[0][0][1] is weights and moved[1]["version"] == 3  # host tensors are not copied

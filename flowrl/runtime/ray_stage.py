@@ -59,7 +59,21 @@ async def _by_reference(value: Any, replica: int) -> Any:
     if value is None or replica > 0:  # rank > 0: the coordinator keeps rank 0's policy only
         return None
     # ray.put copies (and pickles) the whole model: off the stage's event loop.
-    return await asyncio.to_thread(ray.put, value)
+    return await asyncio.to_thread(lambda: ray.put(on_host(value)))
+
+
+def on_host(value: Any) -> Any:
+    """`value` with its CUDA tensors copied to host memory (lists, tuples and dicts rebuilt; all
+    else as is): a GPU trainer's policy must unpickle in a sync actor that sees no GPU.
+    Not exercised on a GPU by this project's tests."""
+    if getattr(value, "is_cuda", False):
+        return value.cpu()
+    if isinstance(value, dict):
+        return {k: on_host(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        items = [on_host(v) for v in value]
+        return items if isinstance(value, list) else tuple(items)
+    return value
 
 
 class StageActor:
