@@ -166,3 +166,27 @@ def test_a_policy_goes_to_the_object_store_as_it_is_on_the_cpu():
     moved = on_host(policy)
     assert isinstance(moved[0], list) and isinstance(moved[0][0], tuple) and isinstance(moved[1]["extra"], tuple)
     assert moved[0][0][1] is weights and moved[1]["version"] == 3  # host tensors are not copied
+
+
+def test_placement_check_refuses_what_the_alive_nodes_cannot_hold():
+    from flowrl.operator import Resources
+    from flowrl.runtime.ray_placement import check
+
+    # Shaped as ray.nodes() answers; a dead node offers nothing.
+    nodes = [{"Alive": True, "NodeManagerAddress": "10.0.0.1", "Resources": {"CPU": 1.0, "box_a": 1.0},
+              "Labels": {"zone": "a"}},
+             {"Alive": True, "NodeManagerAddress": "10.0.0.2", "Resources": {"CPU": 1.0}, "Labels": {"zone": "b"}},
+             {"Alive": False, "NodeManagerAddress": "10.0.0.3", "Resources": {"CPU": 8.0, "box_c": 1.0}}]
+    check({"rollout": Resources(cpus=0.5, custom={"box_a": 0.5}), "learner": Resources(labels={"zone": "b"}),
+           "ranks": Resources(cpus=0.25, replicas=2, placement="strict_spread")}, nodes)
+    refused = {
+        "no node has it": ({"x": Resources(custom={"box_c": 1})}, r"node 'x': no Ray node can host it.*box_c"),
+        "too big for any node": ({"x": Resources(cpus=1.5)}, r"node 'x'.*'CPU': 1.5.*10\.0\.0\.2: \{\"CPU\": 1\.0\}"),
+        "label nobody carries": ({"x": Resources(labels={"zone": "c"})}, r"node 'x'.*labelled \{'zone': 'c'\}"),
+        "more distinct nodes": ({"x": Resources(replicas=3, placement="strict_spread")}, r"on 3 distinct nodes"),
+        "together too much": ({"x": Resources(custom={"box_a": 0.75}), "y": Resources(custom={"box_a": 0.5})},
+                              r"together ask for more.*box_a 1\.25 of 1"),
+    }
+    for resources, message in refused.values():
+        with pytest.raises(PlacementError, match=message):
+            check(resources, nodes)

@@ -52,7 +52,9 @@ def group(name: str, resources: Resources) -> Any:
 
 
 def check(resources: dict[str, Resources], nodes: list[dict[str, Any]]) -> None:
-    """Raise PlacementError naming the first node whose replicas no alive Ray node can host."""
+    """Raise PlacementError naming the first node whose replicas no alive Ray node can host, or
+    the resources all nodes together ask beyond what the alive Ray nodes have in total (a cluster
+    that other jobs share may still lack room; Ray then waits)."""
     alive = [n for n in nodes if n.get("Alive")]
     for name, res in resources.items():
         fits = [n for n in alive if _fits(bundle(res), res.labels, n)]
@@ -65,6 +67,16 @@ def check(resources: dict[str, Resources], nodes: list[dict[str, Any]]) -> None:
                 + (f" on {need} distinct nodes (placement: strict_spread)" if need > 1 else "")
                 + f"; the cluster's nodes offer {offers or 'nothing'}. Change nodes.{name}.resources, "
                 "or start Ray nodes that offer it (ray start --resources / --labels)")
+    demand: dict[str, float] = {}
+    for res in resources.values():
+        for key, amount in bundle(res).items():
+            demand[key] = demand.get(key, 0.0) + amount * res.replicas
+    supply = {key: sum(n.get("Resources", {}).get(key, 0.0) for n in alive) for key in demand}
+    short = {key: (round(need, 6), supply[key]) for key, need in demand.items() if need > supply[key] + 1e-9}
+    if short:  # Ray would wait for them forever
+        raise PlacementError("the nodes together ask for more than the Ray cluster has: "
+                             + ", ".join(f"{k} {need:g} of {have:g}" for k, (need, have) in short.items())
+                             + ". Lower the nodes' resources (or replicas), or add Ray nodes")
 
 
 def _fits(ask: dict[str, float], labels: dict[str, str], node: dict[str, Any]) -> bool:
