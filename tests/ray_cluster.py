@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -58,7 +59,7 @@ class LocalCluster:
             if self._wait(nodes, deadline):
                 self.live[name] = self.sessions[-1]
                 return
-        self.stop()
+        self.stop(keep_logs=True)
         raise RuntimeError(f"worker node {name} of the test Ray cluster did not come up; logs in {self.temp}")
 
     def kill(self, name: str) -> None:
@@ -79,7 +80,7 @@ class LocalCluster:
         """Wait until `nodes` nodes are alive (True), or the newest `ray start` has exited (False)."""
         while self.alive_nodes() < nodes:
             if time.time() > deadline or self.sessions[0].poll() is not None:
-                self.stop()
+                self.stop(keep_logs=True)
                 raise RuntimeError(f"the test Ray cluster did not come up; logs in {self.temp}")
             if self.sessions[-1].poll() is not None:  # its raylet may live on: end it before a retry
                 _end([self.sessions.pop()])
@@ -103,9 +104,12 @@ class LocalCluster:
         active = out.stdout.split("Active:", 1)[-1].split("Pending:", 1)[0]
         return sum(1 for line in active.splitlines() if "node_" in line)
 
-    def stop(self) -> None:
-        """End every process of this cluster's sessions (and nothing else): SIGTERM, then SIGKILL."""
+    def stop(self, keep_logs: bool = False) -> None:
+        """End every process of this cluster's sessions (and nothing else): SIGTERM, then SIGKILL;
+        then remove its temp dir (Ray's logs), unless `keep_logs`."""
         _end(self.sessions)
+        if not keep_logs:
+            shutil.rmtree(self.temp, ignore_errors=True)
 
 
 def _end(sessions: list[subprocess.Popen]) -> None:
