@@ -125,6 +125,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from flowrl import launch
     from flowrl.runtime import StageFailed
     from flowrl.runtime.checkpoints import DiskSpaceError
+    from flowrl.runtime.ray_placement import PlacementError
 
     progress = not args.quiet
     if args.resume and args.file:
@@ -139,7 +140,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise UserError("give a pipeline file, or --resume RUN_DIR")
     except StageFailed as e:  # the message names the node and carries its own error
         raise UserError(f"the run failed: {e}") from e
-    except (FileExistsError, FileNotFoundError, DiskSpaceError) as e:  # the runtime's word on the run directory
+    except (FileExistsError, FileNotFoundError, DiskSpaceError, PlacementError) as e:  # the run directory; the cluster
         raise UserError(str(e)) from e
     for result in results:
         print(f"{result.run_dir}: {result.status} after {result.steps} steps in {result.seconds:.1f}s")

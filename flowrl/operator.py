@@ -8,7 +8,7 @@ default resources. The runtime instantiates it inside a stage with the validated
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 
@@ -28,6 +28,14 @@ class Resources(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     cpus: Annotated[float, msgspec.Meta(ge=0)] = 0.25
     gpus: Annotated[float, msgspec.Meta(ge=0)] = 0.0
     replicas: Annotated[int, msgspec.Meta(ge=1)] = 1
+    # Ray placement, read by the Ray executor only (flowrl/runtime/ray_placement.py). `custom`:
+    # Ray custom resources each replica needs, as Ray's own `resources=` option (a node offers them
+    # with `ray start --resources`); `labels`: the node labels a replica's Ray node must carry, as
+    # Ray's `label_selector` (`ray start --labels`); `placement`: how the replicas spread over Ray
+    # nodes (the strategy of the node's placement group).
+    custom: dict[str, float] = {}  # amounts > 0 (flowrl/graph/compile.py checks them)
+    labels: dict[str, str] = {}
+    placement: Literal["pack", "spread", "strict_pack", "strict_spread"] = "pack"
 
 
 class EmptyConfig(msgspec.Struct, forbid_unknown_fields=True):

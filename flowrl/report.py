@@ -33,6 +33,7 @@ class Phase:
     events: list[dict[str, Any]] = field(default_factory=list)
     evals: list[dict[str, Any]] = field(default_factory=list)  # eval.jsonl: version, eval_reward, time
     samples: list[dict[str, Any]] = field(default_factory=list)  # samples.jsonl rows of the last step
+    placement: dict[str, Any] = field(default_factory=dict)  # placement.json (Ray executor)
 
 
 def last_samples(path: Path) -> list[dict[str, Any]]:
@@ -64,8 +65,9 @@ def load_run(run_dir: Path) -> list[Phase]:
         evals = [json.loads(line) for line in (d / "eval.jsonl").read_text().splitlines() if line.strip()] \
             if (d / "eval.jsonl").exists() else []
         name = d.name.split("-", 1)[1] if d != run_dir else "main"
+        placement = json.loads((d / "placement.json").read_text()) if (d / "placement.json").exists() else {}
         phases.append(Phase(name, d, json.loads((d / "meta.json").read_text()), rows, events, evals,
-                            last_samples(d / "samples.jsonl")))
+                            last_samples(d / "samples.jsonl"), placement))
     if not phases:
         raise FileNotFoundError(f"{run_dir} is not a run directory (no meta.json, nor phases/*/meta.json)")
     return phases
@@ -86,7 +88,7 @@ def summary(phase: Phase) -> dict[str, Any]:
         "last_eval_reward": evals[-1][1] if evals else None,
         "samples_per_s": round(sum(r.get("samples_per_s", 0) for r in rows) / max(len(rows), 1), 2),
         "dropped_total": last.get("dropped_total", 0), "staleness": dict(sorted(staleness.items(), key=lambda kv: int(kv[0]))),
-        "idle": last.get("idle", {}),
+        "idle": last.get("idle", {}), "placement": phase.placement,
     }
 
 
@@ -134,6 +136,7 @@ def render_text(phases: list[Phase]) -> str:
                      f"eval reward last {_fmt(s['last_eval_reward'])}, best {_fmt(s['best_eval_reward'])}")
         lines.append("  staleness (lag: groups): " + (", ".join(f"{k}: {v}" for k, v in s["staleness"].items()) or "-"))
         lines.append("  idle fraction at the last step: " + (", ".join(f"{k} {v:.2f}" for k, v in s["idle"].items()) or "-"))
+        lines += placement_lines(p.placement)
         evals = {e["version"]: e["eval_reward"] for e in p.evals}
         lines.append(f"  {'step':>5} {'time_s':>8} {'reward':>8} {'eval':>8} {'samples/s':>10}")
         for r in p.rows:  # eval of the policy this step published (version step + 1)
@@ -141,6 +144,19 @@ def render_text(phases: list[Phase]) -> str:
                          f"{_fmt(evals.get(r['step'] + 1)):>8} {r.get('samples_per_s', 0):>10.1f}")
         lines += samples_text(p)
     return "\n".join(lines) + "\n"
+
+
+def placement_lines(placement: dict[str, Any]) -> list[str]:
+    """Where each stage ran under Ray (placement.json), one line per replica."""
+    if not placement:
+        return []
+    cluster = "attached to a running cluster" if placement.get("attached") else "a cluster of its own"
+    lines = [f"  ray placement ({cluster}, {placement.get('ray_nodes', '?')} nodes):"]
+    for node, replicas in placement.get("nodes", {}).items():
+        for r in replicas:
+            tags = ", ".join(r["custom"] + [f"{k}={v}" for k, v in r["labels"].items()]) or "-"
+            lines.append(f"    {node} r{r['replica']}: ray node {r['ray_node'][:12]} at {r['ip']} ({tags}), pid {r['pid']}")
+    return lines
 
 
 def _polyline(points: list[tuple[float, float]], x0: float, x1: float, y0: float, y1: float,

@@ -194,6 +194,7 @@ class TrainConfig(msgspec.Struct, forbid_unknown_fields=True):
     fail_setup: bool = False
     fail_close: bool = False
     fail_save_at: int = -1  # a checkpoint at this version fails (as on a full disk)
+    weights_kb: int = 0  # publish a float32 tensor of this size (filled with the version) with the policy
 
 
 class ToyTrain(Operator):
@@ -232,12 +233,20 @@ class ToyTrain(Operator):
                 f.write(json.dumps(row) + "\n")
         rewards = [t.reward for g in groups for t in g.trajectories if t.reward is not None]
         self.version = step + 1
-        return TrainResult(policy={"version": step + 1, "checksum": self.checksum},
+        return TrainResult(policy=self.policy(),
                            metrics={"loss": 1.0 / (step + 1), "batch": float(len(groups)),
                                     "reward_seen": sum(rewards) / len(rewards) if rewards else 0.0})
 
     async def publish(self) -> TrainResult:
-        return TrainResult(policy={"version": self.version, "checksum": self.checksum})
+        return TrainResult(policy=self.policy())
+
+    def policy(self) -> dict[str, Any]:
+        policy: dict[str, Any] = {"version": self.version, "checksum": self.checksum}
+        if self.config.weights_kb:
+            import torch
+
+            policy["weights"] = torch.full((self.config.weights_kb * 256,), float(self.version))
+        return policy
 
     def state_dict(self) -> dict[str, Any]:
         return {"checksum": self.checksum, "version": self.version}
@@ -265,6 +274,8 @@ class ToySync(Operator):
 
     async def sync(self, policy: Any, *, version: int) -> Any:
         assert policy["version"] == version
+        if "weights" in policy:  # the whole version arrived (a ray.ObjectRef would have no [0])
+            assert bool((policy["weights"] == version).all()), "weights of another version"
         return {"version": version, "checksum": policy["checksum"]}
 
 

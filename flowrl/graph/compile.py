@@ -237,10 +237,27 @@ def _check_connectivity(graph: nx.MultiDiGraph, ops, edges, loc, problems) -> No
                 problems.append(loc.diagnostic(("nodes", name), f"input port '{port}' ({port_type}) of '{name}' is not connected", at_key=True))
 
 
+def custom_problem(name: str, amount: float) -> str | None:
+    """Why `name: amount` cannot be in `resources.custom`, Ray's custom resources (None: it can)."""
+    if not name.strip():
+        return "a custom resource needs a name"
+    if name in ("CPU", "GPU", "memory", "object_store_memory") or name.startswith("node:"):
+        return f"'{name}' is Ray's own resource: use resources.cpus / resources.gpus, or a name of your own"
+    if not amount > 0 or amount == float("inf"):
+        return f"each replica needs an amount of '{name}' above 0 (fractions are fine), not {amount}"
+    return None
+
+
 def _check_resources(spec, resources: dict[str, Resources], loc, problems) -> None:
     cluster = spec.cluster
     total_cpus = total_gpus = 0.0
     for name, r in resources.items():
+        for key, amount in r.custom.items():  # Ray placement keys (flowrl/runtime/ray_placement.py)
+            if (problem := custom_problem(key, amount)) is not None:
+                problems.append(loc.diagnostic(("nodes", name, "resources", "custom", key), problem, at_key=True))
+        for key in r.labels:
+            if not key.strip():
+                problems.append(loc.diagnostic(("nodes", name, "resources", "labels"), "a node label needs a name"))
         cpus, gpus = r.cpus * r.replicas, r.gpus * r.replicas
         total_cpus, total_gpus = total_cpus + cpus, total_gpus + gpus
         if cpus > cluster.cpus or gpus > cluster.gpus:

@@ -23,8 +23,10 @@ def render(plan: Plan, fmt: str, color: bool = False) -> str:
 
 def resources_label(node: NodePlan) -> str:
     r = node.resources
-    parts = [f"{r.cpus:g} CPU"] + ([f"{r.gpus:g} GPU"] if r.gpus else [])
-    return " + ".join(parts) + (f" x{r.replicas}" if r.replicas > 1 else "")
+    parts = [f"{r.cpus:g} CPU"] + ([f"{r.gpus:g} GPU"] if r.gpus else []) + [f"{v:g} {k}" for k, v in r.custom.items()]
+    where = [f"{k}={v}" for k, v in r.labels.items()] + ([r.placement] if r.placement != "pack" else [])
+    return (" + ".join(parts) + (f" x{r.replicas}" if r.replicas > 1 else "")
+            + (f" on {', '.join(where)}" if where else ""))
 
 
 def edge_label(edge: EdgePlan) -> str:

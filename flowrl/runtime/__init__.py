@@ -10,6 +10,9 @@ Pieces (each file is short; read them in this order):
 - stage.py        one replica of one node: take work, call the operator, complete it (both executors)
 - inprocess.py    every stage an asyncio task in this process (debugging, tests)
 - ray_executor.py every stage replica a Ray actor, the coordinator an async actor
+- ray_stage.py    the stage actor, and the coordinator proxy that passes policies as object refs
+- ray_placement.py a placement group per node (custom resources, labels, strategy); placement.json
+- ray_local.py    the cluster: the user's (run.ray_address, RAY_ADDRESS), or a loopback one of its own
 - run.py          run(): run directory, resume, SIGINT/SIGTERM, max_seconds
 - targets.py      run.stop_when: the metrics that end a run once they reach a value
 - checkpoints.py  when checkpoints are taken, their atomic write, disk space
@@ -28,9 +31,11 @@ with a checkpoint, after this long, counted from when every stage has set up: st
 stopped_by "max_seconds"), `stop_when` (the same once a metric reaches a value: stopped_by
 "stop_when", targets.py), `max_restarts` (restarts of a dead generate actor under Ray,
 default 3), `checkpoint_every` / `checkpoint_seconds` / `keep_checkpoints` (checkpoints.py),
-`trackers` (default [tensorboard]) and `samples_per_step` (default 4; tracking.py). `data`: `source` (module:attr, builtin:<task>, or a dataset file: flowrl/data/files.py), `batch_size`, `options` (see flowrl/data/source.py). Node
+`trackers` (default [tensorboard]), `samples_per_step` (default 4; tracking.py) and
+`ray_address` (attach to a running Ray cluster; ray_local.py). `data`: `source` (module:attr, builtin:<task>, or a dataset file: flowrl/data/files.py), `batch_size`, `options` (see flowrl/data/source.py). Node
 `resources` place the stage (Ray: one actor per replica; `replicas: N` of a train node are the
-ranks of one sharded model, see flowrl/runtime/ray_executor.py). How many calls a stage keeps in
+ranks of one sharded model, see flowrl/runtime/ray_executor.py; `custom`, `labels` and
+`placement` choose Ray nodes, ray_placement.py). How many calls a stage keeps in
 flight and whether a generate stage updates weights mid-generation come from the operator's
 `knobs(config)` (flowrl.operator.Knobs), never from config keys read by name.
 Checkpoints are written periodically, at the end, on interrupt (SIGINT, SIGTERM) and at `max_steps`.
@@ -51,13 +56,18 @@ Run directory layout (all written by the coordinator or by run()):
                          staleness {lag: count} (lag = train version - record version),
                          dropped (this step), dropped_total, stale_kept_total, rejected_total,
                          filtered_total, idle {node: fraction of the step's wall time it was idle},
-                         train {the train operator's metrics}
+                         coordinator_weight_bytes (tensor bytes of policy / weights values handed
+                         to the coordinator since the previous row: in-process the policy's size,
+                         passed by reference and never copied; under Ray 0, the policy travels as
+                         an object ref, ray_stage.py), train {the train operator's metrics}
     samples.jsonl      `samples_per_step` trajectories of each trained batch: step, node, id, version
                          (the policy that generated it), reward, prompt, response (text the records
                          carry; prompt_ids / response_ids where they carry none), tracking.py
     tensorboard/       the same numbers as TensorBoard scalars; staleness as a histogram; the
                        samples as a text table (tracker `tensorboard`, the default)
     wandb/, mlruns/    the wandb and mlflow trackers' files, when run.trackers names them
+    placement.json     Ray executor: the Ray node (id, address, custom resources, labels) and
+                       process each stage replica runs on; ray_placement.py
     trackers.json      each tracker's run id and last step sent (not cut back on resume: tracking.py)
     checkpoints/latest names the newest checkpoints/step-<version>/, which holds
                        coordinator.pkl (channels with their waiting records, versions, sample

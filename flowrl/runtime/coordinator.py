@@ -301,11 +301,11 @@ class Coordinator:
                   version: int | None) -> None:
         for label, records in work.records.items():
             for r in records:
-                self.ledger.write("consume", label, r.id, r.step, r.version, consumer=node,
-                                  consumer_version=work.at)
+                self.ledger.write("consume", label, r.id, r.step, r.version, consumer=node, consumer_version=work.at)
         if work.kind == "sample":
             self.ledger.write("consume", f"data -> {node}", work.id, work.step, work.version)
         role = self.roles[node]
+        self.observe.crossed(self.plan.nodes[node].outputs, outputs)  # before completed() writes the row
         out_version, record_id = role.completed(node, work, version, metrics)
         for port, value in outputs.items():
             if value is None and role.withheld(node, work):

@@ -29,6 +29,7 @@ from typing import Any
 import msgspec
 
 from flowrl.graph.plan import Plan
+from flowrl.operator import POLICY, WEIGHTS
 from flowrl.runtime.streams import TraceFile, append_lines
 from flowrl.runtime.tracking import Tracking, sample_rows
 
@@ -63,6 +64,7 @@ class Observer:
         # Operators' cumulative counters as last reported, per (node, replica).
         self.operators: dict[tuple[str, int], dict[str, float]] = {}
         self.dropped = 0
+        self.weight_bytes = 0  # tensor bytes handed to the coordinator on policy / weights ports
         self.last_row: dict[str, Any] | None = None
         self.rows: list[dict[str, Any]] = []
         self._mark = {"time": time.time(), "busy": {}, "dropped": 0}
@@ -111,14 +113,24 @@ class Observer:
             "filtered": counters["filtered"] - self._mark.get("filtered", 0),
             "oversampled": counters["oversampled"] - self._mark.get("oversampled", 0),
             "oversampled_total": counters["oversampled"],
+            "coordinator_weight_bytes": self.weight_bytes - self._mark.get("weight_bytes", 0),
             "idle": idle, "train": metrics, "operators": self._operator_totals(),
         }
         self._mark = {"time": now, "busy": dict(self.busy), "dropped": self.dropped,
-                      "filtered": counters["filtered"], "oversampled": counters["oversampled"]}
+                      "filtered": counters["filtered"], "oversampled": counters["oversampled"],
+                      "weight_bytes": self.weight_bytes}
         self.rows.append(row)
         self.samples += sample_rows(node, step, trajectories, self.samples_per_step)
         self.last_row = row
         self.events.append(span(self.pids[node], 0, "step", now - dt, now, self.origin, step=step))
+
+    def crossed(self, ports: dict[str, str], outputs: dict[str, Any]) -> None:
+        """Count the weight bytes a stage handed the coordinator (its policy and weights outputs).
+        In-process these are references to the tensors (nothing is copied); under Ray they were
+        pickled into the coordinator actor, unless they came as object refs (ray_stage.py): 0."""
+        for port, value in outputs.items():
+            if ports.get(port) in (POLICY, WEIGHTS):
+                self.weight_bytes += tensor_bytes(value)
 
     def _operator_totals(self) -> dict[str, dict[str, float]]:
         totals: dict[str, dict[str, float]] = {}
@@ -161,3 +173,25 @@ class Observer:
     def restore(self, state: dict[str, Any]) -> None:
         self.events = []  # the trace already holds its process names
         self.dropped = state["dropped"]
+
+
+def tensor_bytes(value: Any, seen: set[int] | None = None) -> int:
+    """Bytes of the distinct tensors / arrays in `value` (nested lists, tuples, dicts, dataclass
+    records such as a transport's); an object ref or anything else counts 0."""
+    seen = set() if seen is None else seen
+    if hasattr(value, "element_size") and hasattr(value, "data_ptr"):  # a torch tensor
+        key, size = value.data_ptr(), value.numel() * value.element_size()
+    elif hasattr(value, "nbytes") and hasattr(value, "dtype") and hasattr(value, "ctypes"):  # a numpy array
+        key, size = value.ctypes.data, int(value.nbytes)
+    elif isinstance(value, dict):
+        return sum(tensor_bytes(v, seen) for v in value.values())
+    elif isinstance(value, list | tuple):
+        return sum(tensor_bytes(v, seen) for v in value)
+    elif hasattr(value, "__dataclass_fields__"):
+        return sum(tensor_bytes(getattr(value, f), seen) for f in value.__dataclass_fields__)
+    else:
+        return 0
+    if key in seen:  # the same storage twice (e.g. a weights record aliasing the policy's tensors)
+        return 0
+    seen.add(key)
+    return size

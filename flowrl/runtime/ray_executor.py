@@ -1,8 +1,10 @@
 """The Ray executor: each stage replica is a Ray actor running the same Stage code as in-process;
-the coordinator is an async actor the stages call through `RemoteCoordinator`.
+the coordinator is an async actor the stages call through `RemoteCoordinator` (ray_stage.py).
 
-Placement: one placement group (strategy PACK) with a bundle per stage replica, sized from the
-node's resources (fractional CPUs, so a 2-core machine hosts a whole pipeline). A generate actor
+Placement (ray_placement.py): a placement group per node, with a bundle per replica sized from the
+node's resources (fractional CPUs, so a 2-core machine hosts a whole pipeline), its custom
+resources and labels, and its `placement` strategy; where each replica went is written to
+placement.json. A generate actor
 that dies is restarted by Ray (`plan.run["max_restarts"]`, default 3); on restart it attaches to
 the coordinator again, which re-issues the samples the dead actor had in flight (ledger
 `reissue`), and it receives the latest weights before new work. Any other actor's death, or a
@@ -19,64 +21,21 @@ form one group: every rank gets the same batch and the step completes when all r
 from __future__ import annotations
 
 import asyncio
-import os
-import socket
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import ray
 from ray.exceptions import ActorUnavailableError, RayActorError
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.placement_group import remove_placement_group
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from flowrl.graph.plan import Plan
+from flowrl.runtime import ray_placement as placement
 from flowrl.runtime.coordinator import Coordinator
 from flowrl.runtime.ray_local import init_ray
-from flowrl.runtime.stage import Stage
-
-
-class RemoteCoordinator:
-    """Makes `await coord.method(...)` call the coordinator actor."""
-
-    def __init__(self, handle: Any) -> None:
-        self._handle = handle
-
-    def __getattr__(self, name: str) -> Any:
-        method = getattr(self._handle, name)
-
-        async def call(*args: Any, **kwargs: Any) -> Any:
-            return await method.remote(*args, **kwargs)
-
-        return call
-
-
-class StageActor:
-    def __init__(self, plan: bytes, node: str, replica: int, coord: Any, run_dir: str | None, origin: float) -> None:
-        # The plan travels as msgspec JSON: small arguments are inlined in the actor's creation
-        # task, so a restart never depends on an object-store copy.
-        self.stage = Stage(msgspec.json.decode(plan, type=Plan), node, replica, RemoteCoordinator(coord),
-                           run_dir, origin, "ray")
-
-    async def start(self, checkpoint: str | None, env: dict[str, str] | None = None) -> int:
-        os.environ.update(env or {})
-        await self.stage.start(checkpoint)
-        return os.getpid()
-
-    def address(self) -> tuple[str, int]:
-        """This host's address and a free port: the rendezvous of a replica group."""
-        with socket.socket() as sock:
-            sock.bind(("", 0))
-            return ray.util.get_node_ip_address(), sock.getsockname()[1]
-
-    async def run(self) -> str | None:
-        return await self.stage.run()
-
-    def save(self, path: str) -> None:
-        self.stage.save(path)
-
-    async def close(self) -> None:
-        await self.stage.close()
+from flowrl.runtime.ray_stage import StageActor
+from flowrl.runtime.run import StageFailed
 
 
 class RayExecutor:
@@ -84,32 +43,37 @@ class RayExecutor:
         self.plan = plan
         self.run_dir = str(run_dir) if run_dir else None
         self.origin = origin
-        self.owns_ray = False
+        self.connected = False  # this executor called ray.init, and disconnects at the end
+        self.attached = False  # to a cluster that was running already (left running)
         self.coord: Any = None
         self.actors: dict[tuple[str, int], Any] = {}
-        self.pids: dict[tuple[str, int], int] = {}
+        self.where: dict[tuple[str, int], dict[str, Any]] = {}  # pid, Ray node id and address per actor
         self.tasks: dict[asyncio.Task, tuple[str, int]] = {}
-        self.pg: Any = None
+        self.pgs: dict[str, Any] = {}  # node -> its placement group
         self.max_restarts = int(plan.run.get("max_restarts", 3))
 
     async def start(self, steps: int, stop_at: int | None, state: bytes | None, checkpoint: Path | None) -> None:
         if not ray.is_initialized():
-            init_ray(include_dashboard=False)  # RAY_ADDRESS's cluster, or a loopback-only one
-            self.owns_ray = True
-        self.coord = ray.remote(Coordinator).options(num_cpus=0).remote(
+            # run.ray_address's or RAY_ADDRESS's cluster, or a loopback-only one of our own.
+            self.attached = init_ray(self.plan.run.get("ray_address"), include_dashboard=False)
+            self.connected = True
+        placement.check({n: self.plan.nodes[n].resources for n in self.plan.nodes}, ray.nodes())
+        # On this (the driver's) node: the coordinator writes the run's records into run_dir.
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        self.coord = ray.remote(Coordinator).options(num_cpus=0, scheduling_strategy=here).remote(
             self.plan, self.run_dir, steps, stop_at, self.origin, state)
         names = self.plan.order + [n for n in self.plan.nodes if n not in self.plan.order]
-        replicas = [(name, r) for name in names for r in range(self.plan.nodes[name].resources.replicas)]
-        self.pg = placement_group([_bundle(self.plan.nodes[name].resources) for name, _ in replicas], strategy="PACK")
-        await self.pg.ready()
-        for index, (name, r) in enumerate(replicas):
+        self.pgs = {name: placement.group(name, self.plan.nodes[name].resources) for name in names}
+        await asyncio.gather(*(pg.ready() for pg in self.pgs.values()))
+        for name in names:
             res = self.plan.nodes[name].resources
-            self.actors[(name, r)] = ray.remote(StageActor).options(
-                num_cpus=res.cpus, num_gpus=res.gpus,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=index),
-                max_restarts=self.max_restarts if self.plan.nodes[name].kind == "generate" else 0,
-                max_task_retries=0,  # a call that killed its actor must not be retried (it would again)
-            ).remote(msgspec.json.encode(self.plan), name, r, self.coord, self.run_dir, self.origin)
+            for r in range(res.replicas):
+                self.actors[(name, r)] = ray.remote(StageActor).options(
+                    num_cpus=res.cpus, num_gpus=res.gpus, resources=dict(res.custom),
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(self.pgs[name], placement_group_bundle_index=r),
+                    max_restarts=self.max_restarts if self.plan.nodes[name].kind == "generate" else 0,
+                    max_task_retries=0,  # a call that killed its actor must not be retried (it would again)
+                ).remote(msgspec.json.encode(self.plan), name, r, self.coord, self.run_dir, self.origin)
         env = {}
         for name in names:
             size = self.plan.nodes[name].resources.replicas
@@ -119,10 +83,11 @@ class RayExecutor:
                     env[(name, r)] = {"MASTER_ADDR": host, "MASTER_PORT": str(port), "RANK": str(r),
                                       "WORLD_SIZE": str(size), "LOCAL_RANK": str(r)}
         # Started together: the ranks of a group meet in their operators' setup().
-        pids = await asyncio.gather(*(
+        where = await asyncio.gather(*(
             actor.start.remote(str(checkpoint / name / f"r{r}") if checkpoint else None, env.get((name, r)))
             for (name, r), actor in self.actors.items()))
-        self.pids = dict(zip(self.actors, pids, strict=True))
+        self.where = dict(zip(self.actors, where, strict=True))
+        placement.write(self.run_dir, self.where, self.attached)
         self.tasks = {asyncio.get_running_loop().create_task(self._supervise(key)): key for key in self.actors}
 
     async def _supervise(self, key: tuple[str, int]) -> str | None:
@@ -134,7 +99,8 @@ class RayExecutor:
                 if starting:
                     # The restarted actor sets up again and attaches to the coordinator, which
                     # re-issues the samples the dead one held.
-                    self.pids[key] = await actor.start.remote(None)
+                    self.where[key] = await actor.start.remote(None)
+                    placement.write(self.run_dir, self.where, self.attached)  # Ray may have put it on another node
                     starting = False
                 return await actor.run.remote()
             except ActorUnavailableError:  # still restarting: ask again shortly
@@ -175,8 +141,15 @@ class RayExecutor:
         return failures
 
     async def save(self, directory: Path) -> None:
-        await asyncio.gather(*(actor.save.remote(str(directory / name / f"r{r}"))
-                               for (name, r), actor in self.actors.items()))
+        keys = list(self.actors)
+        results = await asyncio.gather(*(self.actors[(name, r)].save.remote(str(directory / name / f"r{r}"))
+                                         for name, r in keys), return_exceptions=True)
+        for (name, r), result in zip(keys, results, strict=True):
+            if isinstance(result, RayActorError):  # its process or machine is gone: say which
+                raise StageFailed(f"the checkpoint could not be written: node '{name}' (replica {r}) is "
+                                  f"unreachable (its actor died, or its machine was lost):\n{result}")
+            if isinstance(result, BaseException):
+                raise result
 
     async def shutdown(self) -> list[tuple[str, str]]:
         """Close and remove every actor; returns (node, error) for those whose close failed."""
@@ -188,20 +161,11 @@ class RayExecutor:
             ray.kill(actor, no_restart=True)
         if self.coord is not None:
             ray.kill(self.coord, no_restart=True)
-        if self.pg is not None:
-            remove_placement_group(self.pg)
-        if self.owns_ray:
-            ray.shutdown()
+        for pg in self.pgs.values():
+            remove_placement_group(pg)
+        if self.connected:
+            ray.shutdown()  # stops only a cluster of our own; from one we attached to it only disconnects
         return failures
-
-
-def _bundle(resources: Any) -> dict[str, float]:
-    if resources.cpus <= 0:
-        raise ValueError("Ray rejects a bundle of 0 CPUs: give every node resources.cpus > 0 (fractions are fine)")
-    bundle = {"CPU": resources.cpus}
-    if resources.gpus:
-        bundle["GPU"] = resources.gpus
-    return bundle
 
 
 async def _quiet(ref: Any) -> str | None:

@@ -105,11 +105,16 @@ class RunSpec(Strict):
     trackers: list[Annotated[str, check_with(tracker_problem)]] = msgspec.field(
         default_factory=lambda: ["tensorboard"])
     samples_per_step: NonNegativeInt = 4  # trajectories of each trained batch in samples.jsonl (0: none)
+    # executor: ray attaches to this running cluster ("host:port" of its head, "auto", or
+    # "ray://host:port") instead of starting one; RAY_ADDRESS does the same. flowrl never stops it.
+    ray_address: Annotated[str, Meta(min_length=1)] | None = None
 
     def __post_init__(self) -> None:
         from flowrl.runtime.targets import check_names
 
         check_names(self.stop_when)
+        if self.ray_address is not None and self.executor != "ray":
+            raise ValueError("ray_address is where the Ray executor runs: set executor: ray, or remove ray_address")
         twice = sorted({t for t in self.trackers if self.trackers.count(t) > 1})
         if twice:
             raise ValueError(f"trackers: {', '.join(twice)} is listed twice")

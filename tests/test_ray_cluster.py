@@ -1,0 +1,192 @@
+"""Scale-out under Ray: stages placed on named nodes of a multi-node cluster, and a run that attaches
+to a cluster it did not start and leaves it running (the `ray_nodes` fixture, tests/conftest.py:
+a head and worker nodes a and b started with `ray start` on this machine)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+import runtime_ops as ops
+
+from flowrl.cli import main
+from flowrl.graph.compile import compile_file
+from flowrl.graph.render import resources_label
+from flowrl.runtime import ledger
+from flowrl.runtime.ray_placement import PlacementError
+from flowrl.runtime.run import run
+
+ROOT = Path(__file__).resolve().parents[1]
+ray = pytest.importorskip("ray")
+
+
+def placed(plan, **resources):
+    """`plan` with node name -> extra resources keys."""
+    nodes = {name: msgspec.structs.replace(n, resources=msgspec.structs.replace(n.resources, **resources[name]))
+             if name in resources else n for name, n in plan.nodes.items()}
+    return msgspec.structs.replace(plan, nodes=nodes)
+
+
+def test_placement_keys_reach_the_plan(tmp_path):
+    spec = (ROOT / "tests/specs/good/base.yaml").read_text().replace(
+        "    op: generate\n", "    op: generate\n    resources: {cpus: 0.5, custom: {flowrl_node_a: 0.01}, placement: spread}\n"
+    ).replace("    op: train\n", "    op: train\n    resources: {cpus: 0.5, labels: {flowrl_node: b}}\n"
+              ).replace("cluster: {cpus: 2}", "cluster: {cpus: 2}\nrun: {executor: ray, ray_address: '10.0.0.1:6379'}")
+    (tmp_path / "p.yaml").write_text(spec)
+    plan = compile_file(str(tmp_path / "p.yaml")).plan
+    rollout, learner = plan.nodes["rollout"].resources, plan.nodes["learner"].resources
+    assert (rollout.custom, rollout.labels, rollout.placement) == ({"flowrl_node_a": 0.01}, {}, "spread")
+    assert (learner.custom, learner.labels, learner.placement) == ({}, {"flowrl_node": "b"}, "pack")
+    assert plan.run["ray_address"] == "10.0.0.1:6379"
+    assert resources_label(plan.nodes["rollout"]) == "0.5 CPU + 0.01 flowrl_node_a on spread"
+    assert resources_label(plan.nodes["learner"]) == "0.5 CPU on flowrl_node=b"
+
+
+@pytest.mark.slow
+def test_stages_run_on_the_nodes_they_name_and_the_cluster_stays_up(ray_nodes, tmp_path, capsys):
+    plan = placed(ops.grpo("sync", steps=3, batch_size=2, train={"weights_kb": 256}),
+                  rollout={"custom": {"flowrl_node_a": 0.5}}, learner={"labels": {"flowrl_node": "b"}})
+    plan.run["executor"], plan.run["ray_address"] = "ray", ray_nodes.address
+    result = run(plan, tmp_path, progress=False)
+    assert result.status == "done" and result.steps == 3
+    report = ledger.check(tmp_path)
+    assert report.ended and report.clean, report.problems
+    record = json.loads((tmp_path / "placement.json").read_text())
+    assert record["attached"] is True and record["ray_nodes"] == 3
+    rollout, learner = record["nodes"]["rollout"][0], record["nodes"]["learner"][0]
+    assert "flowrl_node_a" in rollout["custom"] and learner["labels"]["flowrl_node"] == "b"
+    assert rollout["ray_node"] != learner["ray_node"]
+    trained = [json.loads(line) for line in (tmp_path / "train-learner.jsonl").read_text().splitlines()]
+    assert {r["pid"] for r in trained} == {learner["pid"]}  # the record names the process that trained
+    # Across nodes too, the weights went by reference: none through the coordinator.
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["coordinator_weight_bytes"] for r in rows] == [0, 0, 0]
+    assert main(["inspect", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "ray placement (attached to a running cluster, 3 nodes)" in out
+    assert "flowrl_node_a" in out and "flowrl_node=b" in out
+    assert not ray.is_initialized()  # flowrl disconnected its driver ...
+    assert ray_nodes.alive_nodes() == 3  # ... and left the cluster it attached to running
+
+
+@pytest.mark.slow
+def test_a_node_no_ray_node_can_host_fails_fast_and_names_it(ray_nodes, tmp_path, monkeypatch):
+    monkeypatch.setenv("RAY_ADDRESS", ray_nodes.address)  # attach through the environment this time
+    plan = placed(ops.grpo("sync", steps=2, batch_size=2), learner={"custom": {"flowrl_node_c": 1}})
+    with pytest.raises(PlacementError, match=r"node 'learner': no Ray node can host it.*flowrl_node_c.*flowrl_node_a"):
+        run(plan, tmp_path, executor="ray", progress=False)
+    assert not ray.is_initialized()
+    assert ray_nodes.alive_nodes() == 3
+
+
+def test_coordinator_counts_weight_tensors_once_and_refs_as_nothing():
+    import numpy as np
+    import torch
+
+    from flowrl.runtime.observe import tensor_bytes
+    from flowrl_operators.transport.inprocess import InProcessRecord
+
+    weights = torch.zeros(256)  # 1 KiB
+    buckets = [[("w", weights)], [("b", torch.zeros(2, dtype=torch.bfloat16))]]
+    assert tensor_bytes(buckets) == 1024 + 4
+    # A weights record aliasing the policy's tensors is the same bytes, counted once.
+    assert tensor_bytes([buckets, InProcessRecord(1, buckets, 1028)]) == 1028
+    assert tensor_bytes({"arrays": [np.zeros(8, dtype=np.uint8)]}) == 8
+    assert tensor_bytes(ray.ObjectRef(b"\x01" * 28)) == 0  # what Ray's stages hand over instead
+
+
+@pytest.mark.slow
+def test_a_two_rank_fsdp2_train_node_spreads_over_two_ray_nodes(ray_nodes, tmp_path):
+    # The real pipeline (tiny model, FSDP2 trainer, object-store sync); the learner's two ranks
+    # must land on distinct Ray nodes and meet over gloo across them.
+    spec = (ROOT / "tests/specs/good/base.yaml").read_text().replace(
+        "    op: train\n", "    op: train\n    resources: {cpus: 0.5, replicas: 2, placement: strict_spread}\n"
+    ).replace("cluster: {cpus: 2}", f"cluster: {{cpus: 3}}\nrun: {{steps: 2, executor: ray, ray_address: '{ray_nodes.address}'}}")
+    (tmp_path / "p.yaml").write_text(spec)
+    result = run(compile_file(str(tmp_path / "p.yaml")).plan, tmp_path / "run", progress=False)
+    assert result.status == "done" and result.steps == 2
+    ranks = json.loads((tmp_path / "run" / "placement.json").read_text())["nodes"]["learner"]
+    assert len({r["ray_node"] for r in ranks}) == 2
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["coordinator_weight_bytes"] for r in rows] == [0, 0]
+    assert all(abs(r["train"]["loss"]) < 10 for r in rows)
+
+
+@pytest.mark.slow
+def test_a_lost_machine_moves_the_generate_stage_to_another_node(ray_nodes, tmp_path):
+    # Generate may run on either worker; everything else on the head. Worker nodes a and b
+    # carry flowrl_pool=workers, the head does not.
+    others = {n: {"labels": {"flowrl_pool": "!workers"}} for n in ("score", "learner", "publish")}
+    plan = placed(ops.grpo("sync", steps=30, batch_size=2, gen={"delay": 0.2}),
+                  rollout={"labels": {"flowrl_pool": "workers"}}, **others)
+    plan.run["ray_address"] = ray_nodes.address
+    killed: list[str] = []
+    finished = threading.Event()
+
+    def lose_the_rollout_machine() -> None:
+        trained = tmp_path / "train-learner.jsonl"  # the toy trainer appends a line per step
+        while not finished.is_set():
+            if trained.exists() and len(trained.read_text().splitlines()) >= 3:
+                where = json.loads((tmp_path / "placement.json").read_text())["nodes"]["rollout"][0]
+                killed.append(where["labels"]["flowrl_node"])
+                ray_nodes.kill(killed[0])
+                return
+            time.sleep(0.1)
+
+    thread = threading.Thread(target=lose_the_rollout_machine)
+    thread.start()
+    try:
+        result = run(plan, tmp_path, executor="ray", progress=False)
+    finally:
+        finished.set()
+        thread.join()
+        if killed:
+            ray_nodes.revive(killed[0])  # the cluster as the module's other tests expect it
+    assert killed, "the run ended before the machine could be lost"
+    assert result.status == "done" and result.steps == 30
+    moved = json.loads((tmp_path / "placement.json").read_text())["nodes"]["rollout"][0]
+    assert moved["labels"]["flowrl_node"] not in killed  # Ray re-placed it; flowrl restarted it there
+    report = ledger.check(tmp_path)
+    assert report.ended and report.clean, report.problems
+    trained = [i for line in (tmp_path / "train-learner.jsonl").read_text().splitlines() for i in json.loads(line)["ids"]]
+    assert sorted(trained) == sorted(f"{s}:{i}" for s in range(30) for i in range(2))  # none lost, none twice
+
+
+def test_a_policy_goes_to_the_object_store_as_it_is_on_the_cpu():
+    import torch
+
+    from flowrl.runtime.ray_stage import on_host
+
+    weights = torch.arange(4.0)
+    policy = [[("w", weights)], {"version": 3, "extra": (weights,)}]
+    moved = on_host(policy)
+    assert isinstance(moved[0], list) and isinstance(moved[0][0], tuple) and isinstance(moved[1]["extra"], tuple)
+    assert moved[0][0][1] is weights and moved[1]["version"] == 3  # host tensors are not copied
+
+
+def test_placement_check_refuses_what_the_alive_nodes_cannot_hold():
+    from flowrl.operator import Resources
+    from flowrl.runtime.ray_placement import check
+
+    # Shaped as ray.nodes() answers; a dead node offers nothing.
+    nodes = [{"Alive": True, "NodeManagerAddress": "10.0.0.1", "Resources": {"CPU": 1.0, "box_a": 1.0},
+              "Labels": {"zone": "a"}},
+             {"Alive": True, "NodeManagerAddress": "10.0.0.2", "Resources": {"CPU": 1.0}, "Labels": {"zone": "b"}},
+             {"Alive": False, "NodeManagerAddress": "10.0.0.3", "Resources": {"CPU": 8.0, "box_c": 1.0}}]
+    check({"rollout": Resources(cpus=0.5, custom={"box_a": 0.5}), "learner": Resources(labels={"zone": "b"}),
+           "ranks": Resources(cpus=0.25, replicas=2, placement="strict_spread")}, nodes)
+    refused = {
+        "no node has it": ({"x": Resources(custom={"box_c": 1})}, r"node 'x': no Ray node can host it.*box_c"),
+        "too big for any node": ({"x": Resources(cpus=1.5)}, r"node 'x'.*'CPU': 1.5.*10\.0\.0\.2: \{\"CPU\": 1\.0\}"),
+        "label nobody carries": ({"x": Resources(labels={"zone": "c"})}, r"node 'x'.*labelled \{'zone': 'c'\}"),
+        "more distinct nodes": ({"x": Resources(replicas=3, placement="strict_spread")}, r"on 3 distinct nodes"),
+        "together too much": ({"x": Resources(custom={"box_a": 0.75}), "y": Resources(custom={"box_a": 0.5})},
+                              r"together ask for more.*box_a 1\.25 of 1"),
+    }
+    for resources, message in refused.values():
+        with pytest.raises(PlacementError, match=message):
+            check(resources, nodes)
