@@ -117,6 +117,34 @@ def test_a_two_rank_fsdp2_train_node_spreads_over_two_ray_nodes(ray_nodes, tmp_p
 
 
 @pytest.mark.slow
+def test_two_train_ranks_on_two_nodes_equal_one_rank_after_three_steps(ray_nodes, tmp_path):
+    # Same seed, same samples: the two ranks split each batch, all-reduce their gradients, and
+    # must land on the policy one rank computes alone (float summation order aside).
+    from safetensors.torch import load_file
+
+    def policy(replicas: int, placement: str) -> dict:
+        spec = (ROOT / "tests/specs/good/base.yaml").read_text().replace(
+            "    op: train\n", f"    op: train\n    resources: {{cpus: 0.5, replicas: {replicas}, placement: {placement}}}\n"
+            "    loss: {entropy_coef: 0.01}\n    advantage: {estimator: grpo, gamma: 0.0}\n"
+        ).replace("cluster: {cpus: 2}", f"cluster: {{cpus: 3}}\nrun: {{steps: 3, executor: ray, ray_address: '{ray_nodes.address}'}}"
+        ).replace("fn: builtin:reverse_digits", "fn: flowrl_operators.tasks.digits:position_rewards")
+        (tmp_path / f"p{replicas}.yaml").write_text(spec)
+        out = tmp_path / f"run{replicas}"
+        assert run(compile_file(str(tmp_path / f"p{replicas}.yaml")).plan, out, progress=False).status == "done"
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        assert len(rows) == 3 and all(r["train"]["grad_norm"] > 0 for r in rows)  # it did train
+        if replicas > 1:
+            ranks = json.loads((out / "placement.json").read_text())["nodes"]["learner"]
+            assert len({r["ray_node"] for r in ranks}) == replicas
+        return load_file(next((out / "export" / "learner").glob("*.safetensors")))
+
+    one, two = policy(1, "pack"), policy(2, "strict_spread")
+    assert one.keys() == two.keys()
+    for name in one:
+        assert (one[name] - two[name]).abs().max().item() < 1e-5, name
+
+
+@pytest.mark.slow
 def test_a_lost_machine_moves_the_generate_stage_to_another_node(ray_nodes, tmp_path):
     # Generate may run on either worker; everything else on the head. Worker nodes a and b
     # carry flowrl_pool=workers, the head does not.
