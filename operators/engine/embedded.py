@@ -48,6 +48,7 @@ from flowrl_operators.engine.base import (
     PauseMode,
 )
 from flowrl_operators.engine.model import CausalLM, KVCache, end_token_ids, load_model
+from flowrl_operators.engine.prefill import PrefillStats, prefill
 from flowrl_operators.engine.sampling import sample
 from flowrl_operators.memory import configure, release
 from flowrl_operators.models import resolve_model, silence_hf
@@ -67,6 +68,7 @@ class Sequence:
     versions: list[int] = field(default_factory=list)
     slot: int | None = None
     needs_prefill: bool = True
+    epoch: int = -1  # the engine's weight epoch when this request's KV was computed (prefix sharing)
     finish_reason: str | None = None
     error: str | None = None
 
@@ -134,6 +136,8 @@ class EmbeddedEngine:
         self._scheduler: asyncio.Task | None = None
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="flowrl-engine")
         self._closed = False
+        self._epoch = 0  # bumped by every weight swap: only KV of the current weights is shared
+        self.prefill_stats = PrefillStats()
 
     # --- InferenceEngine ---------------------------------------------------------------------------
 
@@ -262,7 +266,8 @@ class EmbeddedEngine:
     def stats(self) -> dict:
         return {"running": len(self._running()), "waiting": len(self._waiting), "paused": self._paused,
                 "version": self._version, "max_slots": self.max_slots, "max_context": self.max_context,
-                "cache_slots": self.cache.slots, "cache_positions": self.cache.capacity, "cache_bytes": self.cache.nbytes()}
+                "cache_slots": self.cache.slots, "cache_positions": self.cache.capacity, "cache_bytes": self.cache.nbytes(),
+                **self.prefill_stats.as_dict()}
 
     async def close(self) -> None:
         if self._closed:
@@ -310,6 +315,7 @@ class EmbeddedEngine:
 
     def _apply(self, staged: dict[str, torch.Tensor]) -> None:
         weights.apply(self.model, staged)
+        self._epoch += 1
         release()  # the replaced version's tensors, freed: back to the OS (flowrl_operators.memory)
 
     # --- scheduling ------------------------------------------------------------------------------------
@@ -404,18 +410,13 @@ class EmbeddedEngine:
             self._emit(decode, logits[rows])
 
     def _prefill(self, seqs: list[Sequence]) -> None:
-        """Prefill several requests in one right-padded forward, each into its own slot."""
-        lengths = [len(seq.tokens) for seq in seqs]
-        width = max(lengths)
-        tokens = torch.tensor([seq.tokens + [0] * (width - len(seq.tokens)) for seq in seqs], device=self.device)
-        logits = self.model(
-            tokens, torch.zeros(len(seqs), dtype=torch.long, device=self.device), self.cache,
-            torch.tensor([seq.slot for seq in seqs], device=self.device), width,
-            last=torch.tensor(lengths, device=self.device) - 1,
-        )
-        for seq in seqs:
-            seq.needs_prefill = False
-        self._emit(seqs, logits)
+        """Prefill requests into their slots, each distinct prompt computed once (prefill.py), reusing
+        the prefixes that decoding requests cached under the current weights."""
+        donors = [seq for seq in self._running() if not seq.needs_prefill and seq.epoch == self._epoch]
+        order, logits = prefill(self.model, self.cache, seqs, donors, self.prefill_stats)
+        for seq in order:
+            seq.needs_prefill, seq.epoch = False, self._epoch
+        self._emit(order, logits)
 
     def _emit(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         """Sample one token per sequence from its logits row; append it and check stop conditions."""
