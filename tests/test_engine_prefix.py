@@ -127,3 +127,28 @@ def test_batches_bound_padding():
         sizes = [len(r.seq.tokens) for r in b]
         assert max(sizes) * len(sizes) <= 1.25 * sum(sizes)
     assert len(cut) == 2  # the short pair together, the long three together
+
+
+def test_decoding_requests_move_down_into_freed_slots(checkpoint):
+    """Short requests in slots 0 and 1 finish; the long one in slot 2 moves to slot 0 (its KV copied),
+    so later decodes compute one row, not three, and its output is what it is alone."""
+    long = GenerateRequest(request_id="long", input_ids=[30, 31, 32], sampling=SamplingParams(
+        temperature=1.0, max_new_tokens=40, ignore_eos=True, seed=4))
+    shorts = [GenerateRequest(request_id=f"s{i}", input_ids=[40 + i, 41], sampling=SamplingParams(
+        temperature=0.0, max_new_tokens=3, ignore_eos=True)) for i in range(2)]
+
+    async def run():
+        engine = EmbeddedEngine(checkpoint, max_slots=4)
+        try:
+            alone = await engine.generate(long)
+            tasks = [asyncio.ensure_future(engine.generate(r)) for r in [*shorts, long]]
+            await asyncio.gather(*tasks[:2])
+            await wait_for_tokens(engine, "long", 8)
+            slot = engine._by_id["long"].slot
+            return alone, await tasks[2], slot
+        finally:
+            await engine.close()
+
+    alone, moved, slot = asyncio.run(run())
+    assert slot == 0
+    assert_same(alone, moved)

@@ -2,14 +2,16 @@
 
 How it runs. Requests wait in a queue; a scheduler task on the asyncio loop repeats *steps*. Each
 step (1) gives waiting requests free KV-cache slots, (2) prefills every request that has no KV yet
-(one right-padded forward, which also samples each one's next token), and (3) decodes one token for
+(each distinct prompt once, copying prefixes already cached, in as few right-padded forwards as
+padding allows: prefill.py; this also samples each one's next token), and (3) decodes one token for
 every other running request in a single batched forward over slots 0..hi. Rows of that block that
 are not decoding (free slots, slots prefilled in this step) write only the cache's scratch position,
 so no request's KV is ever written by another request's work. A request that finishes frees its
 slot at once and the next step refills it (continuous batching). New requests take the lowest free
-slot, so the decoded block of slots stays short. Steps run on one dedicated worker thread so the
-event loop (and the HTTP server) stays responsive; everything that changes the engine's state
-(pause, abort, weight update) waits for the step lock and so happens *between* steps.
+slot and decoding requests move down into freed ones (KV copied), so the decoded block stays short.
+Steps run on one dedicated worker thread so the event loop (and the HTTP server) stays responsive;
+everything that changes the engine's state (pause, abort, weight update) waits for the step lock
+and so happens *between* steps.
 
 Logprobs. Each output token's logprob is taken from the distribution it was sampled from:
 log_softmax(logits / temperature), restricted to the top_k / top_p set and renormalised. With
@@ -48,7 +50,7 @@ from flowrl_operators.engine.base import (
     PauseMode,
 )
 from flowrl_operators.engine.model import CausalLM, KVCache, end_token_ids, load_model
-from flowrl_operators.engine.prefill import PrefillStats, prefill
+from flowrl_operators.engine.prefill import PrefillStats, compact, prefill
 from flowrl_operators.engine.sampling import sample
 from flowrl_operators.memory import configure, release
 from flowrl_operators.models import resolve_model, silence_hf
@@ -397,6 +399,7 @@ class EmbeddedEngine:
             # One token per row over slots 0..hi (a slice: no gather of the cache). Rows not decoding
             # (free slots, or slots prefilled just above) feed a dummy token at the cache's scratch
             # position, which no request ever attends to; their logits are ignored.
+            compact(self._slots, decode, self.cache)  # decoding requests move down into freed slots
             hi = max(seq.slot for seq in decode) + 1
             tokens, start = [0] * hi, [self.cache.scratch] * hi
             for seq in decode:

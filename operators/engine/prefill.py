@@ -135,3 +135,22 @@ def forward(model: CausalLM, cache: KVCache, batch: list[Leader]) -> torch.Tenso
     return model(tokens, torch.tensor([row.start for row in batch], device=device), cache,
                  torch.tensor([row.seq.slot for row in batch], device=device),
                  max(len(row.seq.tokens) for row in batch), last=sizes_t - 1, lengths=sizes_t)
+
+
+def compact(slots: list, decode: Seq[Cached], cache: KVCache) -> int:
+    """Move the highest decoding requests down into free slots below them (copying their KV), so a
+    batched decode over slots 0..hi computes no rows for finished or empty slots. Returns the moves.
+
+    `slots` is the engine's slot table (None = free); call it between forwards, under the step lock.
+    """
+    free = [i for i, seq in enumerate(slots) if seq is None]
+    moved = 0
+    for seq in sorted(decode, key=lambda s: s.slot, reverse=True):
+        if not free or free[0] > seq.slot:
+            break
+        target = free.pop(0)
+        cache.copy(seq.slot, [target], len(seq.tokens) - 1)  # the cache holds all its tokens but the last
+        slots[target], slots[seq.slot] = seq, None
+        seq.slot = target
+        moved += 1
+    return moved
