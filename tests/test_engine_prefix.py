@@ -6,13 +6,18 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
 import pytest
 import torch
 from test_engine import make_checkpoint, wait_for_tokens
 
+from flowrl.operator import OperatorContext
+from flowrl_operators.config import GenerateConfig
 from flowrl_operators.engine.base import GenerateRequest, SamplingParams
 from flowrl_operators.engine.embedded import EmbeddedEngine
 from flowrl_operators.engine.prefill import Leader, batches
+from flowrl_operators.generate import Generate
+from flowrl_operators.tasks import reverse_digits
 
 torch.set_num_threads(1)
 SYSTEM = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]
@@ -152,3 +157,21 @@ def test_decoding_requests_move_down_into_freed_slots(checkpoint):
     alone, moved, slot = asyncio.run(run())
     assert slot == 0
     assert_same(alone, moved)
+
+
+def test_generate_node_submits_a_group_together(checkpoint):
+    """The generate node gathers a sample's episodes at once: the engine computes the prompt once."""
+
+    async def run():
+        op = Generate(msgspec.convert({"group_size": 8, "sampling": {"max_new_tokens": 4}}, GenerateConfig),
+                      OperatorContext(node="rollout", model={"path": str(checkpoint)}, seed=3))
+        await op.setup()
+        try:
+            group = await op.generate(reverse_digits(seed=0).sample(0, 1), step=0, sample_id="0:1")
+            return group, op.engine.stats()
+        finally:
+            await op.close()
+
+    group, stats = asyncio.run(run())
+    assert len(group.trajectories) == 8
+    assert (stats["prefills"], stats["prefill_forks"]) == (1, 7)
