@@ -36,6 +36,7 @@ def group(prompt: list[int], size: int, tag: str) -> list[GenerateRequest]:
 
 
 def assert_same(a, b) -> None:
+    assert a.error is None and b.error is None and a.output_ids, (a.error, b.error)
     assert a.output_ids == b.output_ids, a.request_id
     assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-5, a.request_id
 
@@ -175,3 +176,27 @@ def test_generate_node_submits_a_group_together(checkpoint):
     group, stats = asyncio.run(run())
     assert len(group.trajectories) == 8
     assert (stats["prefills"], stats["prefill_forks"]) == (1, 7)
+
+
+def test_new_prompts_with_a_long_common_prefix_compute_it_once(checkpoint):
+    """Two groups arriving together whose prompts open with the same 20 tokens: the second group's
+    leader waits for the first's forward and copies those 20 positions."""
+    system = list(range(60, 80))
+    requests = group(system + [40, 41, 42], 3, "a") + group(system + [50, 51], 3, "b")
+
+    async def run():
+        engine = EmbeddedEngine(checkpoint, max_slots=8)
+        try:
+            alone = [await engine.generate(r) for r in requests]
+            before = engine.stats()
+            together = await asyncio.gather(*[engine.generate(r) for r in requests])
+            return alone, together, {k: v - before[k] for k, v in engine.stats().items() if k.startswith("prefill")}
+        finally:
+            await engine.close()
+
+    alone, together, delta = asyncio.run(run())
+    for a, b in zip(alone, together, strict=True):
+        assert_same(a, b)
+    assert delta["prefills"] == 2 and delta["prefill_forks"] == 4 and delta["prefill_forwards"] == 2
+    assert delta["prefill_tokens"] == 23 + 2
+    assert delta["prefill_shared_tokens"] == 20 + 2 * 23 + 2 * 22

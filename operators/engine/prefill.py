@@ -8,6 +8,8 @@ sample's episodes at once), and groups often open with the same system prompt. P
    their own generator (so each request's noise still comes from its own seed);
 2. lets each leader copy the longest prefix it shares with a request already cached (a *donor*:
    decoding, with KV computed by the current weights) and compute only the rest, starting there;
+   new prompts that share a long prefix (>= MIN_SHARED tokens, e.g. a system prompt) with another
+   new prompt wait for that one's forward (a second round) and copy the prefix from it;
 3. runs the leaders in as few right-padded forwards as padding allows (rows sorted by length; a
    forward takes rows while its padded area stays within `PADDING` of the real tokens), the
    padding written to the cache's scratch position.
@@ -27,6 +29,9 @@ import torch
 from flowrl_operators.engine.model import CausalLM, KVCache
 
 PADDING = 1.25  # a batched prefill forward computes at most this many tokens per real token
+# A leader sharing at least this many more tokens with another new prompt than with any cached one
+# (a system prompt) waits for that prompt's forward and copies from it: one more forward, fewer tokens.
+MIN_SHARED = 16
 
 
 class Cached(Protocol):
@@ -99,28 +104,54 @@ def batches(leaders: list[Leader]) -> list[list[Leader]]:
     return out
 
 
+def rounds(leaders: list[Leader]) -> tuple[list[Leader], list[Leader]]:
+    """Split leaders into those computed first and those that then copy a long prefix from one of them."""
+    first: list[Leader] = []
+    later: list[Leader] = []
+    for leader in leaders:
+        tokens = leader.seq.tokens
+        best = max((common_prefix(tokens, f.seq.tokens, min(len(tokens) - 1, len(f.seq.tokens))) for f in first),
+                   default=0)
+        (later if best - leader.start >= MIN_SHARED else first).append(leader)
+    return first, later
+
+
+def adopt(later: list[Leader], first: list[Leader]) -> None:
+    """Point each second-round leader at the first-round leader it shares most with (its KV now cached:
+    every token, since nothing was sampled yet)."""
+    for leader in later:
+        tokens = leader.seq.tokens
+        for f in first:
+            shared = common_prefix(tokens, f.seq.tokens, min(len(tokens) - 1, len(f.seq.tokens)))
+            if shared > leader.start:
+                leader.start, leader.donor = shared, f.seq.slot
+
+
 @torch.no_grad()
 def prefill(model: CausalLM, cache: KVCache, seqs: Seq[Cached], donors: Seq[Cached],
             stats: PrefillStats) -> tuple[list[Cached], torch.Tensor]:
     """Fill the cache for `seqs` (each in its own slot); returns them reordered with one logits row each."""
-    leaders = plan(seqs, donors)
+    first, later = rounds(plan(seqs, donors))
     order: list[Cached] = []
     rows: list[torch.Tensor] = []
-    for batch in batches(leaders):
-        for row in batch:
-            if row.donor is not None:
-                cache.copy(row.donor, [row.seq.slot], row.start)
-        logits = forward(model, cache, batch)
-        stats.forwards += 1
-        for row, logit in zip(batch, logits, strict=True):
-            length = len(row.seq.tokens)
-            cache.copy(row.seq.slot, [fork.slot for fork in row.forks], length)
-            order += [row.seq, *row.forks]
-            rows.append(logit[None].expand(1 + len(row.forks), -1))
-            stats.prefills += 1
-            stats.forks += len(row.forks)
-            stats.tokens += length - row.start
-            stats.shared_tokens += row.start + length * len(row.forks)
+    for group in (first, later):
+        if group is later:  # the first round is cached now: the second copies from it
+            adopt(later, first)
+        for batch in batches(group):
+            for row in batch:
+                if row.donor is not None:
+                    cache.copy(row.donor, [row.seq.slot], row.start)
+            logits = forward(model, cache, batch)
+            stats.forwards += 1
+            for row, logit in zip(batch, logits, strict=True):
+                length = len(row.seq.tokens)
+                cache.copy(row.seq.slot, [fork.slot for fork in row.forks], length)
+                order += [row.seq, *row.forks]
+                rows.append(logit[None].expand(1 + len(row.forks), -1))
+                stats.prefills += 1
+                stats.forks += len(row.forks)
+                stats.tokens += length - row.start
+                stats.shared_tokens += row.start + length * len(row.forks)
     return order, torch.cat(rows)
 
 
