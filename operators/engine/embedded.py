@@ -2,14 +2,16 @@
 
 How it runs. Requests wait in a queue; a scheduler task on the asyncio loop repeats *steps*. Each
 step (1) gives waiting requests free KV-cache slots, (2) prefills every request that has no KV yet
-(one right-padded forward, which also samples each one's next token), and (3) decodes one token for
+(each distinct prompt once, copying prefixes already cached, in as few right-padded forwards as
+padding allows: prefill.py; this also samples each one's next token), and (3) decodes one token for
 every other running request in a single batched forward over slots 0..hi. Rows of that block that
 are not decoding (free slots, slots prefilled in this step) write only the cache's scratch position,
 so no request's KV is ever written by another request's work. A request that finishes frees its
 slot at once and the next step refills it (continuous batching). New requests take the lowest free
-slot, so the decoded block of slots stays short. Steps run on one dedicated worker thread so the
-event loop (and the HTTP server) stays responsive; everything that changes the engine's state
-(pause, abort, weight update) waits for the step lock and so happens *between* steps.
+slot and decoding requests move down into freed ones (KV copied), so the decoded block stays short.
+Steps run on one dedicated worker thread so the event loop (and the HTTP server) stays responsive;
+everything that changes the engine's state (pause, abort, weight update) waits for the step lock
+and so happens *between* steps.
 
 Logprobs. Each output token's logprob is taken from the distribution it was sampled from:
 log_softmax(logits / temperature), restricted to the top_k / top_p set and renormalised. With
@@ -48,6 +50,7 @@ from flowrl_operators.engine.base import (
     PauseMode,
 )
 from flowrl_operators.engine.model import CausalLM, KVCache, end_token_ids, load_model
+from flowrl_operators.engine.prefill import PrefillStats, compact, prefill
 from flowrl_operators.engine.sampling import sample
 from flowrl_operators.memory import configure, release
 from flowrl_operators.models import resolve_model, silence_hf
@@ -67,6 +70,7 @@ class Sequence:
     versions: list[int] = field(default_factory=list)
     slot: int | None = None
     needs_prefill: bool = True
+    epoch: int = -1  # the engine's weight epoch when this request's KV was computed (prefix sharing)
     finish_reason: str | None = None
     error: str | None = None
 
@@ -134,6 +138,8 @@ class EmbeddedEngine:
         self._scheduler: asyncio.Task | None = None
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="flowrl-engine")
         self._closed = False
+        self._epoch = 0  # bumped by every weight swap: only KV of the current weights is shared
+        self.prefill_stats = PrefillStats()
 
     # --- InferenceEngine ---------------------------------------------------------------------------
 
@@ -262,7 +268,8 @@ class EmbeddedEngine:
     def stats(self) -> dict:
         return {"running": len(self._running()), "waiting": len(self._waiting), "paused": self._paused,
                 "version": self._version, "max_slots": self.max_slots, "max_context": self.max_context,
-                "cache_slots": self.cache.slots, "cache_positions": self.cache.capacity, "cache_bytes": self.cache.nbytes()}
+                "cache_slots": self.cache.slots, "cache_positions": self.cache.capacity, "cache_bytes": self.cache.nbytes(),
+                **self.prefill_stats.as_dict()}
 
     async def close(self) -> None:
         if self._closed:
@@ -310,6 +317,7 @@ class EmbeddedEngine:
 
     def _apply(self, staged: dict[str, torch.Tensor]) -> None:
         weights.apply(self.model, staged)
+        self._epoch += 1
         release()  # the replaced version's tensors, freed: back to the OS (flowrl_operators.memory)
 
     # --- scheduling ------------------------------------------------------------------------------------
@@ -391,6 +399,7 @@ class EmbeddedEngine:
             # One token per row over slots 0..hi (a slice: no gather of the cache). Rows not decoding
             # (free slots, or slots prefilled just above) feed a dummy token at the cache's scratch
             # position, which no request ever attends to; their logits are ignored.
+            compact(self._slots, decode, self.cache)  # decoding requests move down into freed slots
             hi = max(seq.slot for seq in decode) + 1
             tokens, start = [0] * hi, [self.cache.scratch] * hi
             for seq in decode:
@@ -404,18 +413,13 @@ class EmbeddedEngine:
             self._emit(decode, logits[rows])
 
     def _prefill(self, seqs: list[Sequence]) -> None:
-        """Prefill several requests in one right-padded forward, each into its own slot."""
-        lengths = [len(seq.tokens) for seq in seqs]
-        width = max(lengths)
-        tokens = torch.tensor([seq.tokens + [0] * (width - len(seq.tokens)) for seq in seqs], device=self.device)
-        logits = self.model(
-            tokens, torch.zeros(len(seqs), dtype=torch.long, device=self.device), self.cache,
-            torch.tensor([seq.slot for seq in seqs], device=self.device), width,
-            last=torch.tensor(lengths, device=self.device) - 1,
-        )
-        for seq in seqs:
-            seq.needs_prefill = False
-        self._emit(seqs, logits)
+        """Prefill requests into their slots, each distinct prompt computed once (prefill.py), reusing
+        the prefixes that decoding requests cached under the current weights."""
+        donors = [seq for seq in self._running() if not seq.needs_prefill and seq.epoch == self._epoch]
+        order, logits = prefill(self.model, self.cache, seqs, donors, self.prefill_stats)
+        for seq in order:
+            seq.needs_prefill, seq.epoch = False, self._epoch
+        self._emit(order, logits)
 
     def _emit(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         """Sample one token per sequence from its logits row; append it and check stop conditions."""

@@ -151,17 +151,23 @@ class CausalLM(nn.Module):
 
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, start: torch.Tensor, cache: KVCache, rows: slice | torch.Tensor,
-                length: int, last: torch.Tensor | None = None, all_logits: bool = False) -> torch.Tensor:
+                length: int, last: torch.Tensor | None = None, all_logits: bool = False,
+                lengths: torch.Tensor | None = None) -> torch.Tensor:
         """Feed tokens [B, S] to B cache rows, row b starting at position start[b].
 
         `rows`: a slice of cache rows, or a tensor of B slot numbers. `length` = max(start) + S, the
         cached prefix the block attends over. Returns fp32 logits [B, vocab] at position `last[b]`
         of each row (default: the last column), or of every position [B, S, vocab] with all_logits.
-        Right-padded rows are fine: their padding writes cache entries beyond the row's real
-        tokens, which are masked until the row's own later tokens overwrite them.
+        Right-padded rows are fine: with `lengths` (real tokens per row) the padding goes to the
+        scratch position, so it never writes a position that any row (or another request that later
+        copies this row's prefix) reads; without it, padding writes beyond the row's real tokens,
+        which are masked until the row's own later tokens overwrite them.
         """
         batch, steps = tokens.shape
-        positions = start[:, None] + torch.arange(steps, device=tokens.device)  # [B, S]
+        columns = torch.arange(steps, device=tokens.device)
+        positions = start[:, None] + columns  # [B, S]
+        if lengths is not None:
+            positions = positions.masked_fill(columns >= lengths[:, None], cache.scratch)
         # Key t is visible to query (b, i) iff t <= positions[b, i] (causal within the row's slot).
         mask = (torch.arange(length, device=tokens.device) <= positions[:, :, None])[:, None]
         dtype = self.model.embed_tokens.weight.dtype
@@ -238,6 +244,15 @@ class KVCache:
         grown = self.capacity if length <= self.capacity else min(
             self.max_context, -(-length // self.GROW) * self.GROW)
         self._allocate(grown_slots, grown)
+
+    def copy(self, source: int, targets: list[int], length: int) -> None:
+        """Copy positions 0..length-1 of slot `source` into each slot of `targets` (a shared prefix)."""
+        if not targets or length <= 0:
+            return
+        index = torch.tensor(targets, device=self.device)
+        for store in (self.keys, self.values):
+            for layer in store:
+                layer[index, :, :length] = layer[source, :, :length]
 
     def _allocate(self, slots: int, capacity: int) -> None:
         shape = (slots, self.config.num_key_value_heads, capacity + 1, head_dim_of(self.config))
