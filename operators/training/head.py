@@ -22,11 +22,27 @@ uses, tied embeddings need nothing special, and what a model does to its logits 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 
 import torch
 
 from flowrl_operators.training.kernels import token_logprobs
+
+# Packed rows aim at about this many tokens (or the longest sequence, if longer): wide enough that
+# the rows fill evenly, narrow enough that attention over a packed row (quadratic in its width, and
+# computed densely under a mask) stays small next to the linear layers.
+PACK_TOKENS = 256
+
+
+def packing_supported() -> bool:
+    """Whether this transformers reads sequence boundaries from restarting position ids (with no
+    attention mask) and masks attention across them (transformers.masking_utils, 4.54 and later)."""
+    try:
+        from transformers import masking_utils
+    except ImportError:
+        return False
+    return hasattr(masking_utils, "find_packed_sequence_indices")
 
 
 def output_head(model: torch.nn.Module) -> torch.nn.Module:
@@ -55,14 +71,46 @@ def head_rows(head: torch.nn.Module, rows: torch.Tensor, cols: torch.Tensor) -> 
         handle.remove()
 
 
-def loss_token_logprobs(model: torch.nn.Module, mb, autocast=None) -> dict[str, torch.Tensor]:
+def pack_rows(mb, target: int = PACK_TOKENS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The micro-batch's sequences laid end to end in fewer rows, without padding between them.
+
+    Returns (input_ids, position_ids) shaped (P, W), and for each original row its packed row and
+    offset. Rows are ceil(tokens / max(target, longest)); sequences go longest first onto the least
+    loaded row, so the rows fill evenly; W is the fullest row. Each sequence keeps its own position
+    ids (0, 1, ...), and a row's unused tail gets positions 0, 1, ... as well, so the model sees
+    every sequence and the tail as separate segments and attends within each only.
+    """
+    lengths = mb.lengths.tolist()
+    count = max(1, math.ceil(sum(lengths) / max(target, max(lengths))))
+    loads, where = [0] * count, [(0, 0)] * len(lengths)
+    for row in sorted(range(len(lengths)), key=lambda r: (-lengths[r], r)):
+        packed = min(range(count), key=lambda k: (loads[k], k))
+        where[row], loads[packed] = (packed, loads[packed]), loads[packed] + lengths[row]
+    width, device = max(loads), mb.input_ids.device
+    input_ids = torch.zeros(count, width, dtype=mb.input_ids.dtype, device=device)
+    position_ids = torch.stack([torch.arange(width, device=device) - load for load in loads]).clamp(min=0)
+    for row, ((packed, offset), length) in enumerate(zip(where, lengths, strict=True)):
+        input_ids[packed, offset : offset + length] = mb.input_ids[row, :length]
+        position_ids[packed, offset : offset + length] = mb.position_ids[row, :length]
+    packed_row, offset = torch.tensor(where, device=device).unbind(1)
+    return input_ids, position_ids, packed_row, offset
+
+
+def loss_token_logprobs(model: torch.nn.Module, mb, autocast=None, pack: bool | None = None) -> dict[str, torch.Tensor]:
     """Logprobs (under each token's sampling distribution) and entropies of the loss-mask tokens of
-    micro-batch `mb` (a training.batch.Batch on the model's device), as (B, T) fp32, 0 off the mask."""
+    micro-batch `mb` (a training.batch.Batch on the model's device), as (B, T) fp32, 0 off the mask.
+    With `pack` (default: when transformers supports it) the model runs on `pack_rows`."""
     keep = mb.loss_mask > 0
     rows, cols = keep.nonzero(as_tuple=True)
-    with autocast or contextlib.nullcontext(), head_rows(output_head(model), rows, cols):
-        logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
-                       position_ids=mb.position_ids, use_cache=False).logits
+    if pack if pack is not None else packing_supported():
+        input_ids, position_ids, packed_row, offset = pack_rows(mb)
+        inputs = {"input_ids": input_ids, "position_ids": position_ids, "attention_mask": None}
+        at = (packed_row[rows], offset[rows] + cols)
+    else:
+        inputs = {"input_ids": mb.input_ids, "position_ids": mb.position_ids, "attention_mask": mb.attention_mask}
+        at = (rows, cols)
+    with autocast or contextlib.nullcontext(), head_rows(output_head(model), *at):
+        logits = model(**inputs, use_cache=False).logits
     if logits.shape[:-1] != rows.shape:
         raise RuntimeError(f"the model returned logits shaped {tuple(logits.shape)} for {len(rows)} kept positions")
     targets = mb.input_ids[rows, cols + 1]
