@@ -15,8 +15,8 @@ near the model's own so that ppo_clip clips some tokens.
 Both sides compute the train node's loss (`policy_loss`, ppo_clip, seq_mean_token_mean) on one
 micro-batch of the same rows with the same weights (fp32 on the CPU, the trainer's bf16 autocast on
 a GPU for both):
-    flowrl      Trainer.forward_backward: the LM head and the logprob kernel on the loss tokens only
-                (training/head.py, training/kernels.py)
+    flowrl      Trainer.forward_backward: the sequences packed end to end without padding, the LM head
+                and the logprob kernel on the loss tokens only (training/head.py, training/kernels.py)
     plain HF    model(...).logits over every position, log_softmax, gather, entropy (no gradient,
                 for the metric), the same loss function
 The loss and every parameter's gradient must agree (max abs difference <= 1e-5 of the tensor's
@@ -43,6 +43,7 @@ from bench_memory import build_model  # noqa: E402
 from flowrl.data.trajectory import Trajectory  # noqa: E402
 from flowrl_operators.training.advantages import AdvantageConfig, compute_advantages  # noqa: E402
 from flowrl_operators.training.batch import Normaliser, pack  # noqa: E402
+from flowrl_operators.training.head import pack_rows, packing_supported  # noqa: E402
 from flowrl_operators.training.losses import LossConfig, policy_loss  # noqa: E402
 from flowrl_operators.training.trainer import Trainer, TrainerConfig  # noqa: E402
 
@@ -146,6 +147,8 @@ def main() -> None:
     tokens, loss_tokens = int(batch.lengths.sum()), int(batch.loss_mask.sum())
     print(f"model {model} on {trainer.device} ({torch.get_num_threads()} threads): {args.rows} rows, "
           f"{tokens} tokens ({batch.input_ids.numel()} padded), {loss_tokens} loss tokens, vocabulary {vocab}")
+    packed = tuple(pack_rows(batch)[0].shape) if packing_supported() else None
+    print(f"flowrl packs them into {packed} (rows, width)" if packed else "flowrl runs the padded rows (no packing)")
     times: dict[str, list[float]] = {"flowrl": [], "plain": []}
     memory: dict[str, float] = {}
     for repeat in range(args.repeats):
@@ -169,6 +172,7 @@ def main() -> None:
     speedup = best["plain"] / best["flowrl"]
     print(f"speedup {speedup:.2f}x")
     print(json.dumps({"bench": "train", "rows": args.rows, "tokens": tokens, "loss_tokens": loss_tokens,
+                      "padded_tokens": batch.input_ids.numel(), "packed_shape": packed,
                       "flowrl_s": round(best["flowrl"], 4), "plain_s": round(best["plain"], 4),
                       "flowrl_peak_gb": round(memory["flowrl"], 3), "plain_peak_gb": round(memory["plain"], 3),
                       "grad_max_rel_diff": worst, "threads": torch.get_num_threads(),

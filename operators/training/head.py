@@ -1,4 +1,4 @@
-"""The language-model head and the logprob kernel on the loss-bearing positions only.
+"""The policy's forward on packed rows, and the LM head and logprob kernel on the loss tokens only.
 
     output = loss_token_logprobs(model, mb)   # {"logprobs": (B, T), "entropy": (B, T)}
 
@@ -11,6 +11,14 @@ their metrics mask with `loss_mask` (or the narrower `weighted_mask`), and `comp
 positions j with `loss_mask[:, j] > 0` (whose logits predict token j + 1), and the results are
 spread back to (B, T) with zeros elsewhere; the gradient is that of the full computation, whose
 other positions carry no loss.
+
+Packing. Right padding to the longest row wastes the decoder's work as well. When transformers
+reads sequence boundaries from position ids (`packing_supported`), the micro-batch's sequences are
+laid end to end in a few rows (`pack_rows`), each with its own position ids 0, 1, ... and no
+attention mask: transformers then masks attention to each segment (a causal block-diagonal mask),
+so every sequence sees exactly its own tokens at its own positions, as in its padded row. The
+outputs come back to the batch's (B, T) layout; the losses, which aggregate per row, see no change.
+The critic's value head still runs on the padded rows (a one-output head costs nothing).
 
 Why a hook on the head rather than calling the decoder and the head by hand: the model's own
 forward still runs end to end, so FSDP2's root hooks (which gather the embedding, final norm and
