@@ -79,21 +79,29 @@ def head_rows(head: torch.nn.Module, rows: torch.Tensor, cols: torch.Tensor) -> 
         handle.remove()
 
 
-def pack_rows(mb, target: int = PACK_TOKENS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The micro-batch's sequences laid end to end in fewer rows, without padding between them.
-
-    Returns (input_ids, position_ids) shaped (P, W), and for each original row its packed row and
-    offset. Rows are ceil(tokens / max(target, longest)); sequences go longest first onto the least
-    loaded row, so the rows fill evenly; W is the fullest row. Each sequence keeps its own position
-    ids (0, 1, ...), and a row's unused tail gets positions 0, 1, ... as well, so the model sees
-    every sequence and the tail as separate segments and attends within each only.
-    """
-    lengths = mb.lengths.tolist()
-    count = max(1, math.ceil(sum(lengths) / max(target, max(lengths))))
+def _spread_rows(lengths: list[int], count: int) -> tuple[list[int], list[tuple[int, int]]]:
+    """Sequences longest first onto the least loaded of `count` rows: each row's load, and each
+    sequence's (row, offset)."""
     loads, where = [0] * count, [(0, 0)] * len(lengths)
     for row in sorted(range(len(lengths)), key=lambda r: (-lengths[r], r)):
         packed = min(range(count), key=lambda k: (loads[k], k))
         where[row], loads[packed] = (packed, loads[packed]), loads[packed] + lengths[row]
+    return loads, where
+
+
+def pack_rows(mb, target: int = PACK_TOKENS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The micro-batch's sequences laid end to end in fewer rows, without padding between them.
+
+    Returns (input_ids, position_ids) shaped (P, W), and for each original row its packed row and
+    offset. P is chosen between c = ceil(tokens / max(target, longest)) and 2c (at most one row per
+    sequence) for the fewest slots P x W, W being the fullest row (the narrower on a tie). Each
+    sequence keeps its own position ids (0, 1, ...), and a row's unused tail gets positions 0, 1, ...
+    too, so the model sees every sequence and the tail as separate segments and attends within each.
+    """
+    lengths = mb.lengths.tolist()
+    first = max(1, math.ceil(sum(lengths) / max(target, max(lengths))))
+    options = [(c, *_spread_rows(lengths, c)) for c in range(first, max(first, min(len(lengths), 2 * first)) + 1)]
+    count, loads, where = min(options, key=lambda o: (o[0] * max(o[1]), -o[0]))
     width, device = max(loads), mb.input_ids.device
     input_ids = torch.zeros(count, width, dtype=mb.input_ids.dtype, device=device)
     position_ids = torch.stack([torch.arange(width, device=device) - load for load in loads]).clamp(min=0)
