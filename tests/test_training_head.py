@@ -103,6 +103,11 @@ def test_pack_rows_lays_sequences_end_to_end_with_their_own_positions():
     input_ids, position_ids, row, offset = pack_rows(batch, target=20)
     assert input_ids.shape[0] < batch.size and input_ids.shape[1] < 2 * max(lengths)  # fewer rows, short ones
     assert input_ids.numel() <= batch.input_ids.numel()
+    # What the trainer does with tiny-qwen2 (hidden 128): packed rows, so the tests above compare the
+    # packed forward. With attention as dear as a linear layer at a few positions, the padded layout
+    # (one row per sequence) wins.
+    assert pack_rows(batch, attention_width=6 * 128)[0].shape[0] <= 2
+    assert pack_rows(batch, attention_width=1.0)[0].shape == (batch.size, max(lengths))
     for r, n in enumerate(lengths):
         o = int(offset[r])
         assert input_ids[row[r], o : o + n].tolist() == batch.input_ids[r, :n].tolist()

@@ -89,19 +89,24 @@ def _spread_rows(lengths: list[int], count: int) -> tuple[list[int], list[tuple[
     return loads, where
 
 
-def pack_rows(mb, target: int = PACK_TOKENS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def pack_rows(
+    mb, target: int = PACK_TOKENS, attention_width: float = math.inf
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The micro-batch's sequences laid end to end in fewer rows, without padding between them.
 
     Returns (input_ids, position_ids) shaped (P, W), and for each original row its packed row and
-    offset. P is chosen between c = ceil(tokens / max(target, longest)) and 2c (at most one row per
-    sequence) for the fewest slots P x W, W being the fullest row (the narrower on a tie). Each
+    offset. P is chosen between c = ceil(tokens / max(target, longest)) and 2c, or one row per
+    sequence (the padded layout), for the least work P x W x (1 + W / attention_width), W being the
+    fullest row: attention over a row grows with its width, and at `attention_width` (about 6 x the
+    hidden size) it costs as much as the linear layers. Each
     sequence keeps its own position ids (0, 1, ...), and a row's unused tail gets positions 0, 1, ...
     too, so the model sees every sequence and the tail as separate segments and attends within each.
     """
     lengths = mb.lengths.tolist()
     first = max(1, math.ceil(sum(lengths) / max(target, max(lengths))))
-    options = [(c, *_spread_rows(lengths, c)) for c in range(first, max(first, min(len(lengths), 2 * first)) + 1)]
-    count, loads, where = min(options, key=lambda o: (o[0] * max(o[1]), -o[0]))
+    counts = {*range(first, max(first, min(len(lengths), 2 * first)) + 1), len(lengths)}
+    options = [(c, *_spread_rows(lengths, c)) for c in sorted(counts)]
+    count, loads, where = min(options, key=lambda o: (o[0] * max(o[1]) * (1 + max(o[1]) / attention_width), -o[0]))
     width, device = max(loads), mb.input_ids.device
     input_ids = torch.zeros(count, width, dtype=mb.input_ids.dtype, device=device)
     position_ids = torch.stack([torch.arange(width, device=device) - load for load in loads]).clamp(min=0)
@@ -119,7 +124,7 @@ def loss_token_logprobs(model: torch.nn.Module, mb, autocast=None, pack: bool | 
     keep = mb.loss_mask > 0
     rows, cols = keep.nonzero(as_tuple=True)
     if pack if pack is not None else packing_supported():
-        input_ids, position_ids, packed_row, offset = pack_rows(mb)
+        input_ids, position_ids, packed_row, offset = pack_rows(mb, attention_width=6 * model.config.hidden_size)
         inputs = {"input_ids": input_ids, "position_ids": position_ids, "attention_mask": None}
         at = (packed_row[rows], offset[rows] + cols)
     else:
