@@ -45,7 +45,7 @@ PACK_TOKENS = 256
 
 def packing_supported() -> bool:
     """Whether this transformers reads sequence boundaries from restarting position ids (with no
-    attention mask) and masks attention across them (transformers.masking_utils, 4.54 and later)."""
+    attention mask) and masks attention across them (`masking_utils.find_packed_sequence_indices`)."""
     try:
         from transformers import masking_utils
     except ImportError:
@@ -98,9 +98,9 @@ def pack_rows(
     offset. P is chosen between c = ceil(tokens / max(target, longest)) and 2c, or one row per
     sequence (the padded layout), for the least work P x W x (1 + W / attention_width), W being the
     fullest row: attention over a row grows with its width, and at `attention_width` (about 6 x the
-    hidden size) it costs as much as the linear layers. Each
-    sequence keeps its own position ids (0, 1, ...), and a row's unused tail gets positions 0, 1, ...
-    too, so the model sees every sequence and the tail as separate segments and attends within each.
+    hidden size) it costs as much as the linear layers. Each sequence keeps its own position ids
+    (0, 1, ...), and a row's unused tail gets positions 0, 1, ... too, so the model sees every
+    sequence and the tail as separate segments and attends within each.
     """
     lengths = mb.lengths.tolist()
     first = max(1, math.ceil(sum(lengths) / max(target, max(lengths))))
@@ -123,7 +123,9 @@ def loss_token_logprobs(model: torch.nn.Module, mb, autocast=None, pack: bool | 
     With `pack` (default: when transformers supports it) the model runs on `pack_rows`."""
     keep = mb.loss_mask > 0
     rows, cols = keep.nonzero(as_tuple=True)
-    if pack if pack is not None else packing_supported():
+    if pack is None:
+        pack = packing_supported()
+    if pack:
         input_ids, position_ids, packed_row, offset = pack_rows(mb, attention_width=6 * model.config.hidden_size)
         inputs = {"input_ids": input_ids, "position_ids": position_ids, "attention_mask": None}
         at = (packed_row[rows], offset[rows] + cols)
