@@ -58,10 +58,11 @@ def test_pack_lays_sampling_spans_on_the_target_columns():
     torch.testing.assert_close(batch.temperature, torch.tensor([[1, 0.7, 0.7, 1, 1.3, 1], [1.0] * 6]))
     torch.testing.assert_close(batch.top_p, torch.tensor([[1, 0.9, 0.9, 1, 1, 1], [1.0] * 6]))
     assert batch.top_k.tolist() == [[-1, -1, -1, -1, 5, -1], [-1] * 6]
-    assert batch.sampling_inputs()["temperature"].shape == batch.input_ids.shape
+    at = batch.sampling_inputs(torch.tensor([0, 0]), torch.tensor([1, 4]))
+    assert at["temperature"].tolist() == pytest.approx([0.7, 1.3]) and at["top_k"].tolist() == [-1, 5]
     assert batch.select([1]).temperature.tolist() == [[1.0, 1.0]]
     plain = pack([traj(0, [1], [5, 6], reward=1.0, sampling=[SamplingSpan(0, 2, 1.0), SamplingSpan(2, 2, 0.0)])])
-    assert plain.temperature is None and plain.top_p is None and plain.sampling_inputs() == {}
+    assert plain.temperature is None and plain.top_p is None and plain.sampling_inputs(torch.tensor([0]), torch.tensor([0])) == {}
     with pytest.raises(ValueError, match="sampling span lies outside"):
         pack([traj(0, [1], [5, 6], reward=1.0, sampling=[SamplingSpan(1, 3, 0.7)])])
 

@@ -4,7 +4,8 @@
 tensors are *target aligned*: they have `L - 1` columns and column j describes token
 `input_ids[:, j + 1]`, the token the logits at position j predict. So
 `token_logprobs(logits[:, :-1], input_ids[:, 1:])` lines up with every per-token field, and
-prompt and padding columns carry `loss_mask == 0`.
+prompt and padding columns carry `loss_mask == 0` (the trainer computes the logits of the
+`loss_mask > 0` columns only: training/head.py).
 
 Each trajectory's sampling spans become per-token `temperature`, `top_p` and `top_k` (None when
 every token was sampled at temperature 1 from the full vocabulary): the trainer and the reference
@@ -103,15 +104,10 @@ class Batch:
                 out[field.name] = value[index, :width]
         return Batch(**out)
 
-    def sampling_inputs(self) -> dict[str, torch.Tensor]:
-        """The sampling fields set, as `token_logprobs` keywords, widened to (B, L) with a default
-        last column so that they line up with the logits of every position."""
-        out = {}
-        for name in SAMPLING_FIELDS:
-            value = getattr(self, name)
-            if value is not None:
-                out[name] = torch.nn.functional.pad(value, (0, 1), value=SAMPLING_DEFAULTS[name])
-        return out
+    def sampling_inputs(self, rows: torch.Tensor, cols: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The sampling fields set, as `token_logprobs` keywords, at the target-aligned positions
+        (rows, cols): the tokens whose logprobs are computed (training/head.py)."""
+        return {name: getattr(self, name)[rows, cols] for name in SAMPLING_FIELDS if getattr(self, name) is not None}
 
     def to(self, device: torch.device | str) -> Batch:
         return Batch(

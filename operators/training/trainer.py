@@ -43,7 +43,7 @@ from flowrl_operators.training.batch import (
     micro_batch_rows,
 )
 from flowrl_operators.training.engine import EngineEntry
-from flowrl_operators.training.kernels import token_logprobs
+from flowrl_operators.training.head import loss_token_logprobs
 from flowrl_operators.training.losses import LossFn
 
 
@@ -216,21 +216,15 @@ class Trainer:
 
     def _forward(self, mb: Batch) -> dict[str, torch.Tensor]:
         mb = mb.to(self.device)
-        with self._autocast():
-            out = self.model(
-                input_ids=mb.input_ids,
-                attention_mask=mb.attention_mask,
-                position_ids=mb.position_ids,
-                use_cache=False,
-            )
         if self.head == "value":
+            with self._autocast():
+                out = self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
+                                 position_ids=mb.position_ids, use_cache=False)
             return {"values": out.logits[:, :-1, 0].float()}
-        # Targets shifted by one with a dummy last column: the kernel then reads the logits in place
-        # (slicing off the last position first would copy the whole logits tensor). Logprobs are
-        # under each token's sampling distribution (temperature, top-k / top-p), as the engine's.
-        targets = torch.nn.functional.pad(mb.input_ids[:, 1:], (0, 1))
-        logprobs, entropy = token_logprobs(out.logits, targets, **mb.sampling_inputs())
-        return {"logprobs": logprobs[:, :-1], "entropy": entropy[:, :-1]}
+        # The LM head and the logprob kernel run on the loss-mask positions only (training/head.py);
+        # logprobs are under each token's sampling distribution (temperature, top-k / top-p), as the
+        # engine's.
+        return loss_token_logprobs(self.model, mb, self._autocast())
 
     def _plan(self, batch: Batch) -> tuple[list[list[int]], int]:
         """This rank's micro-batch rows and the number of micro-batches every rank will run."""

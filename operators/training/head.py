@@ -1,0 +1,146 @@
+"""The policy's forward on packed rows, and the LM head and logprob kernel on the loss tokens only.
+
+    output = loss_token_logprobs(model, mb)   # {"logprobs": (B, T), "entropy": (B, T)}
+
+A causal LM ends with `logits = lm_head(hidden)` over every position of every padded row: with
+~60-token prompts, ~50-token responses and right padding, most of those positions are prompt or
+padding, yet each costs a hidden x vocab product and a vocab-wide row of logits (and of its
+gradient). Every caller of the trainer's logprobs reads them on the loss mask only: the losses and
+their metrics mask with `loss_mask` (or the narrower `weighted_mask`), and `compute_logprobs`
+(proximal, reference, teacher) zeroes everything else. So the head and the kernel run on the
+positions j with `loss_mask[:, j] > 0` (whose logits predict token j + 1), and the results are
+spread back to (B, T) with zeros elsewhere; the gradient is that of the full computation, whose
+other positions carry no loss.
+
+Packing. Right padding to the longest row wastes the decoder's work as well. When transformers
+reads sequence boundaries from position ids (`packing_supported`), the micro-batch's sequences are
+laid end to end in a few rows (`pack_rows`), each with its own position ids 0, 1, ... and no
+attention mask: transformers then masks attention to each segment (a causal block-diagonal mask),
+so every sequence sees exactly its own tokens at its own positions, as in its padded row. The
+outputs come back to the batch's (B, T) layout; the losses, which aggregate per row, see no change.
+The critic's value head still runs on the padded rows (a one-output head costs nothing).
+
+Why a hook on the head rather than calling the decoder and the head by hand: the model's own
+forward still runs end to end, so FSDP2's root hooks (which gather the embedding, final norm and
+head shards) wrap the head, peft's adapters and `disable_adapter` apply to every layer the forward
+uses, tied embeddings need nothing special, and what a model does to its logits after the head
+(scaling, soft-capping: elementwise) is done on the kept rows as on all of them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+
+import torch
+
+from flowrl_operators.training.kernels import token_logprobs
+
+# Packed rows aim at about this many tokens (or the longest sequence, if longer): wide enough that
+# the rows fill evenly, narrow enough that attention over a packed row (quadratic in its width, and
+# computed densely under a mask) stays small next to the linear layers.
+PACK_TOKENS = 256
+
+
+def packing_supported() -> bool:
+    """Whether this transformers reads sequence boundaries from restarting position ids (with no
+    attention mask) and masks attention across them (`masking_utils.find_packed_sequence_indices`)."""
+    try:
+        from transformers import masking_utils
+    except ImportError:
+        return False
+    return hasattr(masking_utils, "find_packed_sequence_indices")
+
+
+def output_head(model: torch.nn.Module) -> torch.nn.Module:
+    """The module that maps hidden states to logits (a peft LoRA layer when the head is adapted)."""
+    head = model.get_output_embeddings()
+    if head is None:
+        raise ValueError(f"{type(model).__name__} has no output embedding (lm_head) to compute logprobs with")
+    return head
+
+
+@contextlib.contextmanager
+def head_rows(head: torch.nn.Module, rows: torch.Tensor, cols: torch.Tensor) -> Iterator[None]:
+    """While open, `head` sees only the hidden states at (rows, cols) of its (B, L, hidden) input:
+    it returns (N, vocab) logits for N = len(rows)."""
+
+    def keep(_module: torch.nn.Module, args: tuple) -> tuple:
+        hidden = args[0]
+        if hidden.dim() != 3:  # e.g. a model that already sliced or flattened its positions
+            raise RuntimeError(f"the output head got hidden states shaped {tuple(hidden.shape)}, not (B, L, hidden)")
+        return (hidden[rows, cols], *args[1:])
+
+    handle = head.register_forward_pre_hook(keep)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def _spread_rows(lengths: list[int], count: int) -> tuple[list[int], list[tuple[int, int]]]:
+    """Sequences longest first onto the least loaded of `count` rows: each row's load, and each
+    sequence's (row, offset)."""
+    loads, where = [0] * count, [(0, 0)] * len(lengths)
+    for row in sorted(range(len(lengths)), key=lambda r: (-lengths[r], r)):
+        packed = min(range(count), key=lambda k: (loads[k], k))
+        where[row], loads[packed] = (packed, loads[packed]), loads[packed] + lengths[row]
+    return loads, where
+
+
+def pack_rows(
+    mb, target: int = PACK_TOKENS, attention_width: float = math.inf
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The micro-batch's sequences laid end to end in fewer rows, without padding between them.
+
+    Returns (input_ids, position_ids) shaped (P, W), and for each original row its packed row and
+    offset. P is chosen between c = ceil(tokens / max(target, longest)) and 2c, or one row per
+    sequence (the padded layout), for the least work P x W x (1 + W / attention_width), W being the
+    fullest row: attention over a row grows with its width, and at `attention_width` (about 6 x the
+    hidden size) it costs as much as the linear layers. Each sequence keeps its own position ids
+    (0, 1, ...), and a row's unused tail gets positions 0, 1, ... too, so the model sees every
+    sequence and the tail as separate segments and attends within each.
+    """
+    lengths = mb.lengths.tolist()
+    first = max(1, math.ceil(sum(lengths) / max(target, max(lengths))))
+    counts = {*range(first, max(first, min(len(lengths), 2 * first)) + 1), len(lengths)}
+    options = [(c, *_spread_rows(lengths, c)) for c in sorted(counts)]
+    count, loads, where = min(options, key=lambda o: (o[0] * max(o[1]) * (1 + max(o[1]) / attention_width), -o[0]))
+    width, device = max(loads), mb.input_ids.device
+    input_ids = torch.zeros(count, width, dtype=mb.input_ids.dtype, device=device)
+    position_ids = torch.stack([torch.arange(width, device=device) - load for load in loads]).clamp(min=0)
+    for row, ((packed, offset), length) in enumerate(zip(where, lengths, strict=True)):
+        input_ids[packed, offset : offset + length] = mb.input_ids[row, :length]
+        position_ids[packed, offset : offset + length] = mb.position_ids[row, :length]
+    packed_row, offset = torch.tensor(where, device=device).unbind(1)
+    return input_ids, position_ids, packed_row, offset
+
+
+def loss_token_logprobs(model: torch.nn.Module, mb, autocast=None, pack: bool | None = None) -> dict[str, torch.Tensor]:
+    """Logprobs (under each token's sampling distribution) and entropies of the loss-mask tokens of
+    micro-batch `mb` (a training.batch.Batch on the model's device), as (B, T) fp32, 0 off the mask.
+    With `pack` (default: when transformers supports it) the model runs on `pack_rows`."""
+    keep = mb.loss_mask > 0
+    rows, cols = keep.nonzero(as_tuple=True)
+    if pack is None:
+        pack = packing_supported()
+    if pack:
+        input_ids, position_ids, packed_row, offset = pack_rows(mb, attention_width=6 * model.config.hidden_size)
+        inputs = {"input_ids": input_ids, "position_ids": position_ids, "attention_mask": None}
+        at = (packed_row[rows], offset[rows] + cols)
+    else:
+        inputs = {"input_ids": mb.input_ids, "position_ids": mb.position_ids, "attention_mask": mb.attention_mask}
+        at = (rows, cols)
+    with autocast or contextlib.nullcontext(), head_rows(output_head(model), *at):
+        logits = model(**inputs, use_cache=False).logits
+    if logits.shape[:-1] != rows.shape:
+        raise RuntimeError(f"the model returned logits shaped {tuple(logits.shape)} for {len(rows)} kept positions")
+    targets = mb.input_ids[rows, cols + 1]
+    logprobs, entropy = token_logprobs(logits, targets, **mb.sampling_inputs(rows, cols))
+    return {"logprobs": spread(logprobs, keep, rows, cols), "entropy": spread(entropy, keep, rows, cols)}
+
+
+def spread(values: torch.Tensor, keep: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """(N,) values back onto a (B, T) grid of zeros at (rows, cols); differentiable in `values`."""
+    return torch.zeros(keep.shape, dtype=values.dtype, device=values.device).index_put((rows, cols), values)
