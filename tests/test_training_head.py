@@ -7,7 +7,13 @@ import torch
 from flowrl.data.trajectory import SamplingSpan, Trajectory
 from flowrl_operators.config import LoraSpec
 from flowrl_operators.training.batch import SAMPLING_FIELDS, pack
-from flowrl_operators.training.head import head_rows, loss_token_logprobs, output_head, pack_rows
+from flowrl_operators.training.head import (
+    head_rows,
+    loss_token_logprobs,
+    output_head,
+    pack_rows,
+    packing_supported,
+)
 from flowrl_operators.training.kernels import token_logprobs
 from flowrl_operators.training.trainer import Trainer, TrainerConfig
 
@@ -57,6 +63,7 @@ def test_loss_positions_only_equal_the_full_logits(model, lora, spans):
     # LoRA with gradient checkpointing: the adapters and the recomputed layers see the packed rows too.
     trainer = Trainer(model, TrainerConfig(lr=1e-3, lora=lora, gradient_checkpointing=lora is not None))
     batch = make_batch(spans=spans)
+    assert packing_supported(trainer.model)  # the policy's forward packs these families (LoRA-wrapped too)
     assert bool((batch.loss_mask == 0).any()) and int(batch.lengths.min()) < int(batch.lengths.max())
     assert spans == (batch.top_p is not None)
     weights = torch.randn(batch.loss_mask.shape, generator=torch.Generator().manual_seed(1)) * batch.loss_mask
@@ -75,6 +82,14 @@ def test_loss_positions_only_equal_the_full_logits(model, lora, spans):
     assert worst <= 2e-5, worst
     # compute_logprobs (proximal / reference / teacher) reads the same positions.
     torch.testing.assert_close(trainer.compute_logprobs(batch), old["logprobs"].detach(), atol=1e-5, rtol=1e-5)
+
+
+def test_families_not_checked_for_packed_boundaries_get_padded_rows():
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    tiny = Gemma2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                        num_attention_heads=2, num_key_value_heads=1, head_dim=8, sliding_window=4)
+    assert not packing_supported(Gemma2ForCausalLM(tiny))  # a sliding window: not packed
 
 
 def test_the_head_sees_only_the_kept_positions_and_is_restored():

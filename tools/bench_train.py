@@ -147,7 +147,7 @@ def main() -> None:
     tokens, loss_tokens = int(batch.lengths.sum()), int(batch.loss_mask.sum())
     print(f"model {model} on {trainer.device} ({torch.get_num_threads()} threads): {args.rows} rows, "
           f"{tokens} tokens ({batch.input_ids.numel()} padded), {loss_tokens} loss tokens, vocabulary {vocab}")
-    packed = tuple(pack_rows(batch, attention_width=6 * trainer.model.config.hidden_size)[0].shape) if packing_supported() else None
+    packed = tuple(pack_rows(batch, attention_width=6 * trainer.model.config.hidden_size)[0].shape) if packing_supported(trainer.model) else None
     print(f"flowrl packs them into {packed} (rows, width)" if packed else "flowrl runs the padded rows (no packing)")
     times: dict[str, list[float]] = {"flowrl": [], "plain": []}
     memory: dict[str, float] = {}

@@ -43,14 +43,22 @@ from flowrl_operators.training.kernels import token_logprobs
 PACK_TOKENS = 256
 
 
-def packing_supported() -> bool:
+# Families whose attention is checked to stop at packed sequences' boundaries (tests/test_training_head.py
+# compares packed against padded rows). Others (sliding windows, multimodal position ids, custom
+# attention) get padded rows until they are checked the same way.
+PACKED_FAMILIES = frozenset({"llama", "qwen2"})
+
+
+def packing_supported(model: torch.nn.Module | None = None) -> bool:
     """Whether this transformers reads sequence boundaries from restarting position ids (with no
-    attention mask) and masks attention across them (`masking_utils.find_packed_sequence_indices`)."""
+    attention mask) and masks attention across them (`masking_utils.find_packed_sequence_indices`),
+    and `model` is of a family checked to honour them."""
     try:
         from transformers import masking_utils
     except ImportError:
         return False
-    return hasattr(masking_utils, "find_packed_sequence_indices")
+    family = getattr(getattr(model, "config", None), "model_type", None) if model is not None else None
+    return hasattr(masking_utils, "find_packed_sequence_indices") and (model is None or family in PACKED_FAMILIES)
 
 
 def output_head(model: torch.nn.Module) -> torch.nn.Module:
@@ -124,7 +132,7 @@ def loss_token_logprobs(model: torch.nn.Module, mb, autocast=None, pack: bool | 
     keep = mb.loss_mask > 0
     rows, cols = keep.nonzero(as_tuple=True)
     if pack is None:
-        pack = packing_supported()
+        pack = packing_supported(model)
     if pack:
         input_ids, position_ids, packed_row, offset = pack_rows(mb, attention_width=6 * model.config.hidden_size)
         inputs = {"input_ids": input_ids, "position_ids": position_ids, "attention_mask": None}
