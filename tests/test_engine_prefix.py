@@ -41,28 +41,36 @@ def assert_same(a, b) -> None:
     assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-5, a.request_id
 
 
-def test_group_is_prefilled_once_and_equals_requests_alone(checkpoint):
-    requests = group(SYSTEM + [40, 41, 42], 8, "g") + group(SYSTEM + [50, 51], 4, "h")
+def alone_then_together(checkpoint, requests: list[GenerateRequest], slots: int):
+    """Each request run alone, then all at once on the same engine: (alone, together, the prefill
+    stats after the alone runs, and what the together run added to them)."""
 
     async def run():
-        engine = EmbeddedEngine(checkpoint, max_slots=16)
+        engine = EmbeddedEngine(checkpoint, max_slots=slots)
         try:
             alone = [await engine.generate(r) for r in requests]
             before = engine.stats()
             together = await asyncio.gather(*[engine.generate(r) for r in requests])
-            return alone, together, before, engine.stats()
+            added = {k: v - before[k] for k, v in engine.stats().items() if k.startswith("prefill")}
+            return alone, together, before, added
         finally:
             await engine.close()
 
-    alone, together, before, after = asyncio.run(run())
+    alone, together, before, added = asyncio.run(run())
     for a, b in zip(alone, together, strict=True):
         assert_same(a, b)
+    return together, before, added
+
+
+def test_group_is_prefilled_once_and_equals_requests_alone(checkpoint):
+    requests = group(SYSTEM + [40, 41, 42], 8, "g") + group(SYSTEM + [50, 51], 4, "h")
+    together, before, added = alone_then_together(checkpoint, requests, slots=16)
     assert len({tuple(r.output_ids[:5]) for r in together}) > 2  # the seeds do differ
     # One at a time: 12 prefills, nothing shared. Together: 2 computed, 10 forked.
     assert (before["prefills"], before["prefill_forks"], before["prefill_shared_tokens"]) == (12, 0, 0)
-    assert after["prefills"] - before["prefills"] == 2
-    assert after["prefill_forks"] - before["prefill_forks"] == 10
-    assert after["prefill_tokens"] - before["prefill_tokens"] == 15 + 14
+    assert added["prefills"] == 2
+    assert added["prefill_forks"] == 10
+    assert added["prefill_tokens"] == 15 + 14
 
 
 def test_prefix_of_a_decoding_request_is_copied(checkpoint):
@@ -183,20 +191,7 @@ def test_new_prompts_with_a_long_common_prefix_compute_it_once(checkpoint):
     leader waits for the first's forward and copies those 20 positions."""
     system = list(range(60, 80))
     requests = group(system + [40, 41, 42], 3, "a") + group(system + [50, 51], 3, "b")
-
-    async def run():
-        engine = EmbeddedEngine(checkpoint, max_slots=8)
-        try:
-            alone = [await engine.generate(r) for r in requests]
-            before = engine.stats()
-            together = await asyncio.gather(*[engine.generate(r) for r in requests])
-            return alone, together, {k: v - before[k] for k, v in engine.stats().items() if k.startswith("prefill")}
-        finally:
-            await engine.close()
-
-    alone, together, delta = asyncio.run(run())
-    for a, b in zip(alone, together, strict=True):
-        assert_same(a, b)
+    _, _, delta = alone_then_together(checkpoint, requests, slots=8)
     assert delta["prefills"] == 2 and delta["prefill_forks"] == 4 and delta["prefill_forwards"] == 2
     assert delta["prefill_tokens"] == 23 + 2
     assert delta["prefill_shared_tokens"] == 20 + 2 * 23 + 2 * 22
