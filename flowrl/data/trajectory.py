@@ -12,6 +12,8 @@ from typing import Any
 
 import msgspec
 
+from flowrl.data.images import ImageRef
+
 
 class Turn(msgspec.Struct, array_like=True):
     """A span `[start, end)` of response tokens produced by the model in one turn."""
@@ -46,6 +48,9 @@ class Trajectory(msgspec.Struct, kw_only=True):
     # Policy version that produced each response token (partial rollout mixes versions).
     versions: list[int]
     turns: list[Turn] = []
+    # Images whose placeholder tokens appear in prompt_ids + response_ids, in order (the prompt's,
+    # then each observation's); pixels are in the run's image store (flowrl.data.images).
+    images: list[ImageRef] = []
     # How the model tokens were sampled, one span per engine call (merged while the parameters stay
     # the same). The trainer and the reference compute logprobs under these distributions; a
     # response token outside every span counts as temperature 1, full vocabulary. The generate node

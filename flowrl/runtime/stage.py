@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 
 from flowrl import registry
+from flowrl.data import images
 from flowrl.graph.plan import Plan
 from flowrl.operator import Operator, OperatorContext, TrainResult
 from flowrl.runtime import faults
@@ -35,6 +36,8 @@ class Stage:
         self.replica = replica
         self.coord = coord
         self.run_dir = Path(run_dir) if run_dir else None
+        if self.run_dir is not None:  # images in this run's records live in the run folder
+            images.use_store(self.run_dir / "images")
         self.origin = origin
         self.pid = node_pids(plan)[node]
         self.op: Operator | None = None

@@ -12,6 +12,8 @@ from typing import Literal, Protocol, runtime_checkable
 
 import msgspec
 
+from flowrl.data.images import ImageRef
+
 FinishReason = Literal["stop", "length", "abort"]
 PauseMode = Literal["in_place", "retract", "abort"]
 PAUSE_MODES: tuple[str, ...] = ("in_place", "retract", "abort")
@@ -39,6 +41,9 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     request_id: str
     input_ids: list[int]
     sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    # The images whose placeholder tokens appear in `input_ids`, in order (vision-language models);
+    # the pixels are in the run's image store (flowrl.data.images).
+    images: list[ImageRef] = []
 
 
 class GenerateResult(msgspec.Struct, kw_only=True):

@@ -1,0 +1,135 @@
+"""Images in records, kept by reference.
+
+A vision-language sample carries images in its prompt and, in multi-turn episodes, in the
+environment's observations. Records never hold pixels: they hold an `ImageRef` (a content hash and
+the size) and the pixels live once in an `ImageStore`, a folder of PNG files named by that hash. A
+run's store is `<run_dir>/images/`, so the ledger, checkpoints and `--resume` keep every image a
+record names, and a crash never leaves a record pointing at an image that is not on disk (the file
+is written, atomically, before its reference is returned).
+
+The hash is over the decoded pixels (mode, size, raw bytes), not over an encoding, so the same
+picture sent as PNG, as JPEG-decoded pixels or as a PIL image gets one reference.
+Under Ray every node must see the run folder (one machine, or a shared file system, as for
+checkpoints).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+import os
+import tempfile
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Union
+
+import msgspec
+
+if TYPE_CHECKING:
+    from PIL import Image as PILImage
+
+ImageInput = Union[bytes, str, os.PathLike, "PILImage.Image"]
+
+
+class ImageRef(msgspec.Struct, frozen=True, array_like=True):
+    """One image: the sha256 of its RGB pixels (with the size), and its width and height."""
+
+    sha256: str
+    width: int
+    height: int
+
+
+def _as_rgb(image: ImageInput) -> PILImage.Image:
+    from PIL import Image
+
+    if isinstance(image, bytes):
+        image = Image.open(io.BytesIO(image))
+    elif isinstance(image, (str, os.PathLike)):
+        text = str(image)
+        if text.startswith("data:"):
+            return _as_rgb(decode_data_url(text))
+        image = Image.open(text)
+    if not isinstance(image, Image.Image):
+        raise TypeError(f"an image must be bytes, a path, a data URL or a PIL image, not {type(image).__name__}")
+    return image.convert("RGB")
+
+
+def _digest(image: PILImage.Image) -> str:
+    h = hashlib.sha256(f"{image.mode}:{image.width}x{image.height}:".encode())
+    h.update(image.tobytes())
+    return h.hexdigest()
+
+
+def decode_data_url(url: str) -> bytes:
+    """The bytes of a base64 `data:image/...;base64,...` URL (what the OpenAI API sends)."""
+    head, sep, body = url.partition(",")
+    if not (url.startswith("data:image/") and sep and head.endswith(";base64")):
+        raise ValueError("an image URL must be a base64 data URL (data:image/png;base64,...)")
+    try:
+        return base64.b64decode(body, validate=True)
+    except ValueError as e:
+        raise ValueError(f"the image data URL is not valid base64: {e}") from None
+
+
+class ImageStore:
+    """A folder of PNG images named by content hash."""
+
+    def __init__(self, root: str | os.PathLike) -> None:
+        self.root = Path(root)
+
+    def path(self, ref: ImageRef) -> Path:
+        return self.root / ref.sha256[:2] / f"{ref.sha256}.png"
+
+    def put(self, image: ImageInput) -> ImageRef:
+        """Store an image (bytes of any format PIL reads, a path, a data URL or a PIL image)."""
+        rgb = _as_rgb(image)
+        ref = ImageRef(_digest(rgb), rgb.width, rgb.height)
+        target = self.path(ref)
+        if not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".tmp")
+            with os.fdopen(fd, "wb") as f:
+                rgb.save(f, format="PNG")
+            os.replace(tmp, target)
+        return ref
+
+    def get(self, ref: ImageRef) -> PILImage.Image:
+        from PIL import Image
+
+        try:
+            with Image.open(self.path(ref)) as image:
+                return image.convert("RGB")
+        except FileNotFoundError:
+            raise FileNotFoundError(f"image {ref.sha256[:12]} is not in the image store {self.root}") from None
+
+    def png(self, ref: ImageRef) -> bytes:
+        return self.path(ref).read_bytes()
+
+    def data_url(self, ref: ImageRef) -> str:
+        return "data:image/png;base64," + base64.b64encode(self.png(ref)).decode("ascii")
+
+
+_lock = threading.Lock()
+_store: ImageStore | None = None
+
+
+def default_root() -> Path:
+    return Path(os.environ.get("FLOWRL_CACHE", Path.home() / ".cache" / "flowrl")) / "images"
+
+
+def use_store(root: str | os.PathLike) -> ImageStore:
+    """Make `root` this process's image store (a stage calls it with `<run_dir>/images`)."""
+    global _store
+    with _lock:
+        _store = ImageStore(root)
+        return _store
+
+
+def store() -> ImageStore:
+    """This process's image store: the run's, once a stage set it, else one under the flowrl cache."""
+    global _store
+    with _lock:
+        if _store is None:
+            _store = ImageStore(default_root())
+        return _store
