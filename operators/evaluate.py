@@ -3,8 +3,8 @@
     data: {source: builtin:reverse_digits, batch_size: 16, eval: {every: 5, samples: 64}}
 
 The generate node runs it with its own engine whenever it has loaded a policy version that is a
-multiple of `every` (and once before training): one greedy episode per held-out sample
-(`source.eval_sample(i)`), scored by the task's reward (`source.reward`, or `data.eval.options.reward:
+multiple of `every`, once before training, and with the final policy (the run waits for that one):
+one greedy episode per held-out sample (`source.eval_sample(i)`), scored by the task's reward (`source.reward`, or `data.eval.options.reward:
 module:attr`). Each evaluation appends a row to `RUN_DIR/eval.jsonl`:
 `{"version", "eval_reward", "samples", "time", "seconds"}` with `time` in seconds since the run's
 origin (when the evaluation ended) and `seconds` the time the evaluation took.
@@ -32,8 +32,10 @@ REWARD_TIMEOUT_S = 60.0  # one eval reward call
 
 
 class Evaluator:
-    def __init__(self, data: dict[str, Any], seed: int, run_dir: Path | None, tokenizer: Any = None) -> None:
+    def __init__(self, data: dict[str, Any], seed: int, run_dir: Path | None, tokenizer: Any = None,
+                 final: int | None = None) -> None:
         spec = data["eval"]
+        self.final = final  # the run's last policy version: evaluated whether or not `every` divides it
         self.every, self.samples = int(spec.get("every", 10)), int(spec.get("samples", 64))
         options = dict(spec.get("options") or {})
         reward = options.pop("reward", None)
@@ -61,7 +63,7 @@ class Evaluator:
         self.thread = DaemonExecutor(1, "flowrl-eval")
 
     def due(self, version: int) -> bool:
-        return version % self.every == 0 and version not in self.done
+        return (version % self.every == 0 or version == self.final) and version not in self.done
 
     async def run(self, generate: Any, version: int) -> dict[str, float]:
         """Greedy episodes of every held-out sample through `generate` (a Generate operator)."""

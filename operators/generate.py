@@ -109,7 +109,8 @@ class Generate(Operator):
         if self.context.data.get("eval") and self.context.rank == 0:
             from flowrl_operators.evaluate import Evaluator
 
-            self.evaluator = Evaluator(self.context.data, self.context.seed, self.context.run_dir, self.tokenizer)
+            self.evaluator = Evaluator(self.context.data, self.context.seed, self.context.run_dir, self.tokenizer,
+                                       final=self.context.steps if self.context.data["eval"].get("final", True) else None)
             await self.evaluate(self.engine.version)
 
     def _check_max_context(self, model: str) -> None:

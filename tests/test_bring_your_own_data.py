@@ -93,7 +93,7 @@ def test_a_parquet_dataset_of_chat_messages_trains_a_checkpoint_through_flowrl_r
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert all(r["groups"] == 4 and r["reward"] is not None for r in rows)
     evals = lines(run / "eval.jsonl")
-    assert [e["version"] for e in evals] == [0, 1, 2] and all(e["samples"] == 4 for e in evals)
+    assert [e["version"] for e in evals] == [0, 1, 2, 3] and all(e["samples"] == 4 for e in evals)
     assert all(0 < e["seconds"] <= e["time"] for e in evals)
     assert (run / "export/learner/config.json").exists() and list((run / "export/learner").glob("*.safetensors"))
     assert (run / "checkpoints/latest").read_text().strip().endswith("step-3")

@@ -36,7 +36,7 @@ def test_distill_pipeline_runs_every_phase(tmp_path: Path) -> None:
     # The teacher is evaluated once, the student before each distill step (eval.every=1).
     evals = {name: [json.loads(line)["version"] for line in (phases[name] / "eval.jsonl").read_text().splitlines()]
              for name in ("teacher_eval", "distill")}
-    assert evals == {"teacher_eval": [0], "distill": [0, 1, 2]}
+    assert evals == {"teacher_eval": [0], "distill": [0, 1, 2, 3]}  # teacher_eval sets data.eval.final: false
     rows = [json.loads(line) for line in (phases["distill"] / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert all(r["train"]["tokens"] > 0 for r in rows)

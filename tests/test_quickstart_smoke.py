@@ -46,7 +46,8 @@ def test_both_phases_finish_and_chain(run_dir: Path) -> None:
 
 def test_grpo_phase_evaluates_greedily_on_held_out_samples(run_dir: Path) -> None:
     rows = [json.loads(line) for line in (run_dir / "phases/1-grpo/eval.jsonl").read_text().splitlines()]
-    assert [r["version"] for r in rows] == [0, 1]  # before training, then every step (eval.every=1)
+    # before training, after every step (eval.every=1), and the final policy (the run waits for it)
+    assert [r["version"] for r in rows] == [0, 1, 2]
     assert all(r["samples"] == 4 and 0.0 <= r["eval_reward"] <= 1.0 for r in rows)
     assert not (run_dir / "phases/0-warmup/eval.jsonl").exists()  # the warm-up phase sets data.eval: null
 

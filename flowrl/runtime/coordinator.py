@@ -139,6 +139,7 @@ class Coordinator:
         """A generate replica applied weights of `version`."""
         self.samples.loaded_weights(node, replica, version)
         self.observe.instant(node, replica, f"weights v{version}")
+        self._check_done()  # the final policy's evaluation may have been all the run waited for
         self.notify()
 
     async def report(self, node: str, replica: int, events: list[dict[str, Any]], busy: float,
@@ -334,8 +335,17 @@ class Coordinator:
         sinks = [n for n in self.plan.nodes if not any(e.kind == "data" for e in self.outs[n])]
         done = (all(v >= self.steps for v in self.versions.values()) if self.trains
                 else all(len(self.ended[n]) >= self.steps for n in sinks))
-        if done and not self.stopping:
+        if done and not self.stopping and not self._final_eval_pending():
             self.stop("done")
+
+    def _final_eval_pending(self) -> bool:
+        """With `data.eval` (and its `final`), a run that trained all its steps ends once replica 0 of each generate
+        node fed by weights (the one that evaluates) has loaded, and so evaluated, the final policy."""
+        spec = self.plan.data.get("eval")
+        if not self.trains or not spec or not spec.get("final", True):
+            return False
+        return any(self.samples.loaded.get((g, 0), 0) < self.steps
+                   for g, edge in self.samples.weights_in.items() if edge is not None)
 
     def _queues(self) -> dict[str, int]:
         return {k: len(c) for k, c in self.channels.items()}

@@ -32,6 +32,7 @@ class EvalSpec(Strict):
     """Periodic greedy evaluation on held-out samples."""
 
     every: PositiveInt = 10  # steps
+    final: bool = True  # also evaluate the final policy (the run waits for it)
     samples: PositiveInt = 64
     source: str | None = None  # defaults to the training source with held-out seeds
     options: dict[str, Any] = {}
