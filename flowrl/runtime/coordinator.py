@@ -335,17 +335,8 @@ class Coordinator:
         sinks = [n for n in self.plan.nodes if not any(e.kind == "data" for e in self.outs[n])]
         done = (all(v >= self.steps for v in self.versions.values()) if self.trains
                 else all(len(self.ended[n]) >= self.steps for n in sinks))
-        if done and not self.stopping and not self._final_eval_pending():
+        if done and not self.stopping and not self.samples.final_eval_pending(self.steps):
             self.stop("done")
-
-    def _final_eval_pending(self) -> bool:
-        """With `data.eval` (and its `final`), a run that trained all its steps ends once replica 0 of each generate
-        node fed by weights (the one that evaluates) has loaded, and so evaluated, the final policy."""
-        spec = self.plan.data.get("eval")
-        if not self.trains or not spec or not spec.get("final", True):
-            return False
-        return any(self.samples.loaded.get((g, 0), 0) < self.steps
-                   for g, edge in self.samples.weights_in.items() if edge is not None)
 
     def _queues(self) -> dict[str, int]:
         return {k: len(c) for k, c in self.channels.items()}

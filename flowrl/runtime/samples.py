@@ -82,6 +82,15 @@ class Samples(Role):
         self.coord.ledger.write("consume", edge.label if edge else node, f"v{version}@{replica}", version,
                                 version, weights=True)
 
+    def final_eval_pending(self, steps: int) -> bool:
+        """With `data.eval` (and its `final`), a run that trained all its steps ends once replica 0
+        of each generate node fed by weights (the one that evaluates) has loaded, and so evaluated,
+        the final policy."""
+        spec = self.coord.plan.data.get("eval")
+        if not self.coord.trains or not spec or not spec.get("final", True):
+            return False
+        return any(self.loaded.get((g, 0), 0) < steps for g, edge in self.weights_in.items() if edge is not None)
+
     def completed(self, node: str, work: Work, version: int | None, metrics: dict[str, Any]) -> tuple[int, str]:
         return (version if version is not None else work.version), work.id
 
