@@ -39,6 +39,7 @@ class Cached(Protocol):
 
     tokens: list[int]
     slot: int | None
+    key: list[int]  # the tokens as prefix sharing compares them (images marked: vl_requests.py)
 
 
 @dataclass
@@ -67,15 +68,17 @@ class Leader:
 def plan(seqs: Seq[Cached], donors: Seq[Cached]) -> list[Leader]:
     """One leader per distinct token list (with its forks), each with its best donor prefix."""
     leaders: dict[tuple[int, ...], Leader] = {}
+    donor_keys = [donor.key for donor in donors]
     for seq in seqs:
-        key = tuple(seq.tokens)
+        mine = seq.key
+        key = tuple(mine)
         if key in leaders:
             leaders[key].forks.append(seq)
             continue
         leader = leaders[key] = Leader(seq)
-        for donor in donors:
+        for donor, theirs in zip(donors, donor_keys, strict=True):
             # The donor's cache holds all its tokens but the last; the leader computes >= 1 token.
-            shared = common_prefix(seq.tokens, donor.tokens, min(len(seq.tokens), len(donor.tokens)) - 1)
+            shared = common_prefix(mine, theirs, min(len(mine), len(theirs)) - 1)
             if shared > leader.start:
                 leader.start, leader.donor = shared, donor.slot
     return list(leaders.values())
@@ -109,8 +112,8 @@ def rounds(leaders: list[Leader]) -> tuple[list[Leader], list[Leader]]:
     first: list[Leader] = []
     later: list[Leader] = []
     for leader in leaders:
-        tokens = leader.seq.tokens
-        best = max((common_prefix(tokens, f.seq.tokens, min(len(tokens) - 1, len(f.seq.tokens))) for f in first),
+        tokens = leader.seq.key
+        best = max((common_prefix(tokens, f.seq.key, min(len(tokens) - 1, len(f.seq.key))) for f in first),
                    default=0)
         (later if best - leader.start >= MIN_SHARED else first).append(leader)
     return first, later
@@ -120,9 +123,9 @@ def adopt(later: list[Leader], first: list[Leader]) -> None:
     """Point each second-round leader at the first-round leader it shares most with (its KV now cached:
     every token, since nothing was sampled yet)."""
     for leader in later:
-        tokens = leader.seq.tokens
+        tokens = leader.seq.key
         for f in first:
-            shared = common_prefix(tokens, f.seq.tokens, min(len(tokens) - 1, len(f.seq.tokens)))
+            shared = common_prefix(tokens, f.seq.key, min(len(tokens) - 1, len(f.seq.key)))
             if shared > leader.start:
                 leader.start, leader.donor = shared, f.seq.slot
 
@@ -165,7 +168,8 @@ def forward(model: CausalLM, cache: KVCache, batch: list[Leader]) -> torch.Tenso
     sizes_t = torch.tensor(sizes, device=device)
     return model(tokens, torch.tensor([row.start for row in batch], device=device), cache,
                  torch.tensor([row.seq.slot for row in batch], device=device),
-                 max(len(row.seq.tokens) for row in batch), last=sizes_t - 1, lengths=sizes_t)
+                 max(len(row.seq.tokens) for row in batch), last=sizes_t - 1, lengths=sizes_t,
+                 seqs=[row.seq for row in batch])
 
 
 def compact(slots: list, decode: Seq[Cached], cache: KVCache) -> int:
