@@ -52,7 +52,7 @@ from flowrl_operators.engine.base import (
 from flowrl_operators.engine.model import CausalLM, end_token_ids, load_model
 from flowrl_operators.engine.prefill import PrefillStats, compact, prefill
 from flowrl_operators.engine.sampling import sample
-from flowrl_operators.engine.vl_requests import check_images, prefix_key
+from flowrl_operators.engine.vl_requests import check_images
 from flowrl_operators.memory import configure, release
 from flowrl_operators.models import resolve_model, silence_hf
 
@@ -74,12 +74,6 @@ class Sequence:
     epoch: int = -1  # the engine's weight epoch when this request's KV was computed (prefix sharing)
     finish_reason: str | None = None
     error: str | None = None
-    image_token: int | None = None  # a VL model's image placeholder id (prefix keys: vl_requests.py)
-
-    @property
-    def key(self) -> list[int]:
-        """What prefill compares to share KV: the tokens, images marked (engine/vl_requests.py)."""
-        return prefix_key(self.request, self.tokens, self.image_token)
 
     @property
     def need(self) -> int:
@@ -179,7 +173,6 @@ class EmbeddedEngine:
             generator=torch.Generator(self.device).manual_seed(seed),
             stop_ids=frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids),
             tokens=list(request.input_ids),
-            image_token=getattr(self.model, "image_token_id", None),
         )
         self._by_id[request.request_id] = seq
         self._waiting.append(seq)

@@ -172,7 +172,9 @@ def text_config(config):
 def vision_tower(config) -> nn.Module:
     """The family's Hugging Face vision module for `config.vision_config` (random weights)."""
     if config.model_type == "qwen2_vl":
-        from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel as Tower
+        from transformers.models.qwen2_vl.modeling_qwen2_vl import (
+            Qwen2VisionTransformerPretrainedModel as Tower,
+        )
     else:
         from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
             Qwen2_5_VisionTransformerPretrainedModel as Tower,
