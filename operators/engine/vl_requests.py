@@ -25,6 +25,10 @@ def check_images(model: Any, request: GenerateRequest) -> str | None:
         return (f"the request has {len(request.images)} images but the model is text-only (model_type "
                 f"{getattr(model.config, 'model_type', '?')!r}); images need a vision-language model such "
                 "as builtin:tiny-qwen2-vl")
+    runs = len(vision.image_runs(request.input_ids))
+    if runs != len(request.images):
+        return (f"the prompt has placeholders for {runs} images, {len(request.images)} were given; build "
+                "prompts with flowrl_operators.vision.vision(model).prompt(messages, images)")
     try:
         vision.spans(request.input_ids, request.images)
     except ValueError as exc:
