@@ -87,6 +87,23 @@ def vl_inputs(model: torch.nn.Module, mb: Any, inputs: dict[str, Any]) -> Iterat
         handle.remove()
 
 
+def vl_value_model(path: Any) -> torch.nn.Module:
+    """A VL critic: the policy's model with its LM head replaced by a fresh one-output head (what
+    AutoModelForTokenClassification builds for text families, which it has no class for here);
+    `.logits[..., 0]` are the values. The head is untied from the embedding and drawn from the
+    torch seed the trainer set."""
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(str(path), local_files_only=True, dtype=torch.float32)
+    hidden = model.config.text_config.hidden_size
+    model.config.tie_word_embeddings = False
+    model.config.text_config.tie_word_embeddings = False
+    model.lm_head = torch.nn.Linear(hidden, 1, bias=True)
+    torch.nn.init.normal_(model.lm_head.weight, std=model.config.text_config.initializer_range)
+    torch.nn.init.zeros_(model.lm_head.bias)
+    return model
+
+
 def shard_units(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The blocks FSDP2 shards one by one: the decoder layers, and a VL model's vision blocks (each
     gathered for its own forward; the patch embedding and merger stay with the root)."""

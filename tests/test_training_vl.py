@@ -1,0 +1,75 @@
+"""The trainer, reference and critic on a vision-language policy: images reach the forward (and its
+gradient the vision tower), `freeze: [vision]` keeps the tower still and out of weight sync."""
+
+from __future__ import annotations
+
+import torch
+from PIL import Image
+
+from flowrl.data.images import use_store
+from flowrl.data.trajectory import Trajectory
+from flowrl_operators.training import tuning
+from flowrl_operators.training.advantages import AdvantageConfig, compute_advantages
+from flowrl_operators.training.batch import pack
+from flowrl_operators.training.losses import LossConfig, policy_loss
+from flowrl_operators.training.trainer import Critic, Trainer, TrainerConfig
+from flowrl_operators.vision import vision
+
+torch.set_num_threads(1)
+MODEL = "builtin:tiny-qwen2-vl"
+
+
+def picture(seed: int) -> Image.Image:
+    g = torch.Generator().manual_seed(seed)
+    return Image.fromarray(torch.randint(0, 256, (56, 56, 3), generator=g, dtype=torch.uint8).numpy(), "RGB")
+
+
+def trajectories(tmp_path, seeds=(0, 1, 2, 3)) -> list[Trajectory]:
+    store = use_store(tmp_path / "images")
+    v = vision(MODEL)
+    out = []
+    for i, seed in enumerate(seeds):
+        ids, refs = v.prompt([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "?"}]}],
+                             [store.put(picture(seed))])
+        # A response holding a stray image-pad token: text, not an image.
+        response = [20, 21, v.image_token_id, 22 + i]
+        out.append(Trajectory(id=str(i), group_id="g", sample_id="g", step=0, prompt_ids=ids, response_ids=response,
+                              loss_mask=[1] * 4, behaviour_logprobs=[-4.0] * 4, versions=[0] * 4,
+                              reward=float(i % 2), images=refs))
+    return out
+
+
+def test_a_step_trains_the_tower_unless_frozen(tmp_path):
+    batch = compute_advantages(pack(trajectories(tmp_path)), AdvantageConfig())
+    for freeze in ([], ["vision"]):
+        trainer = Trainer(MODEL, TrainerConfig(lr=1e-2, freeze=freeze))
+        params = dict(trainer.model.named_parameters())
+        tower = {n for n in params if n.startswith("model.visual.")}
+        before = {n: p.detach().clone() for n, p in params.items()}
+        trainer.forward_backward(batch, policy_loss(LossConfig()))
+        trainer.step()
+        moved = {n for n in params if not torch.equal(params[n], before[n])}
+        changed = {n for b in trainer.named_weights(changed_only=True) for n, _ in b}
+        if freeze:
+            assert not moved & tower and not changed & tower and moved
+        else:
+            assert "model.visual.patch_embed.proj.weight" in moved & changed
+
+
+def test_images_change_the_logprobs_and_values(tmp_path):
+    first = trajectories(tmp_path, seeds=(0, 0))
+    other = trajectories(tmp_path, seeds=(5, 5))
+    policy = Trainer(MODEL, TrainerConfig())
+    critic = Critic(MODEL, TrainerConfig())
+    a, b = pack(first, require_reward=False), pack(other, require_reward=False)
+    assert torch.equal(a.input_ids, b.input_ids)  # the same tokens: only the pixels differ
+    lp_a, lp_b = policy.compute_logprobs(a), policy.compute_logprobs(b)
+    assert torch.allclose(lp_a[0, :-1], lp_a[1, :-1]) and not torch.allclose(lp_a, lp_b)  # last token differs
+    v_a, v_b = critic.compute_values(a), critic.compute_values(b)
+    assert v_a.shape == a.loss_mask.shape and not torch.allclose(v_a, v_b)
+
+
+def test_freeze_vision_is_checked_against_the_model():
+    assert tuning.check(MODEL, ["vision"], None) == []
+    problems = tuning.check("builtin:tiny-qwen2", ["vision"], None)
+    assert problems and problems[0][0] == ("freeze", 0) and "text-only" in problems[0][1]
