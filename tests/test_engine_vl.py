@@ -123,11 +123,13 @@ def test_alone_equals_among_text_and_image_requests(qwen2_vl, store):
     assert stats["prefill_forks"] == 0  # equal ids with other images are not forks
 
 
-def test_behaviour_logprobs_equal_the_trainers(qwen2_vl, store):
+@pytest.mark.parametrize("name", ["builtin:tiny-qwen2-vl", "builtin:tiny-qwen2.5-vl"])
+def test_behaviour_logprobs_equal_the_trainers(name, store, tmp_path):
     from flowrl_operators.training.batch import pack, response_values
     from flowrl_operators.training.trainer import Reference, TrainerConfig
 
-    folder, _ = qwen2_vl
+    folder = tmp_path
+    noisy_checkpoint(name, folder)
     prompts = [prompt(folder, store, seed) for seed in range(2)]
     sampling = SamplingParams(temperature=1.0, max_new_tokens=20, ignore_eos=True, seed=7)
 
@@ -199,6 +201,37 @@ def test_weight_sync_carries_the_vision_tower(qwen2_vl, store):
     before, after, live = asyncio.run(body())
     assert before.output_ids != after.output_ids
     assert all(torch.equal(live[n], t) for n, t in tower)
+
+
+def flat_config_copy(source, folder):
+    """The checkpoint with config.json in the layout published Qwen2-VL checkpoints use (text keys at
+    the top level, `rope_scaling: {type: mrope}`), as transformers 4 wrote it."""
+    import json
+
+    shutil.copytree(source, folder, dirs_exist_ok=True)
+    config = json.loads((source / "config.json").read_text())
+    text = config.pop("text_config")
+    config.update({k: v for k, v in text.items() if k not in ("model_type", "rope_parameters", "dtype", "layer_types")})
+    config.update(rope_theta=text["rope_parameters"]["rope_theta"], torch_dtype="float32",
+                  rope_scaling={"type": "mrope", "mrope_section": text["rope_parameters"]["mrope_section"]})
+    config["vision_config"]["model_type"] = "qwen2_vl"
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def test_a_published_layout_checkpoint_loads_the_same(qwen2_vl, store, tmp_path):
+    folder, _ = qwen2_vl
+    flat_config_copy(folder, tmp_path)
+    ids, refs = prompt(folder, store)
+
+    async def body(path):
+        engine = EmbeddedEngine(path)
+        try:
+            return (await generate(engine, "a", ids, refs, greedy(16))).output_ids
+        finally:
+            await engine.close()
+
+    assert "text_config" not in (tmp_path / "config.json").read_text()
+    assert asyncio.run(body(tmp_path)) == asyncio.run(body(folder))
 
 
 def test_images_are_refused_where_they_cannot_run(qwen2_vl, store):
