@@ -103,7 +103,8 @@ def test_alone_equals_among_text_and_image_requests(qwen2_vl, store):
     image_prompts = [prompt(folder, store, seed) for seed in range(3)]
     # Same token ids as the first, other images: must not share the first one's KV.
     assert image_prompts[1][0] == image_prompts[0][0]
-    text = [(v.prompt([{"role": "user", "content": "hi " * k}], [])[0], []) for k in (1, 3)]
+    # Text prompts sharing a long prefix: the second copies it from the first (prefill.py's rounds).
+    text = [(v.prompt([{"role": "user", "content": f"a shared long opening, then {k}"}], [])[0], []) for k in (1, 3)]
     requests = image_prompts + text
 
     async def body():
@@ -121,6 +122,7 @@ def test_alone_equals_among_text_and_image_requests(qwen2_vl, store):
     assert together == alone
     assert alone[0] != alone[1]  # the images matter
     assert stats["prefill_forks"] == 0  # equal ids with other images are not forks
+    assert stats["prefill_shared_tokens"] >= 17  # the text prompts' common opening, copied
 
 
 @pytest.mark.parametrize("name", ["builtin:tiny-qwen2-vl", "builtin:tiny-qwen2.5-vl"])
