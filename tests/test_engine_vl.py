@@ -246,12 +246,14 @@ def test_images_are_refused_where_they_cannot_run(qwen2_vl, store):
         try:
             return (await generate(text_engine, "x", [5, 6], refs[:1], greedy(2)),
                     await generate(engine, "y", ids, refs[:1], greedy(2)),
+                    await generate(engine, "w", ids, [], greedy(2)),
                     await generate(engine, "z", ids, [refs[0], missing], greedy(2)))
         finally:
             await text_engine.close()
             await engine.close()
 
-    text_only, too_few, absent = asyncio.run(body())
+    text_only, too_few, none, absent = asyncio.run(body())
+    assert "placeholders for 2 images, 0 were given" in none.error
     assert "text-only" in text_only.error and text_only.finish_reason == "abort"
     assert "placeholders for 2 images, 1 were given" in too_few.error
     assert "not in the image store" in absent.error

@@ -73,3 +73,40 @@ def test_freeze_vision_is_checked_against_the_model():
     assert tuning.check(MODEL, ["vision"], None) == []
     problems = tuning.check("builtin:tiny-qwen2", ["vision"], None)
     assert problems and problems[0][0] == ("freeze", 0) and "text-only" in problems[0][1]
+
+
+def test_lora_adapters_reach_the_engine(tmp_path):
+    """A LoRA policy on a VL model: the adapters (decoder layers) sync to the embedded engine, whose
+    behaviour logprobs on an image prompt then equal the trainer's."""
+    import asyncio
+
+    from flowrl_operators.config import LoraSpec
+    from flowrl_operators.engine.base import GenerateRequest, SamplingParams
+    from flowrl_operators.engine.embedded import EmbeddedEngine
+    from flowrl_operators.training.tuning import adapter_tensors, lora_layers
+
+    trainer = Trainer(MODEL, TrainerConfig(lora=LoraSpec(r=4, target_modules=["q_proj", "v_proj"])))
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # peft's B starts at zero: move it so the adapters change the outputs
+        for _, layer in lora_layers(trainer.model):
+            layer.lora_B["default"].weight.copy_(torch.randn(layer.lora_B["default"].weight.shape, generator=g))
+    adapters = list(adapter_tensors(trainer.model, "adapter"))
+    assert adapters and all(n.startswith("model.language_model.layers.") for n, _ in adapters)
+    [traj] = trajectories(tmp_path, seeds=(0,))
+
+    async def body():
+        engine = EmbeddedEngine(MODEL)
+        try:
+            await engine.update_weights([adapters], 1)
+            return await engine.generate(GenerateRequest(
+                request_id="r", input_ids=traj.prompt_ids, images=traj.images,
+                sampling=SamplingParams(temperature=1.0, max_new_tokens=12, seed=5, ignore_eos=True)))
+        finally:
+            await engine.close()
+
+    result = asyncio.run(body())
+    traj.response_ids, traj.behaviour_logprobs = result.output_ids, result.logprobs
+    traj.loss_mask, traj.versions = [1] * 12, result.versions
+    batch = pack([traj], require_reward=False)
+    mine = trainer.compute_logprobs(batch)[0, len(traj.prompt_ids) - 1:]
+    torch.testing.assert_close(mine, torch.tensor(result.logprobs), atol=1e-4, rtol=0)

@@ -55,6 +55,8 @@ def vl_inputs(model: torch.nn.Module, mb: Any, inputs: dict[str, Any]) -> Iterat
         return
     v = _vision(model)
     ids = inputs["input_ids"]
+    if ids.shape != mb.input_ids.shape:
+        raise ValueError("vision-language rows cannot be packed (training/head.py): call with pack=False")
     positions = torch.zeros((3, *ids.shape), dtype=torch.long)
     stray = torch.zeros(ids.shape, dtype=torch.bool)
     refs = []
