@@ -3,6 +3,7 @@ gradient the vision tower), `freeze: [vision]` keeps the tower still and out of 
 
 from __future__ import annotations
 
+import pytest
 import torch
 from PIL import Image
 
@@ -110,3 +111,19 @@ def test_lora_adapters_reach_the_engine(tmp_path):
     batch = pack([traj], require_reward=False)
     mine = trainer.compute_logprobs(batch)[0, len(traj.prompt_ids) - 1:]
     torch.testing.assert_close(mine, torch.tensor(result.logprobs), atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow
+def test_a_trainer_in_its_own_process_reads_the_runs_images(tmp_path):
+    """`own_process` trainers (training/process.py) use the parent's image store, not the default."""
+    from flowrl_operators.training.process import Child
+    from flowrl_operators.training.trainer import Reference
+
+    rows = trajectories(tmp_path, seeds=(0,))
+    batch = pack(rows, require_reward=False)
+    child = Child(Reference, (MODEL, TrainerConfig()))
+    try:
+        there = child.call("compute_logprobs", batch)
+    finally:
+        child.close()
+    torch.testing.assert_close(there, Reference(MODEL, TrainerConfig()).compute_logprobs(batch), atol=1e-6, rtol=0)
