@@ -127,3 +127,35 @@ def test_a_trainer_in_its_own_process_reads_the_runs_images(tmp_path):
     finally:
         child.close()
     torch.testing.assert_close(there, Reference(MODEL, TrainerConfig()).compute_logprobs(batch), atol=1e-6, rtol=0)
+
+
+def test_an_exported_policy_is_a_vl_checkpoint(tmp_path):
+    """export_hf of a VL policy: the engine and transformers load it, with its image processor."""
+    import asyncio
+
+    from flowrl_operators.engine.base import GenerateRequest, SamplingParams
+    from flowrl_operators.engine.embedded import EmbeddedEngine
+    from flowrl_operators.models import load_hf_model
+
+    trainer = Trainer(MODEL, TrainerConfig())
+    with torch.no_grad():
+        trainer.model.model.visual.patch_embed.proj.weight.mul_(2.0)
+    folder = trainer.export_hf(tmp_path / "export")
+    exported = dict(load_hf_model(folder).named_parameters())
+    assert torch.equal(exported["model.visual.patch_embed.proj.weight"], trainer.model.model.visual.patch_embed.proj.weight)
+    [traj] = trajectories(tmp_path, seeds=(0,))
+
+    async def body():
+        engine = EmbeddedEngine(folder)
+        try:
+            live = dict(engine.named_parameters())
+            result = await engine.generate(GenerateRequest(request_id="r", input_ids=traj.prompt_ids, images=traj.images,
+                                                           sampling=SamplingParams(temperature=0.0, max_new_tokens=4)))
+            return live, result
+        finally:
+            await engine.close()
+
+    live, result = asyncio.run(body())
+    assert result.error is None and result.output_ids
+    assert torch.equal(live["model.visual.patch_embed.proj.weight"], exported["model.visual.patch_embed.proj.weight"])
+    assert vision(folder).image_tokens(traj.images[0]) == 4
