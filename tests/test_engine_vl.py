@@ -105,7 +105,7 @@ def test_alone_equals_among_text_and_image_requests(qwen2_vl, store):
     assert image_prompts[1][0] == image_prompts[0][0]
     # Text prompts sharing a long prefix: the second copies it from the first (prefill.py's rounds).
     text = [(v.prompt([{"role": "user", "content": f"a shared long opening, then {k}"}], [])[0], []) for k in (1, 3)]
-    requests = image_prompts + text
+    requests = image_prompts + text + [image_prompts[2]]  # a GRPO-like twin: computed once, KV copied
 
     async def body():
         engine = EmbeddedEngine(folder, max_slots=8)
@@ -121,7 +121,7 @@ def test_alone_equals_among_text_and_image_requests(qwen2_vl, store):
     alone, together, stats = asyncio.run(body())
     assert together == alone
     assert alone[0] != alone[1]  # the images matter
-    assert stats["prefill_forks"] == 0  # equal ids with other images are not forks
+    assert stats["prefill_forks"] == 1  # only the twin: equal ids with other images are not forks
     assert stats["prefill_shared_tokens"] >= 17  # the text prompts' common opening, copied
 
 
