@@ -45,8 +45,9 @@ PACK_TOKENS = 256
 
 
 # Families whose attention is checked to stop at packed sequences' boundaries (tests/test_training_head.py
-# compares packed against padded rows). Others (sliding windows, multimodal position ids, custom
-# attention) get padded rows until they are checked the same way.
+# compares packed against padded rows; the VL families tests/test_training_vl.py, with their 4-row position
+# ids from training/vl_inputs.py). Others (sliding windows, custom attention) get padded rows until they
+# are checked the same way.
 PACKED_FAMILIES = frozenset({"llama", "qwen2", "qwen2_vl", "qwen2_5_vl"})  # VL: tests/test_training_vl.py
 
 
