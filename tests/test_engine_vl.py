@@ -79,7 +79,10 @@ async def generate(engine, rid, ids, refs, sampling):
     return await engine.generate(GenerateRequest(request_id=rid, input_ids=ids, images=refs, sampling=sampling))
 
 
-@pytest.mark.parametrize("name", ["builtin:tiny-qwen2-vl", "builtin:tiny-qwen2.5-vl"])
+FAMILIES = ["builtin:tiny-qwen2-vl", "builtin:tiny-qwen2.5-vl", "builtin:tiny-qwen3-vl"]
+
+
+@pytest.mark.parametrize("name", FAMILIES)
 def test_greedy_equals_hugging_face_generate(name, store, tmp_path):
     model = noisy_checkpoint(name, tmp_path)
     ids, refs = prompt(tmp_path, store)
@@ -125,7 +128,7 @@ def test_alone_equals_among_text_and_image_requests(qwen2_vl, store):
     assert stats["prefill_shared_tokens"] >= 17  # the text prompts' common opening, copied
 
 
-@pytest.mark.parametrize("name", ["builtin:tiny-qwen2-vl", "builtin:tiny-qwen2.5-vl"])
+@pytest.mark.parametrize("name", FAMILIES)
 def test_behaviour_logprobs_equal_the_trainers(name, store, tmp_path):
     from flowrl_operators.training.batch import pack, response_values
     from flowrl_operators.training.trainer import Reference, TrainerConfig

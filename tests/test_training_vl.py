@@ -161,7 +161,7 @@ def test_an_exported_policy_is_a_vl_checkpoint(tmp_path):
     assert vision(folder).image_tokens(traj.images[0]) == 4
 
 
-@pytest.mark.parametrize("model", [MODEL, "builtin:tiny-qwen2.5-vl"])
+@pytest.mark.parametrize("model", [MODEL, "builtin:tiny-qwen2.5-vl", "builtin:tiny-qwen3-vl"])
 def test_packed_rows_equal_padded_rows(tmp_path, model):
     """Packed VL rows (4-row position ids, images in packed order) give the padded rows' logprobs and
     gradients, with a text-only row and stray image-pad tokens among them."""

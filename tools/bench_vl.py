@@ -113,6 +113,9 @@ def main() -> None:
         work = requests(folder, store, args.requests)
         greedy = SamplingParams(temperature=0.0, max_new_tokens=args.max_new_tokens, ignore_eos=True)
         results, seconds = asyncio.run(serve(folder, work, greedy))
+        errors = [r.error for r in results if r.error]
+        if errors:
+            raise SystemExit(f"{len(errors)} requests failed: {errors[0]}")
         same = sum(r.output_ids == hf_greedy(model, folder, ids, refs, args.max_new_tokens)
                    for (ids, refs), r in zip(work, results, strict=True))
         mean, worst = logprob_gap(folder, work[:4:2])

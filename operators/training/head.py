@@ -48,7 +48,7 @@ PACK_TOKENS = 256
 # compares packed against padded rows; the VL families tests/test_training_vl.py, with their 4-row position
 # ids from training/vl_inputs.py). Others (sliding windows, custom attention) get padded rows until they
 # are checked the same way.
-PACKED_FAMILIES = frozenset({"llama", "qwen2", "qwen2_vl", "qwen2_5_vl"})  # VL: tests/test_training_vl.py
+PACKED_FAMILIES = frozenset({"llama", "qwen2", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"})  # VL: tests/test_training_vl.py
 
 
 def packing_supported(model: torch.nn.Module | None = None) -> bool:

@@ -133,8 +133,9 @@ def _idle_tower(model: torch.nn.Module) -> Iterator[None]:
     def touch(_module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple:
         embeds = kwargs["inputs_embeds"]
         blank = torch.zeros(int(grid.prod()), width, device=embeds.device, dtype=hf.model.visual.dtype)
-        out = hf.model.visual(blank, grid_thw=grid.to(embeds.device)).pooler_output
-        kwargs["inputs_embeds"] = embeds + 0 * out.sum().to(embeds.dtype)
+        out = hf.model.visual(blank, grid_thw=grid.to(embeds.device))
+        used = sum(f.sum() for f in [out.pooler_output, *(getattr(out, "deepstack_features", None) or [])])
+        kwargs["inputs_embeds"] = embeds + 0 * used.to(embeds.dtype)
         return args, kwargs
 
     handle = hf.model.language_model.register_forward_pre_hook(touch, with_kwargs=True)
