@@ -77,7 +77,12 @@ VL_MODELS: dict[str, tuple[str, dict[str, Any], dict[str, Any], dict[str, Any]]]
 
 def spec(name: str) -> dict[str, Any]:
     """What the built-in's fingerprint covers (models.py rebuilds the folder when it changes)."""
-    return {"vl": VL_MODELS[name], "tokens": VISION_TOKENS, "template": VL_CHAT_TEMPLATE}
+    model_type, text, vision, processor = VL_MODELS[name]
+    out = {"vl": (model_type, text, vision), "tokens": VISION_TOKENS, "template": VL_CHAT_TEMPLATE,
+           "pixels": [MIN_PIXELS, MAX_PIXELS]}
+    # The default processor is left out so that the first two built-ins keep their first fingerprint
+    # (caches are shared between checkouts: two fingerprints of one name would rebuild it in turns).
+    return out if processor is PROCESSOR else out | {"processor": processor}
 
 
 def build_vl_model(name: str, folder: Path) -> None:
