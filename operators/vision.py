@@ -22,8 +22,9 @@ image's token count. Image-pad tokens elsewhere (a model may sample the token) a
 they are during decoding, and so are runs after the last image (`spans` is lenient there; the
 engine refuses a prompt whose placeholder runs and images differ in number: `image_runs`).
 
-Supported families: Qwen2-VL and Qwen2.5-VL (`SUPPORTED`), the built-ins `builtin:tiny-qwen2-vl` and
-`builtin:tiny-qwen2.5-vl` and real checkpoints of those families in a local folder.
+Supported families: Qwen2-VL, Qwen2.5-VL and Qwen3-VL (`SUPPORTED`): the built-ins
+`builtin:tiny-qwen2-vl`, `builtin:tiny-qwen2.5-vl`, `builtin:tiny-qwen3-vl`, and real checkpoints of
+those families in a local folder.
 """
 
 from __future__ import annotations

@@ -1,16 +1,19 @@
-"""The embedded engine's vision-language model (Qwen2-VL, Qwen2.5-VL): flowrl's decoder with images.
+"""The embedded engine's vision-language model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): flowrl's decoder with images.
 
 The module tree is Hugging Face's in memory (`model.language_model.layers.0...`, `model.visual...`,
 `lm_head`), so the names a trainer sends are the engine's; checkpoint files name the same tensors
 the older way (`model.layers.0...`, `visual...`) and `live_name` maps them.
 
-- Text decoder: flowrl's own (model.py), the same layers as Qwen2; only the rotary positions differ.
-  They are multimodal (mrope): each token has a temporal, height and width position, and the
-  rotary frequencies are split in `mrope_section` groups that read one of the three each. Text
-  tokens have three equal positions; an image's tokens have their grid's (operators/vision.py).
+- Text decoder: flowrl's own (model.py), the same layers as Qwen2 (Qwen3 for Qwen3-VL); only the
+  rotary positions differ. They are multimodal (mrope): each token has a temporal, height and
+  width position, and each rotary frequency reads one of the three (`rope_axes`: in `mrope_section`
+  groups, or interleaved for Qwen3-VL). Text tokens have three equal positions; an image's tokens
+  have their grid's (operators/vision.py).
 - Vision tower: the checkpoint's own Hugging Face module (`model.visual`), run at prefill on the
   images whose placeholders fall in the block being prefilled; its output replaces the placeholder
-  tokens' embeddings. A prefill after a weight update (retract) runs it again, with the new weights.
+  tokens' embeddings; Qwen3-VL's deepstack features are added to the hidden states at the same
+  positions after the first decoder layers (`after_layer`). A prefill after a weight update
+  (retract) runs the tower again, with the new weights.
 - Positions: prefill reads them from each request's tokens and images (`Vision.positions`); the KV
   cache keeps each slot's `delta` (text after the last image sits at index + delta), so a decode step
   needs only its token's index, and the delta moves with the slot's KV (compaction, forks).

@@ -2,7 +2,7 @@
 
 A batch row's images are `Batch.images[row]` (the trajectory's `images`: the images whose
 placeholders appear in its prompt and response ids, in order). For a VL model (Qwen2-VL,
-Qwen2.5-VL, loaded through `AutoModelForImageTextToText`), `vl_inputs` turns the padded
+Qwen2.5-VL, Qwen3-VL, loaded through `AutoModelForImageTextToText`), `vl_inputs` turns the padded
 micro-batch's model inputs into the family's:
 
 - `pixel_values` / `image_grid_thw`: every row's images, in row order, rebuilt from the run's image
