@@ -7,7 +7,7 @@ weights are perturbed (scale 0.3) so that greedy outputs vary. Every request's t
 against HF `generate` of the same prompt and images (one at a time); the first two image requests
 are then sampled (temperature 1) and their logprobs compared with the trainer's.
 
-    python tools/bench_vl.py [--model builtin:tiny-qwen2.5-vl] [--requests 16] [--max-new-tokens 64]
+    python tools/bench_vl.py [--model builtin:tiny-qwen2.5-vl | builtin:tiny-qwen3-vl] [--requests 16] [--max-new-tokens 64]
 
 The last line of output is one JSON object.
 """
