@@ -70,6 +70,11 @@ def test_images_change_the_logprobs_and_values(tmp_path):
     assert v_a.shape == a.loss_mask.shape and not torch.allclose(v_a, v_b)
 
 
+def test_a_text_model_refuses_trajectories_with_images(tmp_path):
+    with pytest.raises(ValueError, match="carry images but the model .qwen2. is text-only"):
+        Trainer("builtin:tiny-qwen2", TrainerConfig()).compute_logprobs(pack(trajectories(tmp_path), require_reward=False))
+
+
 def test_freeze_vision_is_checked_against_the_model():
     assert tuning.check(MODEL, ["vision"], None) == []
     problems = tuning.check("builtin:tiny-qwen2", ["vision"], None)

@@ -55,10 +55,13 @@ def vl_inputs(model: torch.nn.Module, mb: Any, inputs: dict[str, Any],
     `inputs` are the padded rows, or with `packed` = (packed row, offset) of each of mb's rows the
     packed ones (training/head.py `pack_rows`): then position_ids get 4 rows, the text positions
     first, from which transformers finds the packed sequences' boundaries."""
+    images = getattr(mb, "images", None) or [[] for _ in range(mb.size)]
     if not is_vl_model(model):
+        if any(images):
+            raise ValueError(f"trajectories carry images but the model ({getattr(model.config, 'model_type', '?')}) "
+                             "is text-only; images need a vision-language model such as builtin:tiny-qwen2-vl")
         yield inputs
         return
-    images = getattr(mb, "images", None) or [[] for _ in range(mb.size)]
     with contextlib.ExitStack() as stack:
         if not any(images):
             stack.enter_context(_idle_tower(model))
