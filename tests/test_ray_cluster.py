@@ -218,3 +218,80 @@ def test_placement_check_refuses_what_the_alive_nodes_cannot_hold():
     for resources, message in refused.values():
         with pytest.raises(PlacementError, match=message):
             check(resources, nodes)
+
+
+QUICKSTART_ON_THREE_NODES = [
+    # A few steps of each phase of the shipped file, overridden at run time (the file is unchanged).
+    "phases.0.steps=2", "phases.1.steps=3", "phases.1.seconds=null", "data.batch_size=4",
+    "nodes.rollout.group_size=4", "data.eval.every=3", "data.eval.samples=4", "cluster.cpus=3",
+    # Generate on the head; the two FSDP2 ranks one on each worker (labelled flowrl_pool=workers).
+    "nodes.rollout.resources={cpus: 0.5, labels: {flowrl_pool: '!workers'}}",
+    "nodes.learner.resources={cpus: 0.5, replicas: 2, labels: {flowrl_pool: workers}, placement: strict_spread}",
+    "nodes.learner.own_process=null",  # each rank is a Ray actor process already
+]
+
+
+@pytest.mark.slow
+def test_quickstart_async_on_three_nodes_generate_apart_from_two_train_ranks(ray_nodes, tmp_path):
+    out = tmp_path / "run"
+    assert main(["run", str(ROOT / "pipelines/quickstart_async.yaml"), *QUICKSTART_ON_THREE_NODES,
+                 f"run.ray_address={ray_nodes.address}", "--executor", "ray", "--run-dir", str(out), "--quiet"]) == 0
+    for phase, steps in (("0-warmup", 2), ("1-grpo", 3)):
+        where = out / "phases" / phase
+        report = ledger.check(where)
+        assert report.ended and report.clean and report.produced > 0, report.problems  # none lost or twice
+        record = json.loads((where / "placement.json").read_text())
+        assert record["attached"] is True and record["ray_nodes"] == 3
+        rollout, ranks = record["nodes"]["rollout"], record["nodes"]["learner"]
+        assert len(rollout) == 1 and "flowrl_node" not in rollout[0]["labels"]  # the head
+        assert sorted(r["labels"]["flowrl_node"] for r in ranks) == ["a", "b"]  # one rank per worker
+        assert rollout[0]["ray_node"] not in {r["ray_node"] for r in ranks}
+        rows = [json.loads(line) for line in (where / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in rows] == list(range(steps))
+        assert all(r["coordinator_weight_bytes"] == 0 and r["train"]["grad_norm"] > 0 for r in rows)
+    assert ray_nodes.alive_nodes() == 3
+
+
+@pytest.mark.slow
+def test_a_killed_train_rank_restarts_the_run_from_its_checkpoint_losing_nothing(ray_nodes, tmp_path):
+    # The real pipeline with a two-rank FSDP2 train node, one rank per worker; rank 1's actor
+    # process is killed with SIGKILL after the first checkpoint (version 2).
+    import os
+    import signal
+
+    spec = (ROOT / "tests/specs/good/base.yaml").read_text().replace(
+        "    op: train\n", "    op: train\n    resources: {cpus: 0.5, replicas: 2, placement: strict_spread}\n"
+    ).replace("cluster: {cpus: 2}", f"cluster: {{cpus: 3}}\nrun: {{steps: 12, checkpoint_every: 2, "
+              f"executor: ray, ray_address: '{ray_nodes.address}'}}")
+    (tmp_path / "p.yaml").write_text(spec)
+    out, killed, finished = tmp_path / "run", [], threading.Event()
+
+    def kill_rank_1() -> None:
+        while not finished.is_set():
+            if (out / "checkpoints" / "latest").exists():
+                pid = json.loads((out / "placement.json").read_text())["nodes"]["learner"][1]["pid"]
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+                return
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=kill_rank_1)
+    thread.start()
+    try:
+        result = run(compile_file(str(tmp_path / "p.yaml")).plan, out, progress=False)
+    finally:
+        finished.set()
+        thread.join()
+    assert killed, "the run ended before a checkpoint was written"
+    assert result.status == "done" and result.steps == 12 and result.restarts == 1
+    report = ledger.check(out)
+    assert report.ended and report.clean, report.problems  # every sample consumed once, none lost
+    events = ledger.read(out)
+    assert sum(e["event"] == "resume" for e in events) == 1
+    issued = [e["id"] for e in events if e["event"] == "consume" and e["edge"] == "data -> rollout"]
+    assert len(issued) == len(set(issued)) == 12 * 4  # each of 12 steps' 4 samples generated once
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(12))  # each step's row once, cut back to the checkpoint
+    ranks = json.loads((out / "placement.json").read_text())["nodes"]["learner"]
+    assert killed[0] not in {r["pid"] for r in ranks} and len({r["ray_node"] for r in ranks}) == 2
+    assert ray_nodes.alive_nodes() == 3

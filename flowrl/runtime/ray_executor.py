@@ -51,6 +51,9 @@ class RayExecutor:
         self.tasks: dict[asyncio.Task, tuple[str, int]] = {}
         self.pgs: dict[str, Any] = {}  # node -> its placement group
         self.max_restarts = int(plan.run.get("max_restarts", 3))
+        # (node, replica) of a train actor whose process died on a machine still up: run.py then
+        # restarts the run from its last checkpoint.
+        self.lost_train: tuple[str, int] | None = None
 
     async def start(self, steps: int, stop_at: int | None, state: bytes | None, checkpoint: Path | None) -> None:
         if not ray.is_initialized():
@@ -107,14 +110,23 @@ class RayExecutor:
                 await asyncio.sleep(0.2)
                 starting = True
             except RayActorError as e:
-                if (await self.call("status"))["stopping"]:
+                stopping, kind = (await self.call("status"))["stopping"], self.plan.nodes[name].kind
+                if kind == "train" and stopping in (None, "error") and self._machine_alive(key):
+                    self.lost_train = (name, replica)  # its process died, not its machine
+                if stopping:  # e.g. its group's other rank failed first, on losing it
                     return None
-                if self.plan.nodes[name].kind != "generate" or restarts >= self.max_restarts:
+                if kind != "generate" or restarts >= self.max_restarts:
                     message = f"node '{name}' (replica {replica}): its actor died ({restarts} restarts):\n{e}"
                     await self.call("fail", name, replica, message)
                     return message
                 restarts += 1
                 starting = True
+
+    def _machine_alive(self, key: tuple[str, int]) -> bool:
+        """Whether the Ray node a dead actor ran on is still up (Ray marks a lost machine dead
+        before it reports the death of the actors it hosted)."""
+        node_id = self.where.get(key, {}).get("node_id")
+        return any(n["NodeID"] == node_id and n.get("Alive") for n in ray.nodes())
 
     async def call(self, method: str, *args: Any) -> Any:
         return await self.coord.request.remote(method, *args)
