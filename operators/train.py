@@ -298,10 +298,17 @@ class Train(Operator):
         return TrainResult(policy=await self._call("policy"))
 
     def save(self, path: Path) -> None:
-        self._call_now("save", str(path / "trainer"))
+        self._call_now("save", self._trainer_dir(path))
 
     def load(self, path: Path) -> None:
-        self._call_now("load", str(path / "trainer"))
+        self._call_now("load", self._trainer_dir(path))
+
+    def _trainer_dir(self, path: Path) -> str:
+        """The ranks of a group write one collective checkpoint (training/checkpoint.py): all into
+        rank 0's folder of the run's checkpoint (`<node>/r0/trainer`), which rank 0 renames into place."""
+        if self.context.world_size > 1:
+            path = path.parent / "r0"
+        return str(path / "trainer")
 
     def state_dict(self) -> dict[str, Any]:
         return {"steps_done": self.steps_done}

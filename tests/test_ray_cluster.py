@@ -16,9 +16,9 @@ import runtime_ops as ops
 from flowrl.cli import main
 from flowrl.graph.compile import compile_file
 from flowrl.graph.render import resources_label
-from flowrl.runtime import ledger
+from flowrl.runtime import checkpoints, ledger
 from flowrl.runtime.ray_placement import PlacementError
-from flowrl.runtime.run import run
+from flowrl.runtime.run import StageFailed, run
 
 ROOT = Path(__file__).resolve().parents[1]
 ray = pytest.importorskip("ray")
@@ -295,3 +295,44 @@ def test_a_killed_train_rank_restarts_the_run_from_its_checkpoint_losing_nothing
     ranks = json.loads((out / "placement.json").read_text())["nodes"]["learner"]
     assert killed[0] not in {r["pid"] for r in ranks} and len({r["ray_node"] for r in ranks}) == 2
     assert ray_nodes.alive_nodes() == 3
+
+
+@pytest.mark.slow
+def test_out_of_restarts_a_killed_trainer_fails_cleanly_and_resume_completes(ray_nodes, tmp_path):
+    # run.max_restarts: 0: the run stops with a message naming the dead stage, its checkpoint
+    # intact; a resume finishes it with every sample trained once.
+    import os
+    import signal
+
+    plan = ops.grpo("sync", steps=12, batch_size=2, train={"delay": 0.2})
+    plan.run.update(executor="ray", ray_address=ray_nodes.address, checkpoint_every=2, max_restarts=0)
+    killed, finished = [], threading.Event()
+
+    def kill_trainer() -> None:
+        while not finished.is_set():
+            if (tmp_path / "checkpoints" / "latest").exists():
+                killed.append(json.loads((tmp_path / "placement.json").read_text())["nodes"]["learner"][0]["pid"])
+                os.kill(killed[0], signal.SIGKILL)
+                return
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=kill_trainer)
+    thread.start()
+    try:
+        with pytest.raises(StageFailed, match=r"node 'learner' \(replica 0\): its train actor's process died; "
+                                              r"restarted 0 times \(run.max_restarts\).*intact.*--resume"):
+            run(plan, tmp_path, progress=False)
+    finally:
+        finished.set()
+        thread.join()
+    assert killed and checkpoints.latest(tmp_path) is not None
+    assert not ledger.check(tmp_path).ended  # not closed: the run is to be resumed
+    result = run(plan, tmp_path, resume=True, progress=False)
+    assert result.status == "done" and result.steps == 12 and result.restarts == 0
+    report = ledger.check(tmp_path)
+    assert report.ended and report.clean, report.problems
+    last = {}  # step -> the ids its surviving (last) training took; steps redone after the kill count once
+    for line in (tmp_path / "train-learner.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        last[row["step"]] = row["ids"]
+    assert sorted(i for ids in last.values() for i in ids) == sorted(f"{s}:{i}" for s in range(12) for i in range(2))

@@ -7,8 +7,10 @@ resources and labels, and its `placement` strategy; where each replica went is w
 placement.json. A generate actor
 that dies is restarted by Ray (`plan.run["max_restarts"]`, default 3); on restart it attaches to
 the coordinator again, which re-issues the samples the dead actor had in flight (ledger
-`reissue`), and it receives the latest weights before new work. Any other actor's death, or a
-generate actor out of restarts, stops the run like an operator exception.
+`reissue`), and it receives the latest weights before new work. A train actor whose process dies
+while its machine stays up (kill -9, out of memory) stops the run, and run.py restarts the whole
+run from its last checkpoint (`lost_train`; the train group's other ranks cannot go on without it).
+Any other actor's death, or a generate actor out of restarts, stops the run like an operator exception.
 
 A node with `resources.replicas: N > 1` gets N actors. Each gets the environment of
 torch.distributed's `env://` rendezvous (MASTER_ADDR and MASTER_PORT at replica 0's host, RANK,
