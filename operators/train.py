@@ -251,7 +251,10 @@ class Train(Operator):
         config = trainer_config(c.optim, c.micro_batch_tokens, c.max_nonfinite_steps, horizon, self.context.seed,
                                 gradient_checkpointing=c.gradient_checkpointing, freeze=list(c.freeze), lora=c.lora)
         in_process = c.own_process is None
-        args = (c.engine, self.context.model["path"], config, loss, advantage, c.epochs, in_process,
+        # Under Ray the stage puts the policy into the object store (its one copy) before the next
+        # step can change the weights (ray_stage.py): the Learner need not copy it first.
+        copy = in_process and self.context.executor != "ray"
+        args = (c.engine, self.context.model["path"], config, loss, advantage, c.epochs, copy,
                 in_process and self.context.executor == "inprocess")
         if c.own_process is not None:
             self.child = await asyncio.to_thread(Child, Learner, args, threads=c.own_process.threads,

@@ -171,6 +171,10 @@ def main() -> None:
     parser.add_argument("--ray-path", action="store_true",
                         help="instead: a version from a train actor to engine actors on other nodes of a loopback "
                              "multi-node Ray cluster, as under executor: ray, against raw gloo (tools/ray_weight_path.py)")
+    parser.add_argument("--engines", type=int, default=2, choices=(1, 2),
+                        help="--ray-path: engine actors (on worker b, then on the head)")
+    parser.add_argument("--transport", default="auto", choices=("auto", "broadcast"),
+                        help="--ray-path: the sync node's transport (auto: the Ray object store)")
     args = parser.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -188,7 +192,7 @@ def main() -> None:
 
         del weights  # the actors build their own
         result = {"model_mb": round(mb, 1), "bucket_mb": args.bucket_mb,
-                  **run_ray_path(args.layers, args.bucket_mb, args.repeats, total)}
+                  **run_ray_path(args.layers, args.bucket_mb, args.repeats, total, args.engines, args.transport)}
         print(f"Ray path / raw gloo broadcast: {result['ray_vs_gloo']:.2f} (target >= 0.5); weight bytes through "
               f"the coordinator: {result['coordinator_weight_bytes']} (target 0)")
         print(json.dumps(result))

@@ -53,7 +53,9 @@ class TrainEnd:
     async def publish(self) -> list:
         from flowrl.runtime.ray_stage import _by_reference
 
-        return [await _by_reference(self.policy, 0)]  # in a list: Ray hands back the ref, not its value
+        start = time.perf_counter()
+        ref = await _by_reference(self.policy, 0)
+        return [ref, time.perf_counter() - start]  # in a list: Ray hands back the ref, not its value
 
     def checksum(self) -> float:
         return float(sum(t.double().sum() for t in self.weights.values()))
@@ -63,16 +65,20 @@ class TrainEnd:
 class SyncEnd:
     """The sync stage's process: the real sync operator, fed the way the stage proxy feeds it."""
 
-    def __init__(self, bucket_mb: float) -> None:
+    def __init__(self, bucket_mb: float, transport: str, engines: int) -> None:
         from flowrl.operator import OperatorContext
         from flowrl_operators.config import SyncConfig
         from flowrl_operators.sync import Sync
 
         torch.set_num_threads(1)
-        self.op = Sync(SyncConfig(transport="auto", bucket_mb=bucket_mb), OperatorContext(node="publish"))
+        config = SyncConfig(transport=transport, bucket_mb=bucket_mb, receivers=engines,
+                            address=ray.util.get_node_ip_address())
+        self.op = Sync(config, OperatorContext(node="publish"))
 
     async def sync(self, ref: list, version: int) -> Any:
-        policy = await ref[0]  # as RemoteCoordinator.take resolves a policy record
+        from flowrl.runtime.ray_stage import from_store
+
+        policy = await from_store(ref[0])  # as RemoteCoordinator.take resolves a policy record
         return await self.op.sync(policy, version=version)
 
 
@@ -87,10 +93,13 @@ class EngineEnd:
         torch.set_num_threads(1)
         self.live = LiveBuffers(model_weights(layers, seed=1))
 
-    async def apply(self, record: Any, version: int) -> float:
+    async def apply(self, record: Any, version: int, replica: int) -> int:
         from flowrl_operators.transport import apply
 
-        await apply(self.live, record, version)
+        await apply(self.live, record, version, replica=replica)
+        return self.live.version
+
+    def checksum(self) -> float:
         return float(sum(t.double().sum() for t in self.live.live.values()))
 
 
@@ -124,55 +133,64 @@ class GlooEnd:
         return time.perf_counter() - start
 
 
-def measure(layers: int, bucket_mb: float, repeats: int, total: int) -> dict[str, Any]:
+def measure(layers: int, bucket_mb: float, repeats: int, total: int, engines: int, transport: str) -> dict[str, Any]:
     """Interleaved rounds of the Ray path and the raw gloo broadcast on the connected cluster."""
     from flowrl.runtime.observe import tensor_bytes
 
     train = TrainEnd.options(**on("a")).remote(layers, bucket_mb)
-    sync = SyncEnd.options(**on("a")).remote(bucket_mb)
-    engines = [EngineEnd.options(**on(w)).remote(layers) for w in ("b", None)]
+    sync = SyncEnd.options(**on("a")).remote(bucket_mb, transport, engines)
+    engines = [EngineEnd.options(**on(w)).remote(layers) for w in ("b", None)[:engines]]
     chunk = int(bucket_mb * 2**20)
     sender, receiver = GlooEnd.options(**on("a")).remote(0, chunk), GlooEnd.options(**on("b")).remote(1, chunk)
     group = ray.get(receiver.group.remote())
     expected = ray.get(train.checksum.remote())
-    times: dict[str, list[float]] = {"ray": [], "gloo": []}
+    times: dict[str, list[float]] = {"ray": [], "gloo": [], "publish": [], "put": [], "sync": [], "engines": []}
     coordinator_bytes = 0
     for version in range(1, repeats + 2):  # version 1 warms up (connections, pages)
         start = time.perf_counter()
-        ref = ray.get(train.publish.remote())
+        *ref, put_s = ray.get(train.publish.remote())
         coordinator_bytes += tensor_bytes(ref)  # what the coordinator would hold: a ref, 0 bytes
-        record = sync.sync.remote(ref, version)
-        sums = ray.get([e.apply.remote(record, version) for e in engines])
+        published = time.perf_counter()
+        record = ray.get(sync.sync.remote(ref, version))  # the weights record: refs and names, small
+        synced = time.perf_counter()
+        held = ray.get([e.apply.remote(record, version, i) for i, e in enumerate(engines)])
         ray_s = time.perf_counter() - start
-        if any(abs(s - expected) > 1e-6 * abs(expected) for s in sums):
+        sums = ray.get([e.checksum.remote() for e in engines])
+        parts = {"publish": published - start, "put": put_s, "sync": synced - published, "engines": start + ray_s - synced}
+        if held != [version] * len(engines) or any(abs(s - expected) > 1e-6 * abs(expected) for s in sums):
             sys.exit(f"version {version}: an engine's weights differ from the trainer's")
         gloo_s = ray.get([sender.round.remote(group, total), receiver.round.remote(group, total)])[1]
         if version > 1:
-            times["ray"].append(ray_s)
-            times["gloo"].append(gloo_s)
+            for name, seconds in {"ray": ray_s, "gloo": gloo_s, **parts}.items():
+                times[name].append(seconds)
     return {"times": times, "coordinator_weight_bytes": coordinator_bytes}
 
 
-def summary(times: dict[str, list[float]], total: int) -> dict[str, float]:
-    rates = {k: total / min(v) / 1e9 for k, v in times.items()}
-    for name, label in (("ray", "Ray path: train -> sync -> 2 engines"), ("gloo", "raw gloo broadcast, 2 processes")):
+def summary(times: dict[str, list[float]], total: int, engines: int) -> dict[str, float]:
+    rates = {k: total / min(times[k]) / 1e9 for k in ("ray", "gloo")}
+    for name, label in (("ray", f"Ray path: train -> sync -> {engines} engine(s)"),
+                        ("gloo", "raw gloo broadcast, 2 processes")):
         print(f"{label:38s} {rates[name]:7.2f} GB/s   best {min(times[name]) * 1e3:8.1f} ms   "
               f"median {statistics.median(times[name]) * 1e3:8.1f} ms", flush=True)
+    print("  Ray path, median ms: " + ", ".join(f"{k} {statistics.median(times[k]) * 1e3:.0f}"
+                                                for k in ("publish", "put", "sync", "engines")), flush=True)
     return rates
 
 
-def run_ray_path(layers: int, bucket_mb: float, repeats: int, total: int) -> dict[str, Any]:
+def run_ray_path(layers: int, bucket_mb: float, repeats: int, total: int, engines: int = 2,
+                 transport: str = "auto") -> dict[str, Any]:
     """Start a head and workers a, b on 127.0.0.1 (tests/ray_cluster.py), measure, stop them."""
     sys.path.insert(0, str(ROOT / "tests"))
     from ray_cluster import LocalCluster
 
     # Each store holds a version or two: the trainer's put and the sync's buckets share node a's.
-    cluster = LocalCluster({"a": 1, "b": 1}, store_bytes=int(max(3 * total, 512 * 2**20))).start()
+    cluster = LocalCluster({"a": 1, "b": 1}, store_bytes=int(max(6 * total, 512 * 2**20))).start()
     try:
         ray.init(address=cluster.address, log_to_driver=False)
-        measured = measure(layers, bucket_mb, repeats, total)
-        rates = summary(measured["times"], total)
-        return {"gbps": {k: round(v, 3) for k, v in rates.items()}, "ray_vs_gloo": round(rates["ray"] / rates["gloo"], 3),
+        measured = measure(layers, bucket_mb, repeats, total, engines, transport)
+        rates = summary(measured["times"], total, engines)
+        return {"engines": engines, "transport": transport, "ms_median": {k: round(statistics.median(v) * 1e3, 1) for k, v in measured["times"].items()},
+                "gbps": {k: round(v, 3) for k, v in rates.items()}, "ray_vs_gloo": round(rates["ray"] / rates["gloo"], 3),
                 "coordinator_weight_bytes": measured["coordinator_weight_bytes"]}
     finally:
         ray.shutdown()
