@@ -349,3 +349,31 @@ def test_out_of_restarts_a_killed_trainer_fails_cleanly_and_resume_completes(ray
         row = json.loads(line)
         last[row["step"]] = row["ids"]
     assert sorted(i for ids in last.values() for i in ids) == sorted(f"{s}:{i}" for s in range(12) for i in range(2))
+
+
+@pytest.mark.slow
+def test_two_engines_of_one_generate_node_on_two_nodes_share_the_work_and_every_version(ray_nodes, tmp_path):
+    # The real pipeline; the generate node has two replicas (two embedded engines), one per
+    # worker; everything else on the head.
+    head = "resources: {cpus: 0.25, labels: {flowrl_pool: '!workers'}}"
+    spec = (ROOT / "tests/specs/good/base.yaml").read_text().replace(
+        "    op: generate\n", "    op: generate\n    resources: {cpus: 0.5, replicas: 2, labels: {flowrl_pool: workers}, "
+        "placement: strict_spread}\n").replace("    op: train\n", f"    op: train\n    {head}\n").replace(
+        "    op: reward\n", f"    op: reward\n    {head}\n").replace("    op: sync\n", f"    op: sync\n    {head}\n"
+    ).replace("cluster: {cpus: 2}", f"cluster: {{cpus: 3}}\nrun: {{steps: 3, executor: ray, ray_address: '{ray_nodes.address}'}}"
+              ).replace("batch_size: 4", "batch_size: 6")
+    (tmp_path / "p.yaml").write_text(spec)
+    out = tmp_path / "run"
+    assert run(compile_file(str(tmp_path / "p.yaml")).plan, out, progress=False).status == "done"
+    engines = json.loads((out / "placement.json").read_text())["nodes"]["rollout"]
+    assert sorted(e["labels"]["flowrl_node"] for e in engines) == ["a", "b"]
+    report = ledger.check(out)
+    assert report.ended and report.clean, report.problems
+    events = ledger.read(out)
+    issued = [e for e in events if e["event"] == "issue"]
+    assert sorted(e["id"] for e in issued) == sorted(f"{s}:{i}" for s in range(3) for i in range(6))  # each once
+    for step in range(3):  # balanced by load: both engines take part in every step
+        assert {e["replica"] for e in issued if e["step"] == step} == {0, 1}
+    assert 6 <= sum(e["replica"] for e in issued) <= 12  # engine 1's share of 18 groups: a third to two thirds
+    loaded = {e["id"] for e in events if e["event"] == "consume" and e.get("weights")}
+    assert {f"v{v}@{r}" for v in (1, 2) for r in (0, 1)} <= loaded  # every version reached both engines
