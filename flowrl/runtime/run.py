@@ -66,8 +66,10 @@ def run(plan: Plan, run_dir: Path | str | None = None, executor: str | None = No
             result = asyncio.run(_run(plan, run_dir, executor, resume or restarts > 0, progress, max_steps))
         except TrainerLost as e:
             if restarts >= int(plan.run.get("max_restarts", 3)):
-                raise TrainerLost(f"{e}; restarted {restarts} times (run.max_restarts); the checkpoint in "
-                                  f"{run_dir} is intact: `flowrl run --resume` continues from it") from None
+                saved = checkpoints.latest(run_dir)  # type: ignore[arg-type] - TrainerLost needs a run_dir
+                where = (f"its checkpoint {saved} is intact: `flowrl run --resume` continues from it" if saved
+                         else "no checkpoint was written yet: `flowrl run --resume` starts it again")
+                raise TrainerLost(f"{e}; restarted {restarts} times (run.max_restarts); {where}") from None
             restarts += 1
             print(f"flowrl: {e}; restarting the run from its last checkpoint ({restarts} of "
                   f"{plan.run.get('max_restarts', 3)})", file=sys.stderr, flush=True)
