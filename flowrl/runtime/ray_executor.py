@@ -121,6 +121,8 @@ class RayExecutor:
                     message = f"node '{name}' (replica {replica}): its actor died ({restarts} restarts):\n{e}"
                     await self.call("fail", name, replica, message)
                     return message
+                # Its samples go back now, and the node's other engines stop leaving it a share.
+                await self.call("attach", name, replica, -1)
                 restarts += 1
                 starting = True
 

@@ -48,7 +48,10 @@ class Samples(Role):
                             for n, f in facts.nodes.items()}
 
     def attach(self, node: str, replica: int, version: int) -> None:
-        self.loaded[(node, replica)] = version
+        if version < 0:  # it died (Ray restarts it): no share of new work until it attaches again
+            self.loaded.pop((node, replica), None)
+        else:
+            self.loaded[(node, replica)] = version
 
     def take(self, node: str, replica: int) -> Work | None:
         edge = self.weights_in[node]
