@@ -251,7 +251,10 @@ class Train(Operator):
         config = trainer_config(c.optim, c.micro_batch_tokens, c.max_nonfinite_steps, horizon, self.context.seed,
                                 gradient_checkpointing=c.gradient_checkpointing, freeze=list(c.freeze), lora=c.lora)
         in_process = c.own_process is None
-        args = (c.engine, self.context.model["path"], config, loss, advantage, c.epochs, in_process,
+        # Under Ray the stage puts the policy into the object store (its one copy) before the next
+        # step can change the weights (ray_stage.py): the Learner need not copy it first.
+        copy = in_process and self.context.executor != "ray"
+        args = (c.engine, self.context.model["path"], config, loss, advantage, c.epochs, copy,
                 in_process and self.context.executor == "inprocess")
         if c.own_process is not None:
             self.child = await asyncio.to_thread(Child, Learner, args, threads=c.own_process.threads,
@@ -298,10 +301,17 @@ class Train(Operator):
         return TrainResult(policy=await self._call("policy"))
 
     def save(self, path: Path) -> None:
-        self._call_now("save", str(path / "trainer"))
+        self._call_now("save", self._trainer_dir(path))
 
     def load(self, path: Path) -> None:
-        self._call_now("load", str(path / "trainer"))
+        self._call_now("load", self._trainer_dir(path))
+
+    def _trainer_dir(self, path: Path) -> str:
+        """The ranks of a group write one collective checkpoint (training/checkpoint.py): all into
+        rank 0's folder of the run's checkpoint (`<node>/r0/trainer`), which rank 0 renames into place."""
+        if self.context.world_size > 1:
+            path = path.parent / "r0"
+        return str(path / "trainer")
 
     def state_dict(self) -> dict[str, Any]:
         return {"steps_done": self.steps_done}

@@ -23,15 +23,16 @@ from pathlib import Path
 
 OBJECT_STORE_BYTES = 100 * 2**20
 RAY = str(Path(sys.executable).with_name("ray"))
-COMMON = ["--node-ip-address", "127.0.0.1", "--object-store-memory", str(OBJECT_STORE_BYTES), "--block",
-          "--disable-usage-stats"]
+COMMON = ["--node-ip-address", "127.0.0.1", "--block", "--disable-usage-stats"]
 
 
 class LocalCluster:
-    def __init__(self, workers: dict[str, int], head_cpus: int = 1) -> None:
+    def __init__(self, workers: dict[str, int], head_cpus: int = 1, store_bytes: int = OBJECT_STORE_BYTES) -> None:
         """workers: name -> CPUs. Worker `x` offers the custom resource `flowrl_node_x` (1 unit)
-        and carries the labels `flowrl_node=x` and `flowrl_pool=workers` (the head carries none)."""
+        and carries the labels `flowrl_node=x` and `flowrl_pool=workers` (the head carries none).
+        store_bytes: each node's object store."""
         self.workers, self.head_cpus = workers, head_cpus
+        self.common = [*COMMON, "--object-store-memory", str(store_bytes)]
         # Ray's socket paths must stay short: a directory of its own under /tmp, not pytest's tmp_path.
         self.temp = tempfile.mkdtemp(prefix="flowrl-ray-")
         self.address = f"127.0.0.1:{_free_port()}"
@@ -42,7 +43,7 @@ class LocalCluster:
         port = self.address.split(":")[1]
         deadline = time.time() + timeout
         self._spawn([RAY, "start", "--head", "--port", port, "--num-cpus", str(self.head_cpus),
-                     "--include-dashboard", "false", "--temp-dir", self.temp, *COMMON], "head")
+                     "--include-dashboard", "false", "--temp-dir", self.temp, *self.common], "head")
         self._wait(1, deadline)
         for name in self.workers:
             self._start_worker(name, deadline)
@@ -55,7 +56,7 @@ class LocalCluster:
         for _ in range(3):
             self._spawn([RAY, "start", "--address", self.address, "--num-cpus", str(self.workers[name]),
                          "--resources", json.dumps({f"flowrl_node_{name}": 1}), "--labels",
-                         f"flowrl_node={name},flowrl_pool=workers", *COMMON], name)
+                         f"flowrl_node={name},flowrl_pool=workers", *self.common], name)
             if self._wait(nodes, deadline):
                 self.live[name] = self.sessions[-1]
                 return

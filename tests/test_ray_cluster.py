@@ -16,9 +16,9 @@ import runtime_ops as ops
 from flowrl.cli import main
 from flowrl.graph.compile import compile_file
 from flowrl.graph.render import resources_label
-from flowrl.runtime import ledger
+from flowrl.runtime import checkpoints, ledger
 from flowrl.runtime.ray_placement import PlacementError
-from flowrl.runtime.run import run
+from flowrl.runtime.run import StageFailed, run
 
 ROOT = Path(__file__).resolve().parents[1]
 ray = pytest.importorskip("ray")
@@ -184,16 +184,29 @@ def test_a_lost_machine_moves_the_generate_stage_to_another_node(ray_nodes, tmp_
     assert sorted(trained) == sorted(f"{s}:{i}" for s in range(30) for i in range(2))  # none lost, none twice
 
 
-def test_a_policy_goes_to_the_object_store_as_it_is_on_the_cpu():
+def test_a_policy_goes_to_the_object_store_as_byte_arrays_of_its_own_memory():
+    import pickle
+
     import torch
 
-    from flowrl.runtime.ray_stage import on_host
+    from flowrl.runtime.ray_stage import HostBytes, _unpack, to_store
+    from flowrl_operators.transport import Snapshot
 
-    weights = torch.arange(4.0)
-    policy = [[("w", weights)], {"version": 3, "extra": (weights,)}]
-    moved = on_host(policy)
-    assert isinstance(moved[0], list) and isinstance(moved[0][0], tuple) and isinstance(moved[1]["extra"], tuple)
-    assert moved[0][0][1] is weights and moved[1]["version"] == 3  # host tensors are not copied
+    weights, half = torch.arange(6.0).reshape(2, 3), torch.tensor([1.5, -2.0], dtype=torch.bfloat16)
+    policy = [Snapshot([[("w", weights), ("h", half)]]), {"version": 3, "extra": (weights,)}]
+    stored = to_store(policy)
+    assert isinstance(stored[0], Snapshot) and isinstance(stored[1]["extra"], tuple) and stored[1]["version"] == 3
+    packed = stored[0][0][0][1]
+    assert isinstance(packed, HostBytes) and packed.array.ctypes.data == weights.data_ptr()  # not copied
+    # Ray's pickling takes numpy arrays out of band (a reader maps them); back, they are the tensors.
+    buffers = []
+    blob = pickle.dumps(stored, protocol=5, buffer_callback=buffers.append)
+    assert len(buffers) == 3 and len(blob) < 1000
+    back = _unpack(pickle.loads(blob, buffers=buffers))
+    assert isinstance(back[0], Snapshot) and back[1]["version"] == 3
+    (name, w), (_, h) = back[0][0]
+    assert name == "w" and torch.equal(w, weights) and h.dtype == torch.bfloat16 and torch.equal(h, half)
+    assert torch.equal(back[1]["extra"][0], weights)
 
 
 def test_placement_check_refuses_what_the_alive_nodes_cannot_hold():
@@ -218,3 +231,149 @@ def test_placement_check_refuses_what_the_alive_nodes_cannot_hold():
     for resources, message in refused.values():
         with pytest.raises(PlacementError, match=message):
             check(resources, nodes)
+
+
+QUICKSTART_ON_THREE_NODES = [
+    # A few steps of each phase of the shipped file, overridden at run time (the file is unchanged).
+    "phases.0.steps=2", "phases.1.steps=3", "phases.1.seconds=null", "data.batch_size=4",
+    "nodes.rollout.group_size=4", "data.eval.every=3", "data.eval.samples=4", "cluster.cpus=3",
+    # Generate on the head; the two FSDP2 ranks one on each worker (labelled flowrl_pool=workers).
+    "nodes.rollout.resources={cpus: 0.5, labels: {flowrl_pool: '!workers'}}",
+    "nodes.learner.resources={cpus: 0.5, replicas: 2, labels: {flowrl_pool: workers}, placement: strict_spread}",
+    "nodes.learner.own_process=null",  # each rank is a Ray actor process already
+]
+
+
+@pytest.mark.slow
+def test_quickstart_async_on_three_nodes_generate_apart_from_two_train_ranks(ray_nodes, tmp_path):
+    out = tmp_path / "run"
+    assert main(["run", str(ROOT / "pipelines/quickstart_async.yaml"), *QUICKSTART_ON_THREE_NODES,
+                 f"run.ray_address={ray_nodes.address}", "--executor", "ray", "--run-dir", str(out), "--quiet"]) == 0
+    for phase, steps in (("0-warmup", 2), ("1-grpo", 3)):
+        where = out / "phases" / phase
+        report = ledger.check(where)
+        assert report.ended and report.clean and report.produced > 0, report.problems  # none lost or twice
+        record = json.loads((where / "placement.json").read_text())
+        assert record["attached"] is True and record["ray_nodes"] == 3
+        rollout, ranks = record["nodes"]["rollout"], record["nodes"]["learner"]
+        assert len(rollout) == 1 and "flowrl_node" not in rollout[0]["labels"]  # the head
+        assert sorted(r["labels"]["flowrl_node"] for r in ranks) == ["a", "b"]  # one rank per worker
+        assert rollout[0]["ray_node"] not in {r["ray_node"] for r in ranks}
+        rows = [json.loads(line) for line in (where / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in rows] == list(range(steps))
+        assert all(r["coordinator_weight_bytes"] == 0 and r["train"]["grad_norm"] > 0 for r in rows)
+    assert ray_nodes.alive_nodes() == 3
+
+
+@pytest.mark.slow
+def test_a_killed_train_rank_restarts_the_run_from_its_checkpoint_losing_nothing(ray_nodes, tmp_path):
+    # The real pipeline with a two-rank FSDP2 train node, one rank per worker; rank 1's actor
+    # process is killed with SIGKILL after the first checkpoint (version 2).
+    import os
+    import signal
+
+    spec = (ROOT / "tests/specs/good/base.yaml").read_text().replace(
+        "    op: train\n", "    op: train\n    resources: {cpus: 0.5, replicas: 2, placement: strict_spread}\n"
+    ).replace("cluster: {cpus: 2}", f"cluster: {{cpus: 3}}\nrun: {{steps: 12, checkpoint_every: 2, "
+              f"executor: ray, ray_address: '{ray_nodes.address}'}}")
+    (tmp_path / "p.yaml").write_text(spec)
+    out, killed, finished = tmp_path / "run", [], threading.Event()
+
+    def kill_rank_1() -> None:
+        while not finished.is_set():
+            if (out / "checkpoints" / "latest").exists():
+                pid = json.loads((out / "placement.json").read_text())["nodes"]["learner"][1]["pid"]
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+                return
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=kill_rank_1)
+    thread.start()
+    try:
+        result = run(compile_file(str(tmp_path / "p.yaml")).plan, out, progress=False)
+    finally:
+        finished.set()
+        thread.join()
+    assert killed, "the run ended before a checkpoint was written"
+    assert result.status == "done" and result.steps == 12 and result.restarts == 1
+    report = ledger.check(out)
+    assert report.ended and report.clean, report.problems  # every sample consumed once, none lost
+    events = ledger.read(out)
+    assert sum(e["event"] == "resume" for e in events) == 1
+    issued = [e["id"] for e in events if e["event"] == "consume" and e["edge"] == "data -> rollout"]
+    assert len(issued) == len(set(issued)) == 12 * 4  # each of 12 steps' 4 samples generated once
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(12))  # each step's row once, cut back to the checkpoint
+    ranks = json.loads((out / "placement.json").read_text())["nodes"]["learner"]
+    assert killed[0] not in {r["pid"] for r in ranks} and len({r["ray_node"] for r in ranks}) == 2
+    assert ray_nodes.alive_nodes() == 3
+
+
+@pytest.mark.slow
+def test_out_of_restarts_a_killed_trainer_fails_cleanly_and_resume_completes(ray_nodes, tmp_path):
+    # run.max_restarts: 0: the run stops with a message naming the dead stage, its checkpoint
+    # intact; a resume finishes it with every sample trained once.
+    import os
+    import signal
+
+    plan = ops.grpo("sync", steps=12, batch_size=2, train={"delay": 0.2})
+    plan.run.update(executor="ray", ray_address=ray_nodes.address, checkpoint_every=2, max_restarts=0)
+    killed, finished = [], threading.Event()
+
+    def kill_trainer() -> None:
+        while not finished.is_set():
+            if (tmp_path / "checkpoints" / "latest").exists():
+                killed.append(json.loads((tmp_path / "placement.json").read_text())["nodes"]["learner"][0]["pid"])
+                os.kill(killed[0], signal.SIGKILL)
+                return
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=kill_trainer)
+    thread.start()
+    try:
+        with pytest.raises(StageFailed, match=r"node 'learner' \(replica 0\): its train actor's process died; "
+                                              r"restarted 0 times \(run.max_restarts\).*intact.*--resume"):
+            run(plan, tmp_path, progress=False)
+    finally:
+        finished.set()
+        thread.join()
+    assert killed and checkpoints.latest(tmp_path) is not None
+    assert not ledger.check(tmp_path).ended  # not closed: the run is to be resumed
+    result = run(plan, tmp_path, resume=True, progress=False)
+    assert result.status == "done" and result.steps == 12 and result.restarts == 0
+    report = ledger.check(tmp_path)
+    assert report.ended and report.clean, report.problems
+    last = {}  # step -> the ids its surviving (last) training took; steps redone after the kill count once
+    for line in (tmp_path / "train-learner.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        last[row["step"]] = row["ids"]
+    assert sorted(i for ids in last.values() for i in ids) == sorted(f"{s}:{i}" for s in range(12) for i in range(2))
+
+
+@pytest.mark.slow
+def test_two_engines_of_one_generate_node_on_two_nodes_share_the_work_and_every_version(ray_nodes, tmp_path):
+    # The real pipeline; the generate node has two replicas (two embedded engines), one per
+    # worker; everything else on the head.
+    head = "resources: {cpus: 0.25, labels: {flowrl_pool: '!workers'}}"
+    spec = (ROOT / "tests/specs/good/base.yaml").read_text().replace(
+        "    op: generate\n", "    op: generate\n    resources: {cpus: 0.5, replicas: 2, labels: {flowrl_pool: workers}, "
+        "placement: strict_spread}\n").replace("    op: train\n", f"    op: train\n    {head}\n").replace(
+        "    op: reward\n", f"    op: reward\n    {head}\n").replace("    op: sync\n", f"    op: sync\n    {head}\n"
+    ).replace("cluster: {cpus: 2}", f"cluster: {{cpus: 3}}\nrun: {{steps: 3, executor: ray, ray_address: '{ray_nodes.address}'}}"
+              ).replace("batch_size: 4", "batch_size: 6")
+    (tmp_path / "p.yaml").write_text(spec)
+    out = tmp_path / "run"
+    assert run(compile_file(str(tmp_path / "p.yaml")).plan, out, progress=False).status == "done"
+    engines = json.loads((out / "placement.json").read_text())["nodes"]["rollout"]
+    assert sorted(e["labels"]["flowrl_node"] for e in engines) == ["a", "b"]
+    report = ledger.check(out)
+    assert report.ended and report.clean, report.problems
+    events = ledger.read(out)
+    issued = [e for e in events if e["event"] == "issue"]
+    assert sorted(e["id"] for e in issued) == sorted(f"{s}:{i}" for s in range(3) for i in range(6))  # each once
+    for step in range(3):  # balanced by load: both engines take part in every step
+        assert {e["replica"] for e in issued if e["step"] == step} == {0, 1}
+    assert 6 <= sum(e["replica"] for e in issued) <= 12  # engine 1's share of 18 groups: a third to two thirds
+    loaded = {e["id"] for e in events if e["event"] == "consume" and e.get("weights")}
+    assert {f"v{v}@{r}" for v in (1, 2) for r in (0, 1)} <= loaded  # every version reached both engines

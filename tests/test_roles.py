@@ -225,3 +225,35 @@ def test_random_orders_form_every_batch_and_a_short_one_only_when_nothing_more_c
             trained(coord, work)
     assert coord.clock == steps and coord.stopping == "done"
     assert len(trained_ids) == len(set(trained_ids))
+
+
+def test_samples_go_to_the_generate_replica_with_the_fewest_in_flight():
+    plan = ops.plan([ops.node("rollout", "gen", replicas=2), ops.node("learner", "train")],
+                    [ops.edge("rollout", "learner")], steps=2, batch_size=4)
+    coord = Coordinator(plan, None, 2)
+    for r in (0, 1):
+        now(coord.attach("rollout", r, 0))
+    first = issue(coord, replica=0)
+    assert issue(coord, replica=0) is None  # replica 1 has fewer in flight: it goes first
+    second = issue(coord, replica=1)
+    third = issue(coord, replica=1)  # level again: either may take
+    assert issue(coord, replica=1) is None
+    generated(coord, first)  # replica 0 finished one: it has fewer now
+    assert issue(coord, replica=1) is None and issue(coord, replica=0).id == "0:3"
+    assert [first.id, second.id, third.id] == ["0:0", "0:1", "0:2"]
+    assert {r for r, _ in coord.held["rollout"].values()} == {0, 1}
+
+
+def test_a_dead_generate_replica_hands_its_samples_back_and_takes_no_share_until_back():
+    plan = ops.plan([ops.node("rollout", "gen", replicas=2), ops.node("learner", "train")],
+                    [ops.edge("rollout", "learner")], steps=2, batch_size=4)
+    coord = Coordinator(plan, None, 2)
+    for r in (0, 1):
+        now(coord.attach("rollout", r, 0))
+    held = issue(coord, replica=0)
+    now(coord.attach("rollout", 0, -1))  # replica 0 died; Ray restarts it
+    assert not coord.held["rollout"]
+    assert issue(coord, replica=1).id == held.id  # handed out again at once
+    assert issue(coord, replica=1).id == "0:1"  # not held back for the dead one
+    now(coord.attach("rollout", 0, 0))  # back: it takes the next share
+    assert issue(coord, replica=1) is None and issue(coord, replica=0).id == "0:2"

@@ -1,6 +1,7 @@
 """Weight sync throughput of each transport against two limits measured in the same run.
 
     flock /tmp/flowrl-bench.lock /work/venv/bin/python tools/bench_weight_sync.py [--layers 4]
+    python tools/bench_weight_sync.py --ray-path --layers 2   # the Ray executor's path across nodes
 
 Model: a Qwen2-shaped model with random weights built here (nothing downloaded); the default shape
 is about 300 MB in fp32. Every figure is one whole version moved from the sending end into live
@@ -167,6 +168,13 @@ def main() -> None:
     parser.add_argument("--bucket-mb", type=float, default=64.0)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--skip-engine", action="store_true", help="skip the embedded-engine figure")
+    parser.add_argument("--ray-path", action="store_true",
+                        help="instead: a version from a train actor to engine actors on other nodes of a loopback "
+                             "multi-node Ray cluster, as under executor: ray, against raw gloo (tools/ray_weight_path.py)")
+    parser.add_argument("--engines", type=int, default=2, choices=(1, 2),
+                        help="--ray-path: engine actors (on worker b, then on the head)")
+    parser.add_argument("--transport", default="auto", choices=("auto", "broadcast"),
+                        help="--ray-path: the sync node's transport (auto: the Ray object store)")
     args = parser.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -179,6 +187,16 @@ def main() -> None:
           f"buckets of {args.bucket_mb:g} MB; best of {args.repeats}", flush=True)
     if mb < 200:
         sys.exit(f"the model is only {mb:.0f} MB; use --layers >= 2 for at least 200 MB")
+    if args.ray_path:
+        from ray_weight_path import run_ray_path
+
+        del weights  # the actors build their own
+        result = {"model_mb": round(mb, 1), "bucket_mb": args.bucket_mb,
+                  **run_ray_path(args.layers, args.bucket_mb, args.repeats, total, args.engines, args.transport)}
+        print(f"Ray path / raw gloo broadcast: {result['ray_vs_gloo']:.2f} (target >= 0.5); weight bytes through "
+              f"the coordinator: {result['coordinator_weight_bytes']} (target 0)")
+        print(json.dumps(result))
+        return
     ray.init(num_cpus=2, include_dashboard=False, object_store_memory=int(max(1.5 * total, 512 * 2**20)),
              log_to_driver=False)
     peer = Peer.remote(args.layers)

@@ -29,8 +29,8 @@ Run keys read from `plan.run`: `steps` (train steps, default 10), `executor` (in
 `seed` (also `plan.seed`, handed to the data source and operators), `max_seconds` (end the run,
 with a checkpoint, after this long, counted from when every stage has set up: status "done",
 stopped_by "max_seconds"), `stop_when` (the same once a metric reaches a value: stopped_by
-"stop_when", targets.py), `max_restarts` (restarts of a dead generate actor under Ray,
-default 3), `checkpoint_every` / `checkpoint_seconds` / `keep_checkpoints` (checkpoints.py),
+"stop_when", targets.py), `max_restarts` (under Ray, default 3: restarts of a dead generate
+actor, and restarts of the whole run from its last checkpoint after a train actor's process died; run.py), `checkpoint_every` / `checkpoint_seconds` / `keep_checkpoints` (checkpoints.py),
 `trackers` (default [tensorboard]), `samples_per_step` (default 4; tracking.py) and
 `ray_address` (attach to a running Ray cluster; ray_local.py). `data`: `source` (module:attr, builtin:<task>, or a dataset file: flowrl/data/files.py), `batch_size`, `options` (see flowrl/data/source.py). Node
 `resources` place the stage (Ray: one actor per replica; `replicas: N` of a train node are the

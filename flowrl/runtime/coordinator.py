@@ -86,7 +86,7 @@ class Coordinator:
     # ---- stage-facing API -------------------------------------------------------------------
 
     async def attach(self, node: str, replica: int, version: int) -> None:
-        """A stage (re)starts: work its previous incarnation held is handed out again."""
+        """A stage (re)starts, or died (version -1): the work it held is handed out again."""
         self._release(node, replica)
         self.roles[node].attach(node, replica, version)
         self.notify()

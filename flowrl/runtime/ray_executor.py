@@ -7,8 +7,10 @@ resources and labels, and its `placement` strategy; where each replica went is w
 placement.json. A generate actor
 that dies is restarted by Ray (`plan.run["max_restarts"]`, default 3); on restart it attaches to
 the coordinator again, which re-issues the samples the dead actor had in flight (ledger
-`reissue`), and it receives the latest weights before new work. Any other actor's death, or a
-generate actor out of restarts, stops the run like an operator exception.
+`reissue`), and it receives the latest weights before new work. A train actor whose process dies
+while its machine stays up (kill -9, out of memory) stops the run, and run.py restarts the whole
+run from its last checkpoint (`lost_train`; the train group's other ranks cannot go on without it).
+Any other actor's death, or a generate actor out of restarts, stops the run like an operator exception.
 
 A node with `resources.replicas: N > 1` gets N actors. Each gets the environment of
 torch.distributed's `env://` rendezvous (MASTER_ADDR and MASTER_PORT at replica 0's host, RANK,
@@ -51,6 +53,9 @@ class RayExecutor:
         self.tasks: dict[asyncio.Task, tuple[str, int]] = {}
         self.pgs: dict[str, Any] = {}  # node -> its placement group
         self.max_restarts = int(plan.run.get("max_restarts", 3))
+        # (node, replica) of a train actor whose process died on a machine still up: run.py then
+        # restarts the run from its last checkpoint.
+        self.lost_train: tuple[str, int] | None = None
 
     async def start(self, steps: int, stop_at: int | None, state: bytes | None, checkpoint: Path | None) -> None:
         if not ray.is_initialized():
@@ -107,14 +112,25 @@ class RayExecutor:
                 await asyncio.sleep(0.2)
                 starting = True
             except RayActorError as e:
-                if (await self.call("status"))["stopping"]:
+                stopping, kind = (await self.call("status"))["stopping"], self.plan.nodes[name].kind
+                if kind == "train" and stopping in (None, "error") and self._machine_alive(key):
+                    self.lost_train = (name, replica)  # its process died, not its machine
+                if stopping:  # e.g. its group's other rank failed first, on losing it
                     return None
-                if self.plan.nodes[name].kind != "generate" or restarts >= self.max_restarts:
+                if kind != "generate" or restarts >= self.max_restarts:
                     message = f"node '{name}' (replica {replica}): its actor died ({restarts} restarts):\n{e}"
                     await self.call("fail", name, replica, message)
                     return message
+                # Its samples go back now, and the node's other engines stop leaving it a share.
+                await self.call("attach", name, replica, -1)
                 restarts += 1
                 starting = True
+
+    def _machine_alive(self, key: tuple[str, int]) -> bool:
+        """Whether the Ray node a dead actor ran on is still up (Ray marks a lost machine dead
+        before it reports the death of the actors it hosted)."""
+        node_id = self.where.get(key, {}).get("node_id")
+        return any(n["NodeID"] == node_id and n.get("Alive") for n in ray.nodes())
 
     async def call(self, method: str, *args: Any) -> Any:
         return await self.coord.request.remote(method, *args)

@@ -1,11 +1,11 @@
 """A stage under Ray: the actor that hosts it, and the coordinator proxy it calls.
 
 Policy records travel by reference. A train stage's policy (the new weights, the whole model) is
-put into the Ray object store by the train actor, and only the `ObjectRef` is handed to
-`coord.complete`; the coordinator keeps that ref in the policy channel, and the proxy of the sync
-stage that takes it resolves it before the operator sees it. So the weights never enter the
-coordinator actor's memory, and they are copied once into the object store (on the train actor's
-node) instead of being pickled into the coordinator and out again. The object is owned by the
+put into the Ray object store by the train actor, its tensors as numpy byte arrays (`HostBytes`),
+and only the `ObjectRef` is handed to `coord.complete`; the coordinator keeps that ref in the
+policy channel, and the proxy of the sync stage that takes it resolves it before the operator sees
+it. So the weights never enter the coordinator actor's memory, and they are copied once into the
+object store (on the train actor's node), then mapped without a copy by a sync stage on that node. The object is owned by the
 train actor and lives while the coordinator or the sync stage holds the ref; a checkpoint never
 stores one (snapshot.py keeps policy records without their values). Ranks > 0 of a train group
 hand back no policy at all: the coordinator only ever uses rank 0's (batches.py).
@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import warnings
 from typing import Any
 
 import msgspec
@@ -51,28 +52,67 @@ class RemoteCoordinator:
     async def take(self, node: str, replica: int) -> Any:
         work = await self._handle.take.remote(node, replica)
         if work is not None and work.kind == "policy" and isinstance(work.value, ray.ObjectRef):
-            work.value = await work.value  # the whole version, from the object store
+            work.value = await from_store(work.value)  # the whole version, from the object store
         return work
 
 
 async def _by_reference(value: Any, replica: int) -> Any:
     if value is None or replica > 0:  # rank > 0: the coordinator keeps rank 0's policy only
         return None
-    # ray.put copies (and pickles) the whole model: off the stage's event loop.
-    return await asyncio.to_thread(lambda: ray.put(on_host(value)))
+    # ray.put copies the whole model once: off the stage's event loop.
+    return await asyncio.to_thread(lambda: ray.put(to_store(value)))
 
 
-def on_host(value: Any) -> Any:
-    """`value` with its CUDA tensors copied to host memory (lists, tuples and dicts rebuilt; all
-    else as is): a GPU trainer's policy must unpickle in a sync actor that sees no GPU.
-    Not exercised on a GPU by this project's tests."""
-    if getattr(value, "is_cuda", False):
-        return value.cpu()
+async def from_store(ref: Any) -> Any:
+    """The value a train stage put (`_by_reference`), with its tensors back: on the same Ray node
+    they map the object store's memory, read-only, without a copy."""
+    return _unpack(await ref)
+
+
+class HostBytes:
+    """A tensor as a flat numpy byte array. Ray pickles numpy arrays out of band: `ray.put` copies
+    their bytes once into the object store and a reader on the node maps them. A torch tensor is
+    pickled in band instead, copied on both ends (with the sync stage's re-bucketing, a 211 MB
+    policy took 1.9 s to put and 0.7 s to read back here; tools/bench_weight_sync.py --ray-path)."""
+
+    __slots__ = ("array", "dtype", "shape")
+
+    def __init__(self, tensor: Any) -> None:
+        import torch
+
+        self.array = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+        self.dtype, self.shape = tensor.dtype, tuple(tensor.shape)
+
+    def tensor(self) -> Any:
+        import torch
+
+        with warnings.catch_warnings():  # a read-only mapping: readers (sync, engines) only read
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            return torch.from_numpy(self.array).view(self.dtype).reshape(self.shape)
+
+
+def to_store(value: Any) -> Any:
+    """`value` as it goes into the object store: each tensor a `HostBytes`, a host tensor's bytes
+    not copied (a CUDA tensor is copied to host memory first: a GPU trainer's policy must unpickle
+    in a sync actor that sees no GPU; not exercised on a GPU by this project's tests)."""
+    if hasattr(value, "data_ptr") and hasattr(value, "element_size"):
+        return HostBytes(value.cpu() if value.is_cuda else value)
+    return _rebuilt(value, to_store)
+
+
+def _unpack(value: Any) -> Any:
+    return value.tensor() if isinstance(value, HostBytes) else _rebuilt(value, _unpack)
+
+
+def _rebuilt(value: Any, each: Any) -> Any:
+    """Dicts, lists and tuples with `each` applied to their items; a list subclass (a Snapshot)
+    keeps its type; anything else as is."""
     if isinstance(value, dict):
-        return {k: on_host(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        items = [on_host(v) for v in value]
-        return items if isinstance(value, list) else tuple(items)
+        return {k: each(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return type(value)(each(v) for v in value)
+    if isinstance(value, tuple):
+        return tuple(each(v) for v in value)
     return value
 
 

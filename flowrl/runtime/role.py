@@ -20,7 +20,7 @@ class Role:
         self.coord = coord
 
     def attach(self, node: str, replica: int, version: int) -> None:
-        """A replica (re)started with weights of `version`."""
+        """A replica (re)started with weights of `version`, or died (-1) and its work went back."""
 
     def take(self, node: str, replica: int) -> Work | None:
         """The next work for a replica, or None (the coordinator then waits for a change)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +26,11 @@ class StageFailed(RuntimeError):
     """A stage's operator raised; the message names the node and carries the original traceback."""
 
 
+class TrainerLost(StageFailed):
+    """Under Ray, a train actor's process died while its machine stayed up (killed, out of memory):
+    `run()` restarts the run from its last checkpoint, up to `run.max_restarts` times."""
+
+
 @dataclass
 class RunResult:
     status: str  # done (all steps, run.max_seconds spent, run.stop_when reached) | interrupted (SIGINT, max_steps): resumable
@@ -37,6 +43,7 @@ class RunResult:
     last: dict[str, Any] | None = field(default=None)  # the last metrics row
     stopped_by: str = "steps"  # steps | max_seconds | stop_when | interrupt (SIGINT or max_steps)
     reached: str | None = None  # with stopped_by stop_when: which target, e.g. "eval_reward 0.94 >= 0.9"
+    restarts: int = 0  # times the run restarted from its last checkpoint after losing a train actor
 
 
 def run(plan: Plan, run_dir: Path | str | None = None, executor: str | None = None, resume: bool = False,
@@ -47,9 +54,28 @@ def run(plan: Plan, run_dir: Path | str | None = None, executor: str | None = No
     resume: continue from run_dir's latest checkpoint (records waiting in channels included).
     max_steps: stop after this many train steps in total, with a checkpoint, as if interrupted;
     a later resume continues to plan.run["steps"].
-    Raises StageFailed when an operator raises.
+    Raises StageFailed when an operator raises. Under Ray, a train actor whose process dies (its
+    machine up) restarts the whole run from its last checkpoint, as `--resume` would, at most
+    `run.max_restarts` times (default 3; a run without a checkpoint yet starts again from nothing);
+    beyond that, TrainerLost names the stage and the checkpoint stays for `flowrl run --resume`.
     """
-    return asyncio.run(_run(plan, Path(run_dir) if run_dir else None, executor, resume, progress, max_steps))
+    run_dir = Path(run_dir) if run_dir else None
+    restarts = 0
+    while True:
+        try:
+            result = asyncio.run(_run(plan, run_dir, executor, resume or restarts > 0, progress, max_steps))
+        except TrainerLost as e:
+            if restarts >= int(plan.run.get("max_restarts", 3)):
+                saved = checkpoints.latest(run_dir)  # type: ignore[arg-type] - TrainerLost needs a run_dir
+                where = (f"its checkpoint {saved} is intact: `flowrl run --resume` continues from it" if saved
+                         else "no checkpoint was written yet: `flowrl run --resume` starts it again")
+                raise TrainerLost(f"{e}; restarted {restarts} times (run.max_restarts); {where}") from None
+            restarts += 1
+            print(f"flowrl: {e}; restarting the run from its last checkpoint ({restarts} of "
+                  f"{plan.run.get('max_restarts', 3)})", file=sys.stderr, flush=True)
+            continue
+        result.restarts = restarts
+        return result
 
 
 def load_plan(run_dir: Path | str) -> Plan:
@@ -76,6 +102,10 @@ async def _run(plan: Plan, run_dir: Path | None, executor: str | None, resume: b
         await ex.start(steps, max_steps, state, checkpoint)
         reason = await _supervise(ex, plan, run_dir, progress)
         failures = await ex.join(JOIN_TIMEOUT_S[reason])
+        if reason == "error" and getattr(ex, "lost_train", None) and run_dir is not None:
+            await ex.call("close")  # no `end` in the ledger: the run goes on from its checkpoint
+            node, replica = ex.lost_train
+            raise TrainerLost(f"node '{node}' (replica {replica}): its train actor's process died")
         if reason == "error":
             error = (await ex.call("status"))["error"]
             if not error and failures:

@@ -6,6 +6,8 @@ A generate replica asks for work and is handed, in this order:
 2. nothing, after a resume, until it has loaded the restored policy (snapshot.py);
 3. a sample handed back by a replica that died (`reissue`), admitted again at the replica's version;
 4. the next sample its `Admission` (admission.py) allows, drawn from the data source.
+Samples (3, 4) go only to a replica with no more samples in flight than the node's other replicas:
+the engines of a node with `replicas: N` share the work by load.
 The version a sample is admitted at is the lower of the replica's loaded weights and the clock
 (the clock alone for a generate node without a weights input).
 
@@ -46,7 +48,10 @@ class Samples(Role):
                             for n, f in facts.nodes.items()}
 
     def attach(self, node: str, replica: int, version: int) -> None:
-        self.loaded[(node, replica)] = version
+        if version < 0:  # it died (Ray restarts it): no share of new work until it attaches again
+            self.loaded.pop((node, replica), None)
+        else:
+            self.loaded[(node, replica)] = version
 
     def take(self, node: str, replica: int) -> Work | None:
         edge = self.weights_in[node]
@@ -58,6 +63,8 @@ class Samples(Role):
         if edge is not None and have < self.required.get(node, 0):
             return None  # resumed: the engine must hold the restored policy first
         version = min(have, self.coord.clock) if edge is not None else self.coord.clock
+        if not self._least_loaded(node, replica):
+            return None  # another engine of this node has fewer samples in flight: it takes next
         if self.reissue[node]:
             work = self.reissue[node].pop(0)
             work.version = version
@@ -75,6 +82,15 @@ class Samples(Role):
         self.coord.ledger.write("issue", f"data -> {node}", work.id, step, version, admitted_version=version,
                                 budget=admission.budget, credit=credit, replica=replica)
         return self.coord.hold(node, replica, work)
+
+    def _least_loaded(self, node: str, replica: int) -> bool:
+        """Whether `replica` has no more samples in flight than any other replica of `node` that
+        attached: requests are balanced by load over a node's engines (a sample is one group, so a
+        group's requests all go to one engine, which shares their prompt's prefill)."""
+        counts = {r: 0 for n, r in self.loaded if n == node} | {replica: 0}
+        for r, _ in self.coord.held[node].values():
+            counts[r] = counts.get(r, 0) + 1
+        return counts[replica] <= min(counts.values())
 
     def loaded_weights(self, node: str, replica: int, version: int) -> None:
         self.loaded[(node, replica)] = version

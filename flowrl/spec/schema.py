@@ -86,7 +86,9 @@ class RunSpec(Strict):
     steps: PositiveInt = 10
     executor: Literal["inprocess", "ray"] = "inprocess"
     seed: int = 0
-    max_restarts: NonNegativeInt = 3  # of a dead generate actor under the Ray executor
+    # Under Ray: restarts of a dead generate actor, and of the run from its last checkpoint after a
+    # train actor's process died (flowrl/runtime/run.py).
+    max_restarts: NonNegativeInt = 3
     run_dir: str | None = None
     # Wall-clock budget; the run ends cleanly (checkpoint, export) when it is spent. The clock
     # starts once every stage has set up (models loaded, the first evaluation done) and the run's

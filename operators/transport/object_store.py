@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,26 +56,38 @@ class ObjectStoreSender:
 
 class ObjectStoreStream(Stream):
     transport = "object_store"
+    FETCH_AHEAD = 4  # buckets fetched at once: from another node, pulls overlap each other and the engine's copy
 
     def __init__(self, record: ObjectStoreRecord) -> None:
         super().__init__()
-        self._buckets = iter(record.buckets)
+        self._metas = [metas for _, metas in record.buckets]
+        self._pool = ThreadPoolExecutor(max_workers=max(1, min(self.FETCH_AHEAD, len(record.buckets))))
+        self._fetches = [(ref, self._pool.submit(_fetch, ref)) for ref, _ in record.buckets]
+        self._at = 0
 
     def _next(self) -> Bucket | None:
-        import ray
-
-        item = next(self._buckets, None)
-        if item is None:
+        if self._at == len(self._fetches):
             return None
-        ref, metas = item
+        (ref, fetch), metas = self._fetches[self._at], self._metas[self._at]
+        self._fetches[self._at] = (ref, None)  # the engine copies it; let go of the mapping after
+        self._at += 1
         try:
-            arrays = ray.get(ref, timeout=600)
+            arrays = fetch.result()
         except Exception as exc:  # owner died, object lost, timeout: the version cannot be completed
             raise TransferError(f"weights bucket {ref} could not be read from the object store: {exc}") from exc
         with warnings.catch_warnings():
             # The arrays map read-only shared memory; the engine only reads (and copies) them.
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
             return [(m.name, from_bytes(torch.from_numpy(a), m)) for m, a in zip(metas, arrays, strict=True)]
+
+    def _finish(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _fetch(ref: Any) -> Any:
+    import ray
+
+    return ray.get(ref, timeout=600)
 
 
 TRANSPORT = Transport("object_store", ObjectStoreRecord, lambda config: ObjectStoreSender(),
