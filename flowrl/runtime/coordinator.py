@@ -8,8 +8,7 @@ stages call the object directly; under Ray it is an async actor and the stages c
 What a node is handed and when it finishes a step is the business of its kind's role, looked up
 in one table (`roles`): generate nodes in samples.py (with admission.py), train nodes in
 batches.py, sync and all other nodes in joins.py; the graph facts they use (budgets, staleness
-limits, which generate nodes feed which train nodes) are in `plan.facts` (flowrl/graph/facts.py).
-The rules kept here:
+limits, which generate nodes feed which train nodes) are in `plan.facts` (flowrl/graph/facts.py). The rules here:
 - Version clock: a train node at version v runs step v and publishes version v+1 with its
   policy record. The clock is the lowest version of all train nodes.
 - Staleness (`deliver`): a consumer at version v (a train node's own version; the clock for other
@@ -22,8 +21,8 @@ The rules kept here:
 - Completing work is atomic: its input records are consumed and its outputs emitted together;
   it waits while an async output channel is full (sync edges are bounded by admission instead).
 - The run is done when every train node has reached `steps` (without train nodes: when every
-  sink has ended `steps` steps); it stops earlier on an error, `max_seconds`, `stop_when` or an
-  interrupt.
+  sink has ended `steps` steps) and the final policy is evaluated (`data.eval.final`); it stops
+  earlier on an error, `max_seconds`, `stop_when` or an interrupt.
 """
 
 from __future__ import annotations
@@ -139,7 +138,7 @@ class Coordinator:
         """A generate replica applied weights of `version`."""
         self.samples.loaded_weights(node, replica, version)
         self.observe.instant(node, replica, f"weights v{version}")
-        self._check_done()  # the final policy's evaluation may have been all the run waited for
+        self._check_done()  # the final evaluation may have been all the run waited for
         self.notify()
 
     async def report(self, node: str, replica: int, events: list[dict[str, Any]], busy: float,
@@ -333,8 +332,8 @@ class Coordinator:
 
     def _check_done(self) -> None:
         sinks = [n for n in self.plan.nodes if not any(e.kind == "data" for e in self.outs[n])]
-        done = (all(v >= self.steps for v in self.versions.values()) if self.trains
-                else all(len(self.ended[n]) >= self.steps for n in sinks))
+        done = all(v >= self.steps for v in self.versions.values()) if self.trains else all(
+            len(self.ended[n]) >= self.steps for n in sinks)
         if done and not self.stopping and not self.samples.final_eval_pending(self.steps):
             self.stop("done")
 
