@@ -21,7 +21,8 @@ BUCKET_BYTES = 256 * 1024  # the actor's globals must come from importable modul
 CROSS = [("object_store", "flat"), ("broadcast", "flat"), ("broadcast", "per_tensor")]
 
 
-@pytest.fixture(scope="session")
+# Module scope: a Ray session left running would serve later test files without their PYTHONPATH.
+@pytest.fixture(scope="module")
 def ray_session():
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     started = not ray.is_initialized()
