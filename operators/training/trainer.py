@@ -43,7 +43,7 @@ from flowrl_operators.training.batch import (
     micro_batch_rows,
 )
 from flowrl_operators.training.engine import EngineEntry
-from flowrl_operators.training.head import loss_token_logprobs
+from flowrl_operators.training.head import loss_token_logprobs, packing_supported
 from flowrl_operators.training.losses import LossFn
 
 
@@ -60,7 +60,9 @@ class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     total_steps: int | None = None  # the decay horizon of linear / cosine
     min_lr_ratio: float = 0.0
     grad_clip: float | None = 1.0
-    micro_batch_tokens: int = 8192  # rows x padded length per micro-batch (a longer row runs alone)
+    # Tokens per micro-batch: packed rows (the policy's forward on llama / qwen2) count their tokens
+    # and are balanced by them; padded rows count rows x the longest (a longer row runs alone).
+    micro_batch_tokens: int = 8192
     max_nonfinite_steps: int = 3  # consecutive skipped (non-finite) steps before the run stops
     mixed_precision: bool = True  # bf16 compute on GPU; CPU always runs fp32
     gradient_checkpointing: bool = False
@@ -153,6 +155,8 @@ class Trainer:
             _checkpoint_layers(self.model)
         if self.trainable:
             self.model = tuning.prepare(self.model, self.config.freeze, self.config.lora)
+        # Whether the forward packs sequences (training/head.py): micro-batches are then balanced by tokens.
+        self.packed = self.head == "policy" and packing_supported(self.model)
         self.sharded = self.world_size > 1
         if self.sharded:
             self._shard()
@@ -228,7 +232,7 @@ class Trainer:
 
     def _plan(self, batch: Batch) -> tuple[list[list[int]], int]:
         """This rank's micro-batch rows and the number of micro-batches every rank will run."""
-        rows = micro_batch_rows(batch, self.config.micro_batch_tokens)
+        rows = micro_batch_rows(batch, self.config.micro_batch_tokens, self.packed)
         return rows, int(self._all_reduce([float(len(rows))], dist.ReduceOp.MAX)[0])
 
     def forward_backward(self, batch: Batch, loss_fn: LossFn) -> dict[str, float]:
@@ -304,8 +308,9 @@ class Trainer:
             real = k < len(rows)
             mb = batch.select(rows[k]) if real else _placeholder(batch)
             values = self._forward(mb)[key].float().cpu()
-            if real:
-                out[rows[k][0] : rows[k][-1] + 1, : values.shape[1]] = torch.where(mb.loss_mask > 0, values, 0.0)
+            if real:  # a micro-batch's rows need not be consecutive
+                out[torch.as_tensor(rows[k])[:, None], torch.arange(values.shape[1])] = torch.where(
+                    mb.loss_mask > 0, values, 0.0)
         return out
 
     def compute_logprobs(self, batch: Batch) -> torch.Tensor:
