@@ -171,9 +171,9 @@ def main() -> None:
         memory.setdefault("plain", peak)
         grads_plain = take_grads(trainer)
         if "rows" in sides:
-            trainer.packed = False  # the padded rule's split, the same packed forward
+            was, trainer.packed = trainer.packed, False  # the padded rule's split, the same packed forward
             seconds, _, rows_metrics = measure(trainer, lambda: trainer.forward_backward(batch, loss_fn))
-            trainer.packed = True
+            trainer.packed = was
             times["rows"].append(seconds)
             if repeat == 0:
                 compare(rows_metrics["loss"], float(loss), take_grads(trainer), grads_plain, 1e-5)
