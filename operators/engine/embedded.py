@@ -62,7 +62,7 @@ class Sequence:
 
     request: GenerateRequest
     future: asyncio.Future
-    generator: torch.Generator
+    seed: int  # the request's sampling seed (engine/sampling.py draws token i from uniform(seed, i))
     stop_ids: frozenset[int]
     tokens: list[int]  # prompt + output; the cache holds KV for all but the last one
     output: list[int] = field(default_factory=list)
@@ -169,7 +169,7 @@ class EmbeddedEngine:
         seq = Sequence(
             request=request,
             future=asyncio.get_running_loop().create_future(),
-            generator=torch.Generator(self.device).manual_seed(seed),
+            seed=seed,
             stop_ids=frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids),
             tokens=list(request.input_ids),
         )
@@ -424,7 +424,7 @@ class EmbeddedEngine:
     def _emit(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         """Sample one token per sequence from its logits row; append it and check stop conditions."""
         params = [seq.request.sampling for seq in seqs]
-        tokens, logprobs = sample(logits, params, [seq.generator for seq in seqs])
+        tokens, logprobs = sample(logits, params, [seq.seed for seq in seqs], [len(seq.output) for seq in seqs])
         for seq, token, logprob, p in zip(seqs, tokens, logprobs, params, strict=True):
             seq.tokens.append(token)
             seq.output.append(token)
