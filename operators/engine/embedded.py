@@ -113,7 +113,6 @@ class EmbeddedEngine:
         version: int = 0,
     ) -> None:
         silence_hf()
-        configure()  # large blocks as their own mappings: freed memory leaves the process (memory.py)
         if threads is not None:
             torch.set_num_threads(threads)
         if isinstance(dtype, str):
@@ -121,6 +120,8 @@ class EmbeddedEngine:
         self.device = torch.device(device)
         self.folder = resolve_model(model)
         self.model: CausalLM = load_model(self.folder, dtype, self.device)
+        # Large blocks as their own mappings: freed memory leaves the process (memory.py; not for a small model).
+        configure(sum(p.numel() * p.element_size() for p in self.model.parameters()))
         config = self.model.config
         self.vocab_size = config.vocab_size
         self.eos_ids = end_token_ids(self.folder, config)

@@ -135,7 +135,6 @@ class Trainer:
         from flowrl_operators.memory import configure
         from flowrl_operators.models import BUILD_LOCK, resolve_model
 
-        configure()  # large blocks as their own mappings: freed memory leaves the process (memory.py)
 
         self.config = config or TrainerConfig()
         self.model_path = resolve_model(model_path)
@@ -150,6 +149,8 @@ class Trainer:
         with BUILD_LOCK, torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.config.seed)  # the same fresh heads on every rank
             self.model = _load_model(self.model_path, self.head).to(self.device)
+        # Large blocks as their own mappings: freed memory leaves the process (memory.py; not for a small model).
+        configure(sum(p.numel() * p.element_size() for p in self.model.parameters()))
         _disable_dropout(self.model)
         if self.config.gradient_checkpointing:  # non-reentrant: also right when the inputs need no grad
             _checkpoint_layers(self.model)
