@@ -58,7 +58,9 @@ def _fix_threshold() -> bool:
 
 
 def release() -> None:
-    """Return free heap memory to the operating system, where the C library can (glibc)."""
+    """Return free heap memory to the operating system, where the C library can (glibc). Only where
+    `configure` fixed the threshold: with a small model there is little to return, and the trim
+    (5-8 ms) would be a quickstart step's largest cost after the model's own work."""
     libc = _libc()
-    if libc is not None:
+    if libc is not None and _fix_threshold.cache_info().currsize and _fix_threshold():
         libc.malloc_trim(0)

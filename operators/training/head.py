@@ -30,6 +30,7 @@ uses, tied embeddings need nothing special, and what a model does to its logits 
 from __future__ import annotations
 
 import contextlib
+import functools
 import heapq
 import math
 from collections.abc import Iterator
@@ -54,12 +55,18 @@ def packing_supported(model: torch.nn.Module | None = None) -> bool:
     """Whether this transformers reads sequence boundaries from restarting position ids (with no
     attention mask) and masks attention across them (`masking_utils.find_packed_sequence_indices`),
     and `model` is of a family checked to honour them."""
+    family = getattr(getattr(model, "config", None), "model_type", None) if model is not None else None
+    return _transformers_packs() and (model is None or family in PACKED_FAMILIES)
+
+
+@functools.cache
+def _transformers_packs() -> bool:
+    """Asked once per process: the lookup through transformers' lazy module cost ~3 ms a forward."""
     try:
         from transformers import masking_utils
     except ImportError:
         return False
-    family = getattr(getattr(model, "config", None), "model_type", None) if model is not None else None
-    return hasattr(masking_utils, "find_packed_sequence_indices") and (model is None or family in PACKED_FAMILIES)
+    return hasattr(masking_utils, "find_packed_sequence_indices")
 
 
 def output_head(model: torch.nn.Module) -> torch.nn.Module:
