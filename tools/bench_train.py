@@ -23,7 +23,8 @@ a GPU for both):
 With `--micro-batch-tokens N` flowrl splits the rows into micro-batches of at most N tokens, balanced
 by token count (training/batch.py), and a third side, `rows`, is flowrl with the padded rule's split
 (rows of similar length, rows x the longest within N) over the same packed forward: what balancing
-by tokens changes. The loss and every parameter's gradient must agree (max abs difference <= 1e-5 of the tensor's
+by tokens changes; and a fourth, `one`, the same forward on one micro-batch (the default run). The
+loss and every parameter's gradient must agree (max abs difference <= 1e-5 of the tensor's
 largest entry; bf16 on a GPU: 2e-2). Times are the fastest of `--repeats` (the two sides
 alternate); memory is the peak over the resting state of the first run of each: resident memory on
 the CPU (VmHWM, flowrl measured first, so the plain side's figure is its own peak), allocated
@@ -127,6 +128,20 @@ def compare(loss_a: float, loss_b: float, grads_a: dict, grads_b: dict, toleranc
     return worst
 
 
+def other_split(trainer: Trainer, batch, loss_fn, packed: bool, budget: int, check: tuple | None) -> float:
+    """Seconds of flowrl's forward_backward with another split (`packed`: by tokens, else the padded
+    rule's; `budget` tokens) over the same packed forward; with `check` (the plain side's loss and
+    gradients) its results are compared too."""
+    was = trainer.packed, trainer.config.micro_batch_tokens
+    trainer.packed, trainer.config.micro_batch_tokens = packed, budget
+    seconds, _, metrics = measure(trainer, lambda: trainer.forward_backward(batch, loss_fn))
+    trainer.packed, trainer.config.micro_batch_tokens = was
+    grads = take_grads(trainer)
+    if check is not None:
+        compare(metrics["loss"], check[0], grads, check[1], 1e-5)
+    return seconds
+
+
 def default_model() -> str:
     folder = Path(os.environ.get("FLOWRL_CACHE", Path.home() / ".cache" / "flowrl")) / "bench-smollm2-135m-shape"
     if not (folder / "config.json").exists():
@@ -154,7 +169,7 @@ def main() -> None:
           f"{tokens} tokens ({batch.input_ids.numel()} padded), {loss_tokens} loss tokens, vocabulary {vocab}")
     packed = tuple(pack_rows(batch, attention_width=6 * trainer.model.config.hidden_size)[0].shape) if packing_supported(trainer.model) else None
     print(f"flowrl packs them into {packed} (rows, width)" if packed else "flowrl runs the padded rows (no packing)")
-    sides = ["flowrl", "plain"] + (["rows"] if args.micro_batch_tokens else [])
+    sides = ["flowrl", "plain"] + (["rows", "one"] if args.micro_batch_tokens else [])
     if args.micro_batch_tokens:
         splits = {name: [len(g) for g in micro_batch_rows(batch, args.micro_batch_tokens, packed)]
                   for name, packed in (("flowrl", trainer.packed), ("rows", False))}
@@ -170,14 +185,10 @@ def main() -> None:
         times["plain"].append(seconds)
         memory.setdefault("plain", peak)
         grads_plain = take_grads(trainer)
-        if "rows" in sides:
-            was, trainer.packed = trainer.packed, False  # the padded rule's split, the same packed forward
-            seconds, _, rows_metrics = measure(trainer, lambda: trainer.forward_backward(batch, loss_fn))
-            trainer.packed = was
-            times["rows"].append(seconds)
-            if repeat == 0:
-                compare(rows_metrics["loss"], float(loss), take_grads(trainer), grads_plain, 1e-5)
-            trainer.optimizer.zero_grad(set_to_none=True)
+        check = (float(loss), grads_plain) if repeat == 0 else None
+        if "rows" in sides:  # the padded rule's split, and one micro-batch, of the same packed forward
+            times["rows"].append(other_split(trainer, batch, loss_fn, False, args.micro_batch_tokens, check))
+            times["one"].append(other_split(trainer, batch, loss_fn, trainer.packed, 1 << 20, check))
         if repeat == 0:
             worst = compare(metrics["loss"], float(loss), grads_flowrl, grads_plain,
                             2e-2 if trainer.bf16 else 1e-5)
@@ -197,7 +208,8 @@ def main() -> None:
                       "grad_max_rel_diff": worst, "threads": torch.get_num_threads(),
                       "device": str(trainer.device), "speedup": round(speedup, 3),
                       "micro_batch_tokens": args.micro_batch_tokens,
-                      **({"rows_s": round(best["rows"], 4), "rows_over_tokens": round(best["rows"] / best["flowrl"], 3)}
+                      **({"rows_s": round(best["rows"], 4), "rows_over_tokens": round(best["rows"] / best["flowrl"], 3),
+                          "one_s": round(best["one"], 4), "one_over_tokens": round(best["one"] / best["flowrl"], 3)}
                          if "rows" in sides else {})}))
 
 
