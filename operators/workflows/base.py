@@ -40,8 +40,9 @@ def derive_seed(*parts: Any) -> int:
 
 def resubmit_seed(seed: int | None, generated: int) -> int | None:
     """The seed of a request resubmitted after `generated` tokens. An engine draws each token's
-    noise from a generator seeded with the request's seed, so resubmitting with the same seed would
-    draw token generated + i with token i's noise again; a seed derived from (seed, position) gives
+    randomness from the request's seed and the token's index in that request (the embedded engine:
+    engine/sampling.py; SGLang: a generator seeded with it), so resubmitting with the same seed would
+    draw token generated + i with token i's randomness again; a seed derived from (seed, position) gives
     the tokens ahead fresh noise, the same on every replay."""
     return seed if seed is None or generated == 0 else derive_seed(seed, "resubmit", generated)
 
