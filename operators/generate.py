@@ -170,7 +170,7 @@ class Generate(Operator):
                               args=dict(self.config.workflow_args), services=self.services, prompt_cache=prompt_cache)
         self.counts["episodes"] += 1
         try:
-            out = await asyncio.wait_for(self.workflow(ctx, sample), self.config.episode_timeout_s)
+            out = await _within(self.workflow(ctx, sample), self.config.episode_timeout_s)
             trajectories = [] if out is None else [out] if isinstance(out, Trajectory) else list(out)
             for j, t in enumerate(trajectories):
                 self._stamp(t, sample, step, sample_id, episode, j if len(trajectories) > 1 else None, sampling)
@@ -246,3 +246,12 @@ class Generate(Operator):
             await proxy.close()
         if self.engine is not None:
             await self.engine.close()
+
+
+async def _within(coro: Any, seconds: float) -> Any:
+    """`coro`'s result, or asyncio.TimeoutError after `seconds`. Python 3.11's asyncio.timeout runs it
+    in this task (wait_for made a task per episode: 128 a quickstart step)."""
+    if hasattr(asyncio, "timeout"):
+        async with asyncio.timeout(seconds):
+            return await coro
+    return await asyncio.wait_for(coro, seconds)

@@ -49,7 +49,7 @@ class TeacherConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     model: TeacherModel
     coef: Annotated[float, Meta(ge=0.0)] = 1.0  # weight of the distillation reward
     task_coef: Annotated[float, Meta(ge=0.0)] = 0.0  # weight of the task's reward (0: distillation alone)
-    micro_batch_tokens: Annotated[int, Meta(ge=1)] = 8192  # rows x padded length per teacher forward
+    micro_batch_tokens: Annotated[int, Meta(ge=1)] = 8192  # tokens per teacher forward (as the train node's)
     # The training engine that holds the frozen teacher (training/engine.py), as the reference node's.
     engine: str = "fsdp2"
 

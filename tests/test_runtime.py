@@ -253,7 +253,9 @@ def test_trace_is_chrome_trace_json_and_metrics_have_a_row_per_step(tmp_path):
         if e["ph"] == "X":
             assert e["dur"] >= 0 and e["ts"] >= 0
     kinds = {e["name"] for e in events}
-    assert {"generate", "process", "train", "sync", "wait", "update_weights", "flush"} <= kinds
+    assert {"generate", "process", "train", "sync", "wait", "update_weights", "flush", "setup"} <= kinds
+    setups = [e for e in events if e["name"] == "setup"]
+    assert len(setups) == 4 and len({e["pid"] for e in setups}) == 4  # one per stage, on its node's row
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]
     for r in rows:

@@ -116,3 +116,30 @@ def test_global_normaliser_makes_the_loss_split_invariant(aggregation):
         total += fn({"logprobs": lp, "entropy": torch.zeros_like(lp)}, mb, normaliser)[0].item()
     assert len(micro_batch_rows(batch, 8)) > 1
     assert abs(total - whole.item()) < 1e-6
+
+
+def test_packed_micro_batches_are_balanced_by_tokens():
+    """A long-tailed batch: the token split fills micro-batches evenly, where consecutive rows left
+    one nearly empty; every row once, each micro-batch within the budget (a longer row alone)."""
+    lengths = [60, 12, 14, 11, 13, 58, 10, 12, 15, 11, 55, 12]
+    batch = pack([traj(i, [1], list(range(2, 1 + n)), reward=0.0) for i, n in enumerate(lengths)])
+    rows = micro_batch_rows(batch, 100, packed=True)
+    assert sorted(r for group in rows for r in group) == list(range(len(lengths)))
+    loads = [sum(lengths[r] for r in group) for group in rows]
+    assert len(rows) == 3 and all(load <= 100 for load in loads)  # 283 tokens: the fewest that fit
+    assert max(loads) - min(loads) <= min(lengths)
+    assert all(group == sorted(group) for group in rows)
+    # A row over the budget runs alone, the others still share.
+    rows = micro_batch_rows(batch, 40, packed=True)
+    assert sorted(r for group in rows for r in group) == list(range(len(lengths)))
+    for group in rows:
+        assert sum(lengths[r] for r in group) <= 40 or len(group) == 1
+    assert [g for g in rows if len(g) == 1 and lengths[g[0]] > 40] == [[0], [5], [10]]
+
+
+def test_padded_micro_batches_group_rows_of_similar_length():
+    lengths = [60, 12, 14, 58, 10, 12]
+    batch = pack([traj(i, [1], list(range(2, 1 + n)), reward=0.0) for i, n in enumerate(lengths)])
+    rows = micro_batch_rows(batch, 120)
+    # rows x widest: the two long rows together (2 x 60), the four short ones (4 x 14)
+    assert rows == [[0, 3], [1, 2, 4, 5]]

@@ -1,7 +1,7 @@
 """End to end: the quickstart, synchronous and asynchronous, and the same recipe as a hand-written loop.
 
     python tools/bench_e2e.py [--seeds 0,1,2] [--warmup-steps 650] [--grpo-seconds 250] [--target 0.9]
-                              [--also 0.7,0.8] [--only hand,sync,async] [--full]
+                              [--also 0.7,0.8] [--only hand,sync,async] [--full] [--threads N]
 
 For each seed, runs `tools/hand_grpo.py`, `pipelines/quickstart.yaml` and
 `pipelines/quickstart_async.yaml` one after the other (never together: they would share the two
@@ -11,7 +11,9 @@ seconds of a GRPO step and the best eval reward. A run is stopped once it reache
 (SIGINT: flowrl checkpoints and exits; `--full` runs every budget out). One seed cannot tell
 10% apart here (steps to 0.9 varied 205-480 between runs of one setting), so the summary is per
 seed plus the median over seeds, a run that missed the target counting as slower than any that
-reached it. The last line is one JSON object: sync_s_to_target, async_s_to_target (medians; null
+reached it. `--threads N` gives the plain loop and the
+pipelines' engines N torch threads each (default: each one's own setting, 2), e.g. 1 on a machine
+other work keeps busy, where two threads per process spend their time waiting for each other. The last line is one JSON object: sync_s_to_target, async_s_to_target (medians; null
 where the median run missed), async_over_sync (their ratio), async_wins (seeds where async
 reached the target first), hand_s_to_target, sync_over_hand, and per contender the per-seed figures
 (`<name>_<figure>_by_seed`).
@@ -77,6 +79,8 @@ def summary(evals: list[dict], warmup: float, wall: float, args: argparse.Namesp
 def run_flowrl(pipeline: str, run_dir: Path, seed: int, args: argparse.Namespace) -> dict:
     overrides = [f"run.seed={seed}", f"phases.0.steps={args.warmup_steps}",
                  f"phases.1.seconds={args.grpo_seconds}", f"data.eval.every={args.eval_every}"]
+    if args.threads:
+        overrides.append(f"nodes.rollout.engine.threads={args.threads}")
     grpo = run_dir / "phases/1-grpo"
     wall = supervise([sys.executable, "-m", "flowrl.cli", "run", str(ROOT / pipeline), *overrides,
                       "--run-dir", str(run_dir), "--quiet"], grpo / "eval.jsonl", args, signal.SIGINT)
@@ -96,7 +100,8 @@ def run_hand(run_dir: Path, seed: int, args: argparse.Namespace) -> dict:
     evals_file = run_dir / "eval.jsonl"
     wall = supervise([sys.executable, str(ROOT / "tools/hand_grpo.py"), f"--seed={seed}",
                       f"--warmup-steps={args.warmup_steps}", f"--grpo-seconds={args.grpo_seconds}",
-                      f"--eval-every={args.eval_every}", f"--out={evals_file}"], evals_file, args, signal.SIGTERM)
+                      f"--eval-every={args.eval_every}", f"--out={evals_file}"]
+                     + ([f"--threads={args.threads}"] if args.threads else []), evals_file, args, signal.SIGTERM)
     evals = read_jsonl(evals_file)  # the loop's times already count from the warm-up's start
     out = summary(evals, 0.0, wall, args) | {"steps": evals[-1]["step"] if evals else 0}
     gaps = [(b["time"] - a["time"]) / (b["step"] - a["step"]) for a, b in zip(evals[1:], evals[2:], strict=False)]
@@ -124,6 +129,7 @@ def main() -> None:
                         help="lower eval targets to report seconds to, comma-separated")
     parser.add_argument("--only", default="hand,sync,async", help="comma-separated subset to run")
     parser.add_argument("--full", action="store_true", help="run every budget out instead of stopping at the target")
+    parser.add_argument("--threads", type=int, help="torch threads of the plain loop and of the pipelines' engines")
     args = parser.parse_args()
     names = args.only.split(",")
     results: dict[str, list[dict]] = {n: [] for n in names}

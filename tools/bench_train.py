@@ -1,6 +1,7 @@
 """The trainer's forward_backward against a plain padded Hugging Face forward/backward, same loss.
 
     OMP_NUM_THREADS=1 python tools/bench_train.py [--model PATH] [--rows 16] [--repeats 2]
+                                                  [--micro-batch-tokens N]
 
 Without `--model`, the SmolLM2-135M-shaped model with random weights that tools/bench_memory.py
 builds (LlamaConfig hidden 576, 30 layers, 9 heads, 3 kv heads, intermediate 1536, vocabulary
@@ -19,7 +20,11 @@ a GPU for both):
                 and the logprob kernel on the loss tokens only (training/head.py, training/kernels.py)
     plain HF    model(...).logits over every position, log_softmax, gather, entropy (no gradient,
                 for the metric), the same loss function
-The loss and every parameter's gradient must agree (max abs difference <= 1e-5 of the tensor's
+With `--micro-batch-tokens N` flowrl splits the rows into micro-batches of at most N tokens, balanced
+by token count (training/batch.py), and a third side, `rows`, is flowrl with the padded rule's split
+(rows of similar length, rows x the longest within N) over the same packed forward: what balancing
+by tokens changes; and a fourth, `one`, the same forward on one micro-batch (the default run). The
+loss and every parameter's gradient must agree (max abs difference <= 1e-5 of the tensor's
 largest entry; bf16 on a GPU: 2e-2). Times are the fastest of `--repeats` (the two sides
 alternate); memory is the peak over the resting state of the first run of each: resident memory on
 the CPU (VmHWM, flowrl measured first, so the plain side's figure is its own peak), allocated
@@ -42,7 +47,7 @@ from bench_memory import build_model  # noqa: E402
 
 from flowrl.data.trajectory import Trajectory  # noqa: E402
 from flowrl_operators.training.advantages import AdvantageConfig, compute_advantages  # noqa: E402
-from flowrl_operators.training.batch import Normaliser, pack  # noqa: E402
+from flowrl_operators.training.batch import Normaliser, micro_batch_rows, pack  # noqa: E402
 from flowrl_operators.training.head import pack_rows, packing_supported  # noqa: E402
 from flowrl_operators.training.losses import LossConfig, policy_loss  # noqa: E402
 from flowrl_operators.training.trainer import Trainer, TrainerConfig  # noqa: E402
@@ -123,6 +128,20 @@ def compare(loss_a: float, loss_b: float, grads_a: dict, grads_b: dict, toleranc
     return worst
 
 
+def other_split(trainer: Trainer, batch, loss_fn, packed: bool, budget: int, check: tuple | None) -> float:
+    """Seconds of flowrl's forward_backward with another split (`packed`: by tokens, else the padded
+    rule's; `budget` tokens) over the same packed forward; with `check` (the plain side's loss and
+    gradients) its results are compared too."""
+    was = trainer.packed, trainer.config.micro_batch_tokens
+    trainer.packed, trainer.config.micro_batch_tokens = packed, budget
+    seconds, _, metrics = measure(trainer, lambda: trainer.forward_backward(batch, loss_fn))
+    trainer.packed, trainer.config.micro_batch_tokens = was
+    grads = take_grads(trainer)
+    if check is not None:
+        compare(metrics["loss"], check[0], grads, check[1], 1e-5)
+    return seconds
+
+
 def default_model() -> str:
     folder = Path(os.environ.get("FLOWRL_CACHE", Path.home() / ".cache" / "flowrl")) / "bench-smollm2-135m-shape"
     if not (folder / "config.json").exists():
@@ -136,9 +155,10 @@ def main() -> None:
     parser.add_argument("--model", help="a checkpoint folder (default: SmolLM2-135M's shape, random weights)")
     parser.add_argument("--rows", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--micro-batch-tokens", type=int, help="split flowrl's batch (default: one micro-batch)")
     args = parser.parse_args()
     model = args.model or default_model()
-    trainer = Trainer(model, TrainerConfig(lr=1e-5, micro_batch_tokens=1 << 20))  # one micro-batch
+    trainer = Trainer(model, TrainerConfig(lr=1e-5, micro_batch_tokens=args.micro_batch_tokens or 1 << 20))
     vocab = trainer.model.config.vocab_size
     batch, loss_fn = grpo_batch(args.rows, vocab), policy_loss(LOSS)
     # Behaviour logprobs near the model's own (+-0.2), so that the clip is active on some tokens.
@@ -149,7 +169,12 @@ def main() -> None:
           f"{tokens} tokens ({batch.input_ids.numel()} padded), {loss_tokens} loss tokens, vocabulary {vocab}")
     packed = tuple(pack_rows(batch, attention_width=6 * trainer.model.config.hidden_size)[0].shape) if packing_supported(trainer.model) else None
     print(f"flowrl packs them into {packed} (rows, width)" if packed else "flowrl runs the padded rows (no packing)")
-    times: dict[str, list[float]] = {"flowrl": [], "plain": []}
+    sides = ["flowrl", "plain"] + (["rows", "one"] if args.micro_batch_tokens else [])
+    if args.micro_batch_tokens:
+        splits = {name: [len(g) for g in micro_batch_rows(batch, args.micro_batch_tokens, packed)]
+                  for name, packed in (("flowrl", trainer.packed), ("rows", False))}
+        print("rows per micro-batch: " + "; ".join(f"{k} {v}" for k, v in splits.items()))
+    times: dict[str, list[float]] = {side: [] for side in sides}
     memory: dict[str, float] = {}
     for repeat in range(args.repeats):
         seconds, peak, metrics = measure(trainer, lambda: trainer.forward_backward(batch, loss_fn))
@@ -160,15 +185,20 @@ def main() -> None:
         times["plain"].append(seconds)
         memory.setdefault("plain", peak)
         grads_plain = take_grads(trainer)
+        check = (float(loss), grads_plain) if repeat == 0 else None
+        if "rows" in sides:  # the padded rule's split, and one micro-batch, of the same packed forward
+            times["rows"].append(other_split(trainer, batch, loss_fn, False, args.micro_batch_tokens, check))
+            times["one"].append(other_split(trainer, batch, loss_fn, trainer.packed, 1 << 20, check))
         if repeat == 0:
             worst = compare(metrics["loss"], float(loss), grads_flowrl, grads_plain,
                             2e-2 if trainer.bf16 else 1e-5)
             print(f"loss {metrics['loss']:.8f} vs {float(loss):.8f}; gradients agree to {worst:.1e} of their "
                   "largest entry")
     best = {k: min(v) for k, v in times.items()}
-    for side in ("flowrl", "plain"):
+    for side in sides:
         print(f"{side:7s} forward_backward {best[side]:.3f} s (runs: "
-              f"{', '.join(f'{t:.3f}' for t in times[side])}), peak memory +{memory[side]:.2f} GB")
+              f"{', '.join(f'{t:.3f}' for t in times[side])})"
+              + (f", peak memory +{memory[side]:.2f} GB" if side in memory else ""))
     speedup = best["plain"] / best["flowrl"]
     print(f"speedup {speedup:.2f}x")
     print(json.dumps({"bench": "train", "rows": args.rows, "tokens": tokens, "loss_tokens": loss_tokens,
@@ -176,7 +206,11 @@ def main() -> None:
                       "flowrl_s": round(best["flowrl"], 4), "plain_s": round(best["plain"], 4),
                       "flowrl_peak_gb": round(memory["flowrl"], 3), "plain_peak_gb": round(memory["plain"], 3),
                       "grad_max_rel_diff": worst, "threads": torch.get_num_threads(),
-                      "device": str(trainer.device), "speedup": round(speedup, 3)}))
+                      "device": str(trainer.device), "speedup": round(speedup, 3),
+                      "micro_batch_tokens": args.micro_batch_tokens,
+                      **({"rows_s": round(best["rows"], 4), "rows_over_tokens": round(best["rows"] / best["flowrl"], 3),
+                          "one_s": round(best["one"], 4), "one_over_tokens": round(best["one"] / best["flowrl"], 3)}
+                         if "rows" in sides else {})}))
 
 
 if __name__ == "__main__":

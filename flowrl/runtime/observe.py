@@ -6,7 +6,8 @@ chrome://tracing), appended during the run and valid after every append (flowrl/
 `replica * 100 + slot` (slot >= 1) for work running concurrently on that replica. Events:
 `ph: "X"` spans named `wait` (blocked on input or admission), `generate` / `process` / `train` /
 `sync` (operator calls; args hold the record id, step and version), `drain` (a generate stage
-finishing in-flight work before a weight update), `update_weights`, and `step` (one train step,
+finishing in-flight work before a weight update), `update_weights`, `setup` (the operator built and set
+up, a checkpoint restored), and `step` (one train step,
 start to publish); `ph: "i"` instants `publish v<n>` and `weights v<n>`. The row `runtime` (pid 0)
 holds the run's own work: `checkpoint` spans (from the step that made one due until it is written;
 train nodes wait meanwhile) and `flush` spans (these files appended). Timestamps are microseconds

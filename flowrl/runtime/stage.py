@@ -55,6 +55,7 @@ class Stage:
 
     async def start(self, checkpoint: str | None = None) -> None:
         """Build and set up the operator; restore it from a checkpoint directory if given."""
+        start = time.time()
         cls = registry.resolve(self.node.op)
         config = msgspec.convert(self.node.config, cls.Config)
         self.op = cls(config, self.context())
@@ -70,6 +71,7 @@ class Stage:
         # out of the collector's reach, or each full collection walks it again (measured: periodic
         # pauses of 0.3-0.5 s every ~17 quickstart steps).
         gc.freeze()
+        self.events.append(span(self.pid, self.replica * 100, "setup", start, time.time(), self.origin))
         await self.coord.attach(self.node.name, self.replica, self.version)
         await self._report()  # what setup measured (e.g. the first evaluation), before any work
 

@@ -22,11 +22,10 @@ log_softmax(logits) of the chosen token, since the point mass they sample from h
 Weights and the KV cache. `update_weights` stages every incoming tensor off to the side while the
 engine keeps serving (a copy, or the tensor itself when the stream says the version owns it), and
 only when the whole version has arrived and checked out swaps the staged tensors in as the live
-parameters between two steps; an error leaves the old weights untouched. A version may also carry
-LoRA adapters, which the engine adds next to its base weights (flowrl_operators.engine.weights). KV entries already
-computed by the old weights are *kept* (the "in_place" behaviour, cheap) unless the engine was
-paused with mode "retract": then each running request's prompt and output so far are prefilled again
-at resume, so its next tokens equal what the new weights produce from that prefix.
+parameters between two steps; an error leaves the old weights untouched (a version may also carry
+LoRA adapters: flowrl_operators.engine.weights). KV entries already computed by the old weights
+are *kept* ("in_place", cheap) unless the engine was paused with mode "retract": then each running
+request's prompt and output so far are prefilled again at resume, so its next tokens equal what the new weights produce from that prefix.
 """
 
 from __future__ import annotations
@@ -63,7 +62,7 @@ class Sequence:
 
     request: GenerateRequest
     future: asyncio.Future
-    generator: torch.Generator
+    seed: int  # the request's sampling seed (engine/sampling.py draws token i from uniform(seed, i))
     stop_ids: frozenset[int]
     tokens: list[int]  # prompt + output; the cache holds KV for all but the last one
     output: list[int] = field(default_factory=list)
@@ -114,7 +113,6 @@ class EmbeddedEngine:
         version: int = 0,
     ) -> None:
         silence_hf()
-        configure()  # large blocks as their own mappings: freed memory leaves the process (memory.py)
         if threads is not None:
             torch.set_num_threads(threads)
         if isinstance(dtype, str):
@@ -122,6 +120,8 @@ class EmbeddedEngine:
         self.device = torch.device(device)
         self.folder = resolve_model(model)
         self.model: CausalLM = load_model(self.folder, dtype, self.device)
+        # Large blocks as their own mappings: freed memory leaves the process (memory.py; not for a small model).
+        configure(sum(p.numel() * p.element_size() for p in self.model.parameters()))
         config = self.model.config
         self.vocab_size = config.vocab_size
         self.eos_ids = end_token_ids(self.folder, config)
@@ -170,7 +170,7 @@ class EmbeddedEngine:
         seq = Sequence(
             request=request,
             future=asyncio.get_running_loop().create_future(),
-            generator=torch.Generator(self.device).manual_seed(seed),
+            seed=seed,
             stop_ids=frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids),
             tokens=list(request.input_ids),
         )
@@ -425,7 +425,7 @@ class EmbeddedEngine:
     def _emit(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         """Sample one token per sequence from its logits row; append it and check stop conditions."""
         params = [seq.request.sampling for seq in seqs]
-        tokens, logprobs = sample(logits, params, [seq.generator for seq in seqs])
+        tokens, logprobs = sample(logits, params, [seq.seed for seq in seqs], [len(seq.output) for seq in seqs])
         for seq, token, logprob, p in zip(seqs, tokens, logprobs, params, strict=True):
             seq.tokens.append(token)
             seq.output.append(token)

@@ -129,7 +129,10 @@ class DecoderLayer(nn.Module):
 class DecoderBody(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # Given its weight, nn.Embedding skips its random init: on the meta device that init
+        # imports torch._dynamo (~1.8 s of a run's set-up), and load_model overwrites it anyway.
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

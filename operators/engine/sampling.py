@@ -2,9 +2,16 @@
 
 For a sampled row (temperature > 0) the distribution is softmax(logits / temperature), restricted
 to the top_k most likely tokens, then to the smallest head of those whose mass reaches top_p, and
-renormalised; the token is drawn from it with the row's own torch.Generator (so a seeded request
-draws the same token whatever else is in the batch) and its logprob is read from the same
-distribution. A greedy row (temperature 0) takes the argmax and reports log_softmax(logits) there.
+renormalised; the token is read from its cumulative distribution at one uniform number, and its
+logprob from the same distribution. A greedy row (temperature 0) takes the argmax and reports
+log_softmax(logits) there.
+
+Determinism per request: the uniform of a row is a hash of the request's seed and the index of the
+token being drawn (`uniform`: SplitMix64, computed in Python for the batch's rows), not a draw from
+a shared generator, so a seeded request draws the same tokens whatever else is in the batch, alone
+or among others, after a retract and a resume too, and the whole batch samples in a few batched
+tensor operations (one Gumbel noise vector per row, drawn row by row from each request's
+torch.Generator, cost the quickstart ~1,000 small calls a step).
 """
 
 from __future__ import annotations
@@ -13,11 +20,29 @@ import torch
 
 from flowrl_operators.engine.base import SamplingParams
 
+_MASK = (1 << 64) - 1
+_GAMMA = 0x9E3779B97F4A7C15  # SplitMix64's increment (the golden ratio in 64 bits)
+
+
+def _mix(z: int) -> int:
+    """SplitMix64's finaliser: a bijection of 64-bit integers that scatters every input bit."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return z ^ (z >> 31)
+
+
+def uniform(seed: int, index: int) -> float:
+    """The request's uniform number in (0, 1) for its `index`-th token: SplitMix64's output number
+    `index` of the stream the (mixed) seed starts, 53 bits."""
+    z = _mix((_mix(seed & _MASK) + (index + 1) * _GAMMA) & _MASK)
+    return ((z >> 11) + 0.5) / (1 << 53)
+
 
 def sample(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]
+    logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], indices: list[int]
 ) -> tuple[list[int], list[float]]:
-    """logits [N, vocab] fp32 -> (token per row, logprob per row)."""
+    """logits [N, vocab] fp32 -> (token per row, logprob per row). Row i draws with `uniform(seeds[i],
+    indices[i])` (its request's seed and the index of the token it draws)."""
     count, vocab = logits.shape
     tokens = torch.empty(count, dtype=torch.long, device=logits.device)
     logprobs = torch.empty(count, dtype=torch.float, device=logits.device)
@@ -40,14 +65,21 @@ def sample(
         if min(top_k) < vocab or min(top_p) < 1.0:
             scaled = restrict(scaled, top_k, top_p)
         logp = torch.log_softmax(scaled, dim=-1)
-        # Gumbel-max: argmax(logp - log E), E ~ Exp(1) drawn per row from that request's generator,
-        # is an exact draw from softmax(logp); excluded tokens stay at -inf.
-        noise = torch.stack([torch.empty(vocab, device=logits.device).exponential_(generator=generators[i])
-                             for i in sampled])
-        chosen = (logp - noise.log()).argmax(dim=-1)
+        u = torch.tensor([uniform(seeds[i], indices[i]) for i in sampled], dtype=torch.float64, device=logits.device)
+        chosen = inverse_cdf(logp, u)
         tokens[rows] = chosen
         logprobs[rows] = logp.gather(1, chosen[:, None])[:, 0]
     return tokens.tolist(), logprobs.tolist()
+
+
+def inverse_cdf(logp: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The token of each row whose cumulative probability first exceeds u (in [0, 1)) of the row's
+    total: an exact draw from softmax(logp) for a uniform u; excluded tokens (-inf) have no width and
+    are never chosen. fp64 sums, so that no token's width is lost to rounding."""
+    cdf = logp.exp().double().cumsum(dim=-1)
+    chosen = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+    # u * total may round up to the total: the last token with any mass (the first at the total).
+    return torch.where(chosen < cdf.shape[1], chosen, cdf.argmax(dim=-1))
 
 
 def restrict(scaled: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

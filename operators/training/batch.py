@@ -292,25 +292,51 @@ def shard(batch: Batch, rank: int, world_size: int) -> Batch:
     return batch.select(sorted(owned[rank]))
 
 
-def micro_batch_rows(batch: Batch, token_budget: int) -> list[list[int]]:
-    """Consecutive rows grouped so that rows x padded length stays within `token_budget`.
+def micro_batch_rows(batch: Batch, token_budget: int, packed: bool = False) -> list[list[int]]:
+    """The batch's rows in micro-batches of at most `token_budget` tokens each; a row longer than the
+    budget runs alone. Each micro-batch lists its rows in ascending order.
 
-    A single row longer than the budget forms its own micro-batch.
+    `packed` (the forward lays a micro-batch's sequences end to end, training/head.py): a micro-batch
+    costs its tokens, so the rows are balanced by token count over as few micro-batches as fit the
+    budget (longest first onto the least loaded), and a long-tailed batch does not leave one
+    micro-batch full and the next nearly empty. Otherwise (padded rows): it costs rows x its longest
+    row, so rows of similar length go together (longest first, filled up to the budget).
     """
+    lengths = [int(n) for n in batch.lengths.tolist()]
+    if not lengths:
+        return []
+    return _balanced(lengths, token_budget) if packed else _by_width(lengths, token_budget)
+
+
+def _balanced(lengths: list[int], budget: int) -> list[list[int]]:
+    """Longest first onto the least loaded of `count` micro-batches, for the fewest `count` whose
+    loads all fit (a micro-batch of one row may exceed the budget)."""
+    order = sorted(range(len(lengths)), key=lambda r: (-lengths[r], r))
+    for count in range(max(1, -(-sum(lengths) // budget)), len(lengths) + 1):
+        loads, groups = [0] * count, [[] for _ in range(count)]
+        for row in order:
+            k = min(range(count), key=lambda j: (loads[j], j))
+            loads[k] += lengths[row]
+            groups[k].append(row)
+        if all(load <= budget or len(group) == 1 for load, group in zip(loads, groups, strict=True)):
+            break
+    return sorted((sorted(g) for g in groups if g), key=lambda g: g[0])
+
+
+def _by_width(lengths: list[int], budget: int) -> list[list[int]]:
+    """Rows longest first, each micro-batch filled while rows x its widest row fits."""
     groups: list[list[int]] = []
     current: list[int] = []
-    width = 0
-    for row in range(batch.size):
-        length = int(batch.lengths[row])
-        if current and (len(current) + 1) * max(width, length) > token_budget:
-            groups.append(current)
-            current, width = [], 0
+    for row in sorted(range(len(lengths)), key=lambda r: (-lengths[r], r)):
+        width = lengths[current[0]] if current else lengths[row]  # the first row is the widest
+        if current and (len(current) + 1) * width > budget:
+            groups.append(sorted(current))
+            current = []
         current.append(row)
-        width = max(width, length)
     if current:
-        groups.append(current)
+        groups.append(sorted(current))
     return groups
 
 
-def micro_batches(batch: Batch, token_budget: int) -> list[Batch]:
-    return [batch.select(rows) for rows in micro_batch_rows(batch, token_budget)]
+def micro_batches(batch: Batch, token_budget: int, packed: bool = False) -> list[Batch]:
+    return [batch.select(rows) for rows in micro_batch_rows(batch, token_budget, packed)]

@@ -23,13 +23,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
 
 if TYPE_CHECKING:
     from flowrl_operators.training.trainer import Trainer
@@ -82,6 +75,10 @@ def _set_rng_state(state: dict) -> None:
 
 
 def _state(trainer: Trainer, with_optim: bool) -> dict:
+    # Imported here: torch.distributed.checkpoint takes ~1.5 s to import, which a run's set-up
+    # need not wait for (the first checkpoint pays it).
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
     # get_state_dict initialises an empty optimizer state with a zero-lr step (its step counter
     # then reads 1), so the optimizer is only touched when its state is to be saved or loaded.
     if with_optim:
@@ -91,6 +88,8 @@ def _state(trainer: Trainer, with_optim: bool) -> dict:
 
 
 def save(trainer: Trainer, target: Path) -> Path:
+    import torch.distributed.checkpoint as dcp
+
     target = target.absolute()
     tmp = _prepare_tmp(trainer, target)
     with_optim = trainer.optimizer is not None and bool(trainer.optimizer.state)
@@ -127,6 +126,9 @@ def _existing(target: Path) -> Path:
 
 
 def load(trainer: Trainer, target: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
     source = _existing(target.absolute())
     counters = torch.load(source / "trainer.pt", weights_only=True)
     with_optim = counters["with_optim"] and trainer.optimizer is not None

@@ -30,6 +30,8 @@ uses, tied embeddings need nothing special, and what a model does to its logits 
 from __future__ import annotations
 
 import contextlib
+import functools
+import heapq
 import math
 from collections.abc import Iterator
 
@@ -55,12 +57,18 @@ def packing_supported(model: torch.nn.Module | None = None) -> bool:
     """Whether this transformers reads sequence boundaries from restarting position ids (with no
     attention mask) and masks attention across them (`masking_utils.find_packed_sequence_indices`),
     and `model` is of a family checked to honour them."""
+    family = getattr(getattr(model, "config", None), "model_type", None) if model is not None else None
+    return _transformers_packs() and (model is None or family in PACKED_FAMILIES)
+
+
+@functools.cache
+def _transformers_packs() -> bool:
+    """Asked once per process: the lookup through transformers' lazy module cost ~3 ms a forward."""
     try:
         from transformers import masking_utils
     except ImportError:
         return False
-    family = getattr(getattr(model, "config", None), "model_type", None) if model is not None else None
-    return hasattr(masking_utils, "find_packed_sequence_indices") and (model is None or family in PACKED_FAMILIES)
+    return hasattr(masking_utils, "find_packed_sequence_indices")
 
 
 def output_head(model: torch.nn.Module) -> torch.nn.Module:
@@ -93,9 +101,11 @@ def _spread_rows(lengths: list[int], count: int) -> tuple[list[int], list[tuple[
     """Sequences longest first onto the least loaded of `count` rows: each row's load, and each
     sequence's (row, offset)."""
     loads, where = [0] * count, [(0, 0)] * len(lengths)
+    heap = [(0, k) for k in range(count)]  # (load, row): the least loaded first, then the lowest row
     for row in sorted(range(len(lengths)), key=lambda r: (-lengths[r], r)):
-        packed = min(range(count), key=lambda k: (loads[k], k))
-        where[row], loads[packed] = (packed, loads[packed]), loads[packed] + lengths[row]
+        load, packed = heap[0]
+        where[row], loads[packed] = (packed, load), load + lengths[row]
+        heapq.heapreplace(heap, (loads[packed], packed))
     return loads, where
 
 
@@ -119,11 +129,15 @@ def pack_rows(
     count, loads, where = min(options, key=lambda o: (o[0] * max(o[1]) * (1 + max(o[1]) / attention_width), -o[0]))
     width, device = max(loads), mb.input_ids.device
     input_ids = torch.zeros(count, width, dtype=mb.input_ids.dtype, device=device)
-    position_ids = torch.stack([torch.arange(width, device=device) - load for load in loads]).clamp(min=0)
-    for row, ((packed, offset), length) in enumerate(zip(where, lengths, strict=True)):
-        input_ids[packed, offset : offset + length] = mb.input_ids[row, :length]
-        position_ids[packed, offset : offset + length] = mb.position_ids[row, :length]
+    position_ids = (torch.arange(width, device=device)[None, :]
+                    - torch.tensor(loads, device=device)[:, None]).clamp(min=0)
     packed_row, offset = torch.tensor(where, device=device).unbind(1)
+    # Every token of every sequence in one copy: (row, col) -> (its packed row, its offset + col).
+    src = (torch.arange(mb.input_ids.shape[1], device=device)[None, :] < mb.lengths.to(device)[:, None]).nonzero(
+        as_tuple=True)
+    dst = (packed_row[src[0]], offset[src[0]] + src[1])
+    input_ids[dst] = mb.input_ids[src]
+    position_ids[dst] = mb.position_ids[src]
     return input_ids, position_ids, packed_row, offset
 
 

@@ -43,7 +43,7 @@ from flowrl_operators.training.batch import (
     micro_batch_rows,
 )
 from flowrl_operators.training.engine import EngineEntry
-from flowrl_operators.training.head import loss_token_logprobs
+from flowrl_operators.training.head import loss_token_logprobs, packing_supported
 from flowrl_operators.training.losses import LossFn
 from flowrl_operators.training.vl_inputs import shard_units, vl_inputs, vl_value_model
 from flowrl_operators.vision import is_vl
@@ -62,7 +62,9 @@ class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     total_steps: int | None = None  # the decay horizon of linear / cosine
     min_lr_ratio: float = 0.0
     grad_clip: float | None = 1.0
-    micro_batch_tokens: int = 8192  # rows x padded length per micro-batch (a longer row runs alone)
+    # Tokens per micro-batch: packed rows (the policy's forward on llama / qwen2) count their tokens
+    # and are balanced by them; padded rows count rows x the longest (a longer row runs alone).
+    micro_batch_tokens: int = 8192
     max_nonfinite_steps: int = 3  # consecutive skipped (non-finite) steps before the run stops
     mixed_precision: bool = True  # bf16 compute on GPU; CPU always runs fp32
     gradient_checkpointing: bool = False
@@ -138,7 +140,6 @@ class Trainer:
         from flowrl_operators.memory import configure
         from flowrl_operators.models import BUILD_LOCK, resolve_model
 
-        configure()  # large blocks as their own mappings: freed memory leaves the process (memory.py)
 
         self.config = config or TrainerConfig()
         self.model_path = resolve_model(model_path)
@@ -153,11 +154,15 @@ class Trainer:
         with BUILD_LOCK, torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.config.seed)  # the same fresh heads on every rank
             self.model = _load_model(self.model_path, self.head).to(self.device)
+        # Large blocks as their own mappings: freed memory leaves the process (memory.py; not for a small model).
+        configure(sum(p.numel() * p.element_size() for p in self.model.parameters()))
         _disable_dropout(self.model)
         if self.config.gradient_checkpointing:  # non-reentrant: also right when the inputs need no grad
             _checkpoint_layers(self.model)
         if self.trainable:
             self.model = tuning.prepare(self.model, self.config.freeze, self.config.lora)
+        # Whether the forward packs sequences (training/head.py): micro-batches are then balanced by tokens.
+        self.packed = self.head == "policy" and packing_supported(self.model)
         self.sharded = self.world_size > 1
         if self.sharded:
             self._shard()
@@ -233,7 +238,7 @@ class Trainer:
 
     def _plan(self, batch: Batch) -> tuple[list[list[int]], int]:
         """This rank's micro-batch rows and the number of micro-batches every rank will run."""
-        rows = micro_batch_rows(batch, self.config.micro_batch_tokens)
+        rows = micro_batch_rows(batch, self.config.micro_batch_tokens, self.packed)
         return rows, int(self._all_reduce([float(len(rows))], dist.ReduceOp.MAX)[0])
 
     def forward_backward(self, batch: Batch, loss_fn: LossFn) -> dict[str, float]:
@@ -309,8 +314,9 @@ class Trainer:
             real = k < len(rows)
             mb = batch.select(rows[k]) if real else _placeholder(batch)
             values = self._forward(mb)[key].float().cpu()
-            if real:
-                out[rows[k][0] : rows[k][-1] + 1, : values.shape[1]] = torch.where(mb.loss_mask > 0, values, 0.0)
+            if real:  # a micro-batch's rows need not be consecutive
+                out[torch.as_tensor(rows[k])[:, None], torch.arange(values.shape[1])] = torch.where(
+                    mb.loss_mask > 0, values, 0.0)
         return out
 
     def compute_logprobs(self, batch: Batch) -> torch.Tensor:

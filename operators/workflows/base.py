@@ -40,8 +40,9 @@ def derive_seed(*parts: Any) -> int:
 
 def resubmit_seed(seed: int | None, generated: int) -> int | None:
     """The seed of a request resubmitted after `generated` tokens. An engine draws each token's
-    noise from a generator seeded with the request's seed, so resubmitting with the same seed would
-    draw token generated + i with token i's noise again; a seed derived from (seed, position) gives
+    randomness from the request's seed and the token's index in that request (the embedded engine:
+    engine/sampling.py; SGLang: a generator seeded with it), so resubmitting with the same seed would
+    draw token generated + i with token i's randomness again; a seed derived from (seed, position) gives
     the tokens ahead fresh noise, the same on every replay."""
     return seed if seed is None or generated == 0 else derive_seed(seed, "resubmit", generated)
 
@@ -90,11 +91,16 @@ class WorkflowContext:
     # Prompt ids by sample object, shared by the episodes of one group (the generate node passes one
     # dict per group): tokenising the same prompt once per episode was ~5% of a quickstart step.
     prompt_cache: dict[int, tuple[dict[str, Any], list[int]]] = field(default_factory=dict)
-    rng: random.Random = field(init=False)
     calls: int = field(default=0, init=False)
+    _rng: random.Random | None = field(default=None, init=False, repr=False)
 
-    def __post_init__(self) -> None:
-        self.rng = random.Random(derive_seed(self.seed, self.sample_id, self.episode, "rng"))
+    @property
+    def rng(self) -> random.Random:
+        """A random.Random seeded by the run's seed, the sample and the episode (the same on re-issue);
+        built on first use: most workflows draw nothing, and seeding one cost ~10 us an episode."""
+        if self._rng is None:
+            self._rng = random.Random(derive_seed(self.seed, self.sample_id, self.episode, "rng"))
+        return self._rng
 
     @property
     def version(self) -> int:
