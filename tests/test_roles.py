@@ -227,12 +227,18 @@ def test_random_orders_form_every_batch_and_a_short_one_only_when_nothing_more_c
     assert len(trained_ids) == len(set(trained_ids))
 
 
-def test_samples_go_to_the_generate_replica_with_the_fewest_in_flight():
+def two_engines() -> Coordinator:
+    """A generate node of two replicas (both attached at version 0) feeding a train node."""
     plan = ops.plan([ops.node("rollout", "gen", replicas=2), ops.node("learner", "train")],
                     [ops.edge("rollout", "learner")], steps=2, batch_size=4)
     coord = Coordinator(plan, None, 2)
     for r in (0, 1):
         now(coord.attach("rollout", r, 0))
+    return coord
+
+
+def test_samples_go_to_the_generate_replica_with_the_fewest_in_flight():
+    coord = two_engines()
     first = issue(coord, replica=0)
     assert issue(coord, replica=0) is None  # replica 1 has fewer in flight: it goes first
     second = issue(coord, replica=1)
@@ -245,11 +251,7 @@ def test_samples_go_to_the_generate_replica_with_the_fewest_in_flight():
 
 
 def test_a_dead_generate_replica_hands_its_samples_back_and_takes_no_share_until_back():
-    plan = ops.plan([ops.node("rollout", "gen", replicas=2), ops.node("learner", "train")],
-                    [ops.edge("rollout", "learner")], steps=2, batch_size=4)
-    coord = Coordinator(plan, None, 2)
-    for r in (0, 1):
-        now(coord.attach("rollout", r, 0))
+    coord = two_engines()
     held = issue(coord, replica=0)
     now(coord.attach("rollout", 0, -1))  # replica 0 died; Ray restarts it
     assert not coord.held["rollout"]
