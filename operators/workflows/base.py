@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 import msgspec
 
+from flowrl.data.images import ImageRef
 from flowrl.data.trajectory import SamplingSpan, Trajectory, Turn
 from flowrl_operators.engine.base import GenerateRequest, GenerateResult, InferenceEngine, SamplingParams
 
@@ -47,18 +48,22 @@ def resubmit_seed(seed: int | None, generated: int) -> int | None:
 
 
 async def generate_complete(engine: InferenceEngine, request_id: str, input_ids: list[int],
-                            sampling: SamplingParams, max_attempts: int = 1000) -> GenerateResult:
+                            sampling: SamplingParams, max_attempts: int = 1000,
+                            images: list[ImageRef] | None = None) -> GenerateResult:
     """One engine call that survives weight updates: a request aborted by one (pause mode "abort")
     is resubmitted with its partial output appended (and a fresh seed, `resubmit_seed`), so the
     caller sees one result whose `versions` say which policy produced each token. Its finish
-    reason is never "abort": out of tokens it is "length". An engine error is returned in `error`."""
+    reason is never "abort": out of tokens it is "length". An engine error is returned in `error`.
+    `images` are the images whose placeholder tokens `input_ids` hold, in order (a resubmission
+    appends only text tokens, so they stay the same)."""
     merged = GenerateResult(request_id=request_id, sampling=sampling)  # what the trainer recomputes under
     prefix = list(input_ids)
     for attempt in range(max_attempts):
         done = len(merged.output_ids)
         attempt_sampling = msgspec.structs.replace(sampling, seed=resubmit_seed(sampling.seed, done),
                                                    max_new_tokens=sampling.max_new_tokens - done)
-        request = GenerateRequest(request_id=f"{request_id}#{attempt}", input_ids=prefix, sampling=attempt_sampling)
+        request = GenerateRequest(request_id=f"{request_id}#{attempt}", input_ids=prefix, sampling=attempt_sampling,
+                                  images=list(images or []))
         result = await engine.generate(request)
         merged.output_ids += result.output_ids
         merged.logprobs += result.logprobs
@@ -101,8 +106,11 @@ class WorkflowContext:
         """The policy version the engine serves now."""
         return self.engine.version
 
-    async def generate(self, input_ids: list[int], **overrides: Any) -> GenerateResult:
+    async def generate(self, input_ids: list[int], images: list[ImageRef] | None = None,
+                       **overrides: Any) -> GenerateResult:
         """One engine call from token ids. `overrides` replace sampling fields (max_new_tokens, ...).
+        `images`: the images whose placeholder tokens `input_ids` hold, in order (a vision-language
+        policy; see `vision_prompt` for ids and images from chat messages).
 
         A request aborted by a weight update (pause mode "abort") is resubmitted with its partial
         output appended, so the caller always sees one complete result whose `versions` say which
@@ -115,7 +123,7 @@ class WorkflowContext:
                 sampling, seed=derive_seed(self.seed, self.sample_id, self.episode, self.calls))
         # Unique even if the same sample runs twice at once (e.g. a greedy evaluation episode).
         request_id = f"{self.sample_id}/{self.episode}/{self.calls}-{uuid.uuid4().hex[:8]}"
-        result = await generate_complete(self.engine, request_id, input_ids, sampling)
+        result = await generate_complete(self.engine, request_id, input_ids, sampling, images=images)
         if result.error:
             raise EpisodeError(f"engine rejected request {request_id}: {result.error}")
         return result
@@ -206,6 +214,7 @@ class TrajectoryBuilder:
         self.turns: list[Turn] = []
         self.sampling: list[SamplingSpan] = []
         self.turn_rewards: list[float] = []
+        self.images: list[ImageRef] = []  # those whose placeholders are in context_ids, in order
         self.finish_reason = "stop"
 
     @property
@@ -235,7 +244,9 @@ class TrajectoryBuilder:
         else:
             self.sampling.append(SamplingSpan(start, end, temperature, top_p, top_k))
 
-    def add_environment(self, ids: list[int], version: int) -> None:
+    def add_environment(self, ids: list[int], version: int, images: list[ImageRef] | None = None) -> None:
+        """Tokens the model did not produce (loss mask 0), with the images whose placeholders they hold."""
+        self.images += images or []
         self.response_ids += ids
         self.loss_mask += [0] * len(ids)
         self.logprobs += [0.0] * len(ids)
@@ -249,7 +260,7 @@ class TrajectoryBuilder:
             id="", group_id="", sample_id="", prompt_ids=self.prompt_ids, response_ids=self.response_ids,
             loss_mask=self.loss_mask, behaviour_logprobs=self.logprobs, versions=self.versions,
             turns=self.turns, sampling=self.sampling, reward=reward, turn_rewards=rewards,
-            finish_reason=self.finish_reason,
+            finish_reason=self.finish_reason, images=list(self.images),
             metadata=dict(metadata or {}),
         )
         trajectory.validate()
