@@ -23,6 +23,8 @@ import msgspec
 from flowrl.data.images import ImageRef
 from flowrl.data.trajectory import SamplingSpan, Trajectory, Turn
 from flowrl_operators.engine.base import GenerateRequest, GenerateResult, InferenceEngine, SamplingParams
+from flowrl_operators.workflows.vision_messages import ImageContentError, has_images, store_images
+from flowrl_operators.workflows.vision_prompt import encode_with_images
 
 
 class EpisodeError(RuntimeError):
@@ -92,9 +94,9 @@ class WorkflowContext:
     seed: int = 0
     args: dict[str, Any] = field(default_factory=dict)
     services: dict[str, Any] = field(default_factory=dict)  # e.g. "proxy" for agent workflows
-    # Prompt ids by sample object, shared by the episodes of one group (the generate node passes one
-    # dict per group): tokenising the same prompt once per episode was ~5% of a quickstart step.
-    prompt_cache: dict[int, tuple[dict[str, Any], list[int]]] = field(default_factory=dict)
+    # Prompt ids (and images) by sample object, shared by the episodes of one group (the generate node
+    # passes one dict per group): tokenising the same prompt once per episode was ~5% of a quickstart step.
+    prompt_cache: dict[int, tuple[dict[str, Any], list[int], list[ImageRef]]] = field(default_factory=dict)
     rng: random.Random = field(init=False)
     calls: int = field(default=0, init=False)
 
@@ -141,12 +143,29 @@ class WorkflowContext:
 
     def prompt_ids(self, sample: dict[str, Any]) -> list[int]:
         """A sample's prompt: `prompt_ids` (as given), chat `messages` (the chat template, with a
-        generation prompt), or `prompt` text (with the tokenizer's special tokens), in that order."""
+        generation prompt), or `prompt` text (with the tokenizer's special tokens), in that order.
+        A sample with images needs them too: use `prompt`."""
+        return self.prompt(sample)[0]
+
+    def prompt(self, sample: dict[str, Any]) -> tuple[list[int], list[ImageRef]]:
+        """(prompt ids, images): as `prompt_ids`, and for chat messages with image parts (or a
+        sample's `images`, flowrl/data/image_columns.py) the images in order, each placeholder the
+        template renders expanded for its image; pass both to `generate`."""
         # The entry keeps its sample alive, so no other object can take its id while it is cached.
         cached = self.prompt_cache.get(id(sample))
         if cached is None or cached[0] is not sample:
-            cached = self.prompt_cache[id(sample)] = (sample, self._prompt_ids(sample))
-        return list(cached[1])
+            cached = self.prompt_cache[id(sample)] = (sample, *self._prompt(sample))
+        return list(cached[1]), list(cached[2])
+
+    def _prompt(self, sample: dict[str, Any]) -> tuple[list[int], list[ImageRef]]:
+        messages = sample.get("messages")
+        if "prompt_ids" not in sample and isinstance(messages, list) and (sample.get("images") or has_images(messages)):
+            try:
+                messages, images = store_images(messages, sample.get("images"))
+            except ImageContentError as e:
+                raise EpisodeError(f"sample {self.sample_id}: {e}") from None
+            return chat_ids(self.tokenizer, messages, images=images), images
+        return self._prompt_ids(sample), []
 
     def _prompt_ids(self, sample: dict[str, Any]) -> list[int]:
         if "prompt_ids" in sample:
@@ -161,11 +180,27 @@ class WorkflowContext:
 
 
 def chat_ids(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-             tools: list[dict] | None = None) -> list[int]:
-    """The chat template's text, tokenised (the template's special tokens map to their ids)."""
+             tools: list[dict] | None = None, images: list[ImageRef] | None = None) -> list[int]:
+    """The chat template's text, tokenised (the template's special tokens map to their ids). With
+    `images` (the messages' `{"type": "image"}` parts, in order: `store_images`), each image
+    placeholder is expanded to its image's tokens."""
     text = tokenizer.apply_chat_template(
         [_plain(m) for m in messages], tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False)
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    return _encode(tokenizer, text, images)
+
+
+def _encode(tokenizer: Any, text: str, images: list[ImageRef] | None) -> list[int]:
+    if not images:
+        return list(tokenizer.encode(text, add_special_tokens=False))
+    pending = list(images)
+    try:
+        ids = encode_with_images(tokenizer, text, pending)
+    except ImageContentError as e:
+        raise EpisodeError(str(e)) from None
+    if pending:
+        raise EpisodeError(f"the chat template placed {len(images) - len(pending)} of {len(images)} images; "
+                           "is the model a vision-language one?")
+    return ids
 
 
 def _plain(message: dict[str, Any]) -> dict[str, Any]:
@@ -177,13 +212,14 @@ _PLACEHOLDER = "\u0001FLOWRL\u0001"  # assistant content the template never prod
 
 
 def continuation_ids(tokenizer: Any, history: list[dict[str, Any]], observation: list[dict[str, Any]],
-                     model_ids: list[int]) -> list[int]:
+                     model_ids: list[int], images: list[ImageRef] | None = None) -> list[int]:
     """Tokens that follow the model's last turn up to the next assistant prompt.
 
     Renders `history + [assistant: PLACEHOLDER] + observation` with a generation prompt and keeps the
     text after the placeholder: the template's end of the assistant turn, the observation messages
     and the next assistant header. If the model already produced the end-of-turn token (its stop
     token), that part is not repeated. Only this text is tokenised; the model's ids are kept as is.
+    `images`: the observation's images in order (`store_images`), their placeholders expanded.
     """
     rendered = tokenizer.apply_chat_template(
         [_plain(m) for m in history] + [{"role": "assistant", "content": _PLACEHOLDER}]
@@ -197,7 +233,7 @@ def continuation_ids(tokenizer: Any, history: list[dict[str, Any]], observation:
         if last and tokenizer.convert_ids_to_tokens(model_ids[-1]) in tokenizer.all_special_tokens \
                 and tail.startswith(last):
             tail = tail[len(last):]
-    return list(tokenizer.encode(tail, add_special_tokens=False))
+    return _encode(tokenizer, tail, images)
 
 
 class TrajectoryBuilder:
@@ -205,7 +241,7 @@ class TrajectoryBuilder:
     (loss mask 0), with turn spans over the response, one reward per turn if given, and the
     sampling parameters of each model turn (from `GenerateResult.sampling`)."""
 
-    def __init__(self, prompt_ids: list[int]) -> None:
+    def __init__(self, prompt_ids: list[int], images: list[ImageRef] | None = None) -> None:
         self.prompt_ids = list(prompt_ids)
         self.response_ids: list[int] = []
         self.loss_mask: list[int] = []
@@ -214,7 +250,7 @@ class TrajectoryBuilder:
         self.turns: list[Turn] = []
         self.sampling: list[SamplingSpan] = []
         self.turn_rewards: list[float] = []
-        self.images: list[ImageRef] = []  # those whose placeholders are in context_ids, in order
+        self.images = list(images or [])  # those whose placeholders are in context_ids, in order
         self.finish_reason = "stop"
 
     @property
