@@ -103,7 +103,7 @@ def resolve_model(path: str | os.PathLike) -> Path:
     if not folder.is_dir():
         raise FileNotFoundError(
             f"model path {text!r} is not a directory; give a local Hugging Face checkpoint folder "
-            f"or one of {', '.join(BUILTIN_PREFIX + n for n in BUILTIN_MODELS)}"
+            f"or one of {', '.join(BUILTIN_PREFIX + n for n in builtin_names())}"
         )
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(
@@ -143,15 +143,25 @@ def load_hf_model(path: str | os.PathLike, dtype: Any = None):
 # --- built-in models ------------------------------------------------------------------------------
 
 
+def builtin_names() -> list[str]:
+    """Every `builtin:` model: the text ones here, the vision-language ones in models_vl.py."""
+    from flowrl_operators.models_vl import VL_MODELS
+
+    return list(BUILTIN_MODELS) + list(VL_MODELS)
+
+
 def _fingerprint(name: str) -> str:
-    spec = {"recipe": RECIPE, "seed": SEED, "model": BUILTIN_MODELS[name], "chars": CHARACTERS,
+    from flowrl_operators import models_vl
+
+    model = models_vl.spec(name) if name in models_vl.VL_MODELS else BUILTIN_MODELS[name]
+    spec = {"recipe": RECIPE, "seed": SEED, "model": model, "chars": CHARACTERS,
             "special": SPECIAL_TOKENS, "template": CHAT_TEMPLATE}
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _builtin_dir(name: str) -> Path:
-    if name not in BUILTIN_MODELS:
-        known = ", ".join(BUILTIN_PREFIX + n for n in BUILTIN_MODELS)
+    if name not in builtin_names():
+        known = ", ".join(BUILTIN_PREFIX + n for n in builtin_names())
         raise ValueError(f"unknown built-in model {BUILTIN_PREFIX + name!r}; known: {known}")
     final = cache_root() / name
     stamp = final / "flowrl_builtin.json"
@@ -184,8 +194,10 @@ def _builtin_dir(name: str) -> Path:
     return final
 
 
-def build_tokenizer():
-    """A character-level `PreTrainedTokenizerFast`: one token per character, specials first.
+def build_tokenizer(extra_special: list[str] | None = None, chat_template: str = CHAT_TEMPLATE):
+    """A character-level `PreTrainedTokenizerFast`: one token per character, specials first
+    (`extra_special` tokens, e.g. a VL family's vision tokens, go after the characters so that text
+    ids stay those of the text built-ins).
 
     It is written as a byte-level BPE without merges (the pipeline of Qwen2/Llama-3 tokenizers):
     transformers 5 loads any `qwen2` checkpoint through `Qwen2Tokenizer`, which rebuilds exactly
@@ -197,7 +209,8 @@ def build_tokenizer():
     from transformers import PreTrainedTokenizerFast
 
     symbol = _byte_symbols()
-    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + [symbol[ord(c)] for c in CHARACTERS])}
+    extra = list(extra_special or [])
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + [symbol[ord(c)] for c in CHARACTERS] + extra)}
     core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, fuse_unk=False, byte_fallback=False))
     core.normalizer = normalizers.NFC()
     core.pre_tokenizer = pre_tokenizers.Sequence([
@@ -210,8 +223,8 @@ def build_tokenizer():
         pad_token=PAD,
         unk_token=UNK,
         eos_token=EOS,
-        additional_special_tokens=[IM_START, IM_END],
-        chat_template=CHAT_TEMPLATE,
+        additional_special_tokens=[IM_START, IM_END, *extra],
+        chat_template=chat_template,
         clean_up_tokenization_spaces=False,
     )
 
@@ -242,6 +255,10 @@ def build_model(name: str, folder: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
+    from flowrl_operators.models_vl import VL_MODELS, build_vl_model
+
+    if name in VL_MODELS:
+        return build_vl_model(name, folder)
     silence_hf()
     arch, keys = BUILTIN_MODELS[name]
     keys = dict(keys)
