@@ -22,11 +22,20 @@ def test_the_view_is_centred_on_the_agent_with_walls_off_the_grid():
     assert cell(image, 3, 2, 4) == (0, 0, 0)  # floor
 
 
+def test_a_target_beyond_the_view_is_marked_on_its_edge():
+    image = render(size=4, agent=(1, 1), target=(3, 1), radius=1, cell_px=28)
+    assert image.size == (84, 84)  # 3x3 cells of one image token each
+    assert cell(image, 2, 1, 28) == GOAL  # right of the agent, on the edge
+    far = render(size=4, agent=(0, 3), target=(3, 0), radius=1, cell_px=28)
+    assert cell(far, 2, 0, 28) == GOAL and cell(far, 0, 1, 28) == WALL  # up and right; left is off the grid
+    assert sum(far.getpixel((x, y)) == GOAL for x in range(84) for y in range(84)) == 28 * 28  # one marker
+
+
 def test_moves_rewards_and_the_end_of_an_episode():
-    env = GridNavEnv(cell_px=4)
+    env = GridNavEnv()
     first = env.reset({"size": 3, "agent": [0, 0], "target": [1, 1]})
     assert first["content"][0]["type"] == "image" and first["content"][1]["type"] == "text"
-    assert env.view == 2  # radius size - 1: the target is always in view
+    assert first["content"][0]["image"].size == (84, 84)
     step = env.step("left")  # into the wall: no closer
     assert (step.reward, step.done, env.agent) == (-0.2, False, (0, 0))
     assert env.step("hello").reward == -0.1
@@ -47,7 +56,7 @@ def test_source_is_pure_and_splits_never_overlap():
     assert source.sample(4, 2) == grid_nav(seed=3).sample(4, 2)
     sample = source.sample(0, 0)
     assert sample["target_move"] in best_moves(tuple(sample["agent"]), tuple(sample["target"]))
-    assert 1 <= abs(sample["agent"][0] - sample["target"][0]) + abs(sample["agent"][1] - sample["target"][1]) <= 4
+    assert 1 <= abs(sample["agent"][0] - sample["target"][0]) + abs(sample["agent"][1] - sample["target"][1]) <= 3
     assert source.eval_sample(5) == grid_nav(seed=9).eval_sample(5)
     assert TASKS["grid_nav"] is grid_nav
     with pytest.raises(ValueError, match="size >= 2"):

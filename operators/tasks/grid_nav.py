@@ -1,20 +1,22 @@
 """Grid navigation from pictures: a multi-turn vision-language task.
 
-An agent and a target (red) sit on a small grid. Each turn the environment renders what the agent
-sees as an image, a window of the grid centred on the agent (cells off the grid are gray walls), and
-the model answers `up`, `down`, `left` or `right`; the agent moves one cell (into a wall: it stays).
-Where the target is can only be read from the picture: the text never says.
+An agent and a target sit on a small grid. Each turn the environment renders what the agent sees as
+an image: the cells around it (the agent, white, in the middle; cells off the grid gray walls) and
+the target in red, or, when the target lies beyond the view, a red marker on the view's edge in its
+direction (the target clamped into the view, as a minimap shows what is off screen). The model
+answers `up`, `down`, `left` or `right`; the agent moves one cell (into a wall: it stays). Where
+the target is can only be read from the picture: the text never says.
 
 Turn rewards: reaching the target 1 (the episode ends), a move closer 0.2, a move away or into a wall
 -0.2, a reply that is no direction -0.1 (the agent stays). The episode reward is their sum, so
 an episode that walks straight to a target d cells away earns 1 + 0.2 (d - 1).
 
 Why this shape: a tiny vision-language model must learn it in minutes on a CPU. The view is centred
-on the agent, so the answer depends only on where the red cell appears in the picture, not on
-comparing two positions; with a window radius of at least `size - 1` the target is always in view.
-Images are a few cells of `cell_px` pixels, a handful of image tokens.
+on the agent, so the answer depends only on where red appears in the picture, not on comparing two
+positions. With `cell_px: 28` every cell is one image token of the built-in VL models (patch 14,
+merged 2x2), so a 3x3 view is 9 image tokens.
 
-Samples hold only the state (`size`, `agent`, `target`) and the best first move (`target_move`, the
+Samples hold only the state (`size`, `agent`, `target`) and a best first move (`target_move`, the
 supervised warm-up's answer); the environment renders images in the generate stage, where they
 are stored in the run's image store (`flowrl.data.images`).
 """
@@ -42,12 +44,14 @@ def render(size: int, agent: tuple[int, int], target: tuple[int, int], radius: i
     cells = 2 * radius + 1
     image = Image.new("RGB", (cells * cell_px, cells * cell_px), WALL)
     draw_ = ImageDraw.Draw(image)
+    # The target, or its marker on the view's edge (between the agent and the target: on the grid).
+    seen = tuple(a + max(-radius, min(radius, t - a)) for a, t in zip(agent, target, strict=True))
     for row in range(cells):
         for col in range(cells):
             x, y = agent[0] + col - radius, agent[1] + row - radius
             if not (0 <= x < size and 0 <= y < size):
                 continue
-            color = GOAL if (x, y) == tuple(target) else AGENT if (x, y) == tuple(agent) else FLOOR
+            color = GOAL if (x, y) == seen else AGENT if (x, y) == tuple(agent) else FLOOR
             draw_.rectangle([col * cell_px, row * cell_px, (col + 1) * cell_px - 1, (row + 1) * cell_px - 1],
                             fill=color)
     return image
@@ -73,17 +77,16 @@ def best_moves(agent: tuple[int, int], target: tuple[int, int]) -> list[str]:
 class GridNavEnv:
     """One episode: the agent's position moves with each valid answer until it reaches the target."""
 
-    def __init__(self, radius: int | None = None, cell_px: int = 8) -> None:
+    def __init__(self, radius: int = 1, cell_px: int = 28) -> None:
         self.radius, self.cell_px = radius, cell_px
 
     def reset(self, sample: dict[str, Any]) -> dict[str, Any]:
         self.size = int(sample["size"])
         self.agent, self.target = tuple(sample["agent"]), tuple(sample["target"])
-        self.view = self.radius if self.radius is not None else self.size - 1
         return self.observation(PROMPT)
 
     def observation(self, text: str | None = None) -> dict[str, Any]:
-        image = render(self.size, self.agent, self.target, self.view, self.cell_px)
+        image = render(self.size, self.agent, self.target, self.radius, self.cell_px)
         parts: list[dict[str, Any]] = [{"type": "image", "image": image}]
         if text:
             parts.append({"type": "text", "text": text})
@@ -111,13 +114,12 @@ class grid_nav(TaskSource):  # noqa: N801 - the name users write: builtin:grid_n
 
     name = "grid_nav"
 
-    def __init__(self, seed: int = 0, split: Split = "train", size: int = 3, max_distance: int | None = None) -> None:
+    def __init__(self, seed: int = 0, split: Split = "train", size: int = 4, max_distance: int = 3) -> None:
         super().__init__(seed, split)
         if size < 2:
             raise ValueError(f"grid_nav needs size >= 2, got {size}")
-        self.size = size
-        self.max_distance = max_distance if max_distance is not None else 2 * (size - 1)
-        if self.max_distance < 1:
+        self.size, self.max_distance = size, max_distance
+        if max_distance < 1:
             raise ValueError(f"grid_nav needs max_distance >= 1, got {max_distance}")
 
     def _state(self, rng: random.Random) -> tuple[tuple[int, int], tuple[int, int], int]:
@@ -136,7 +138,7 @@ class grid_nav(TaskSource):  # noqa: N801 - the name users write: builtin:grid_n
                 "target_move": rng.choice(best_moves(agent, target))}
 
     @staticmethod
-    def workflow(max_turns: int = 4, radius: int | None = None, cell_px: int = 8, supervised: bool = False,
+    def workflow(max_turns: int = 5, radius: int = 1, cell_px: int = 28, supervised: bool = False,
                  **args: Any) -> Any:
         """The episode (`EnvironmentWorkflow`), or with `supervised: true` one first view answered
         with `target_move` (a warm-up that teaches the answer format and the picture)."""
