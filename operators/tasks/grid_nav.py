@@ -139,16 +139,20 @@ class grid_nav(TaskSource):  # noqa: N801 - the name users write: builtin:grid_n
 
     @staticmethod
     def workflow(max_turns: int = 5, radius: int = 1, cell_px: int = 28, supervised: bool = False,
-                 **args: Any) -> Any:
+                 system: str | None = None, max_context: int | None = None) -> Any:
         """The episode (`EnvironmentWorkflow`), or with `supervised: true` one first view answered
         with `target_move` (a warm-up that teaches the answer format and the picture)."""
+        for name, value in (("max_turns", max_turns), ("radius", radius), ("cell_px", cell_px)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"grid_nav's {name} must be an integer >= 1, got {value!r}")
+
         def make_env() -> GridNavEnv:
             return GridNavEnv(radius, cell_px)
         if supervised:
             from flowrl_operators.workflows.vision_supervised import FirstObservationSupervised
 
-            return FirstObservationSupervised(make_env, target_key="target_move", **args)
-        return EnvironmentWorkflow(make_env, max_turns=max_turns, **args)
+            return FirstObservationSupervised(make_env, target_key="target_move", system=system)
+        return EnvironmentWorkflow(make_env, max_turns=max_turns, system=system, max_context=max_context)
 
     @staticmethod
     def reward(trajectory: Trajectory) -> float:
