@@ -128,14 +128,23 @@ def load_config(path: str | os.PathLike):
     return AutoConfig.from_pretrained(str(resolve_model(path)), local_files_only=True)
 
 
+def auto_class(path: str | os.PathLike):
+    """The transformers auto class of the checkpoint: `AutoModelForImageTextToText` for a
+    vision-language model (operators/vision.py), else `AutoModelForCausalLM`."""
+    import transformers
+
+    from flowrl_operators.vision import is_vl
+
+    return transformers.AutoModelForImageTextToText if is_vl(path) else transformers.AutoModelForCausalLM
+
+
 def load_hf_model(path: str | os.PathLike, dtype: Any = None):
-    """The checkpoint as a Hugging Face `AutoModelForCausalLM` (the reference and the trainer's model)."""
+    """The checkpoint as a Hugging Face model (`auto_class`: the reference and the trainer's model)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     silence_hf()
     with BUILD_LOCK:
-        return AutoModelForCausalLM.from_pretrained(
+        return auto_class(path).from_pretrained(
             str(resolve_model(path)), local_files_only=True, dtype=dtype or torch.float32
         )
 

@@ -16,9 +16,11 @@ video processor that needs torchvision) and answers:
   token sequence with its images, and the offset text tokens after the last image have (position =
   index + delta), the same numbers as transformers' `get_rope_index` for these families.
 
-Placeholder convention: the k-th image of a sequence is the k-th run of image-pad tokens (a run may
-hold several consecutive images); its length must be the image's token count. Image-pad runs after
-the last image (a model may sample the token) are plain text, as they are during decoding.
+Placeholder convention: the k-th image of a sequence is the k-th run of image-pad tokens that
+directly follows a vision-start token (what the chat templates write); its length must be the
+image's token count. Image-pad tokens elsewhere (a model may sample the token) are plain text, as
+they are during decoding, and so are runs after the last image (`spans` is lenient there; the
+engine refuses a prompt whose placeholder runs and images differ in number: `image_runs`).
 
 Supported families: Qwen2-VL and Qwen2.5-VL (`SUPPORTED`), the built-ins `builtin:tiny-qwen2-vl` and
 `builtin:tiny-qwen2.5-vl` and real checkpoints of those families in a local folder.
@@ -170,28 +172,30 @@ class Vision:
                              f"{[self.grid(ref) for ref in refs]}")
         return {"pixel_values": out["pixel_values"].float(), "image_grid_thw": out["image_grid_thw"].long()}
 
+    def image_runs(self, ids: Sequence[int]) -> list[tuple[int, int]]:
+        """[start, end) of every run of image-pad tokens that follows a vision-start token."""
+        runs: list[tuple[int, int]] = []
+        i, n = 1, len(ids)
+        while i < n:
+            if ids[i] == self.image_token_id and ids[i - 1] == self.vision_start_id:
+                end = i
+                while end < n and ids[end] == self.image_token_id:
+                    end += 1
+                runs.append((i, end))
+                i = end
+            i += 1
+        return runs
+
     def spans(self, ids: Sequence[int], refs: Sequence[ImageRef]) -> list[tuple[int, int]]:
         """[start, end) of each image's placeholder tokens in `ids` (module docs: the convention)."""
-        spans: list[tuple[int, int]] = []
-        i, n, k = 0, len(ids), 0
-        while i < n and k < len(refs):
-            if ids[i] != self.image_token_id:
-                i += 1
-                continue
-            end = i
-            while end < n and ids[end] == self.image_token_id:
-                end += 1
-            while i < end and k < len(refs):  # consecutive images may share one run
-                size = self.image_tokens(refs[k])
-                if end - i < size:
-                    raise ValueError(f"image {k} ({refs[k].width}x{refs[k].height}) needs {size} placeholder "
-                                     f"tokens, the sequence has {end - i} at position {i}")
-                spans.append((i, i + size))
-                i, k = i + size, k + 1
-            i = end
-        if k < len(refs):
-            raise ValueError(f"the sequence has placeholders for {k} images, {len(refs)} were given")
-        return spans
+        runs = self.image_runs(ids)
+        if len(runs) < len(refs):
+            raise ValueError(f"the sequence has placeholders for {len(runs)} images, {len(refs)} were given")
+        for k, (ref, (start, end)) in enumerate(zip(refs, runs, strict=False)):
+            if end - start != self.image_tokens(ref):
+                raise ValueError(f"image {k} ({ref.width}x{ref.height}) needs {self.image_tokens(ref)} placeholder "
+                                 f"tokens, the sequence has {end - start} at position {start}")
+        return runs[: len(refs)]
 
     def positions(self, ids: Sequence[int], refs: Sequence[ImageRef]) -> tuple[torch.Tensor, int]:
         """Multimodal rotary positions [3, len(ids)] (long) and the delta of the text after the last

@@ -98,7 +98,7 @@ def test_mistakes_are_reported(store):
     with pytest.raises(ValueError, match="placeholders for 1 images, 2 were given"):
         v.positions(ids, [ref, ref])
     big = store.put(picture((112, 112)))  # 16 tokens: the prompt has room for 4
-    with pytest.raises(ValueError, match="needs 16 placeholder tokens"):
+    with pytest.raises(ValueError, match="needs 16 placeholder tokens, the sequence has 4"):
         v.positions(ids, [big])
     with pytest.raises(ValueError, match="not a vision-language model"):
         vision("builtin:tiny-qwen2")

@@ -49,9 +49,10 @@ from flowrl_operators.engine.base import (
     GenerateResult,
     PauseMode,
 )
-from flowrl_operators.engine.model import CausalLM, KVCache, end_token_ids, load_model
+from flowrl_operators.engine.model import CausalLM, end_token_ids, load_model
 from flowrl_operators.engine.prefill import PrefillStats, compact, prefill
 from flowrl_operators.engine.sampling import sample
+from flowrl_operators.engine.vl_requests import check_images
 from flowrl_operators.memory import configure, release
 from flowrl_operators.models import resolve_model, silence_hf
 
@@ -126,7 +127,7 @@ class EmbeddedEngine:
         self.eos_ids = end_token_ids(self.folder, config)
         self.max_context = check_max_context(max_context, config)
         self.max_slots = max_slots
-        self.cache = KVCache(config, max_slots, self.max_context, dtype, self.device)
+        self.cache = self.model.cache_class(config, max_slots, self.max_context, dtype, self.device)
         self._version = version
         self._rng = random.Random(seed)
         self._waiting: deque[Sequence] = deque()
@@ -311,7 +312,7 @@ class EmbeddedEngine:
         bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             return f"stop token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
-        return None
+        return check_images(self.model, request)
 
     # --- weights -------------------------------------------------------------------------------------
 

@@ -137,6 +137,9 @@ class DecoderBody(nn.Module):
 class CausalLM(nn.Module):
     """The decoder with its language-model head; parameter names are the HF checkpoint's."""
 
+    embed_name = "model.embed_tokens.weight"  # the parameter a tied head shares
+    cache_class: type[KVCache]  # set below the class KVCache (the VL model's cache keeps more)
+
     def __init__(self, config) -> None:
         super().__init__()
         check_config(config)
@@ -146,13 +149,26 @@ class CausalLM(nn.Module):
         # A tied head has no parameter of its own (HF's named_parameters() omits it too).
         self.lm_head = None if self.tied else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
+    def live_name(self, stored: str) -> str:
+        """The parameter name of a tensor name in the checkpoint's files (the same for text models)."""
+        return stored
+
     def head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.tied else self.lm_head.weight
+
+    def rotary(self, cache: KVCache, positions: torch.Tensor, rows: slice | torch.Tensor,
+               seqs: list | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 cos/sin [B, S, head_dim] of the block's positions (the VL model's differ: model_vl.py)."""
+        return cache.cos[positions], cache.sin[positions]
+
+    def embed(self, tokens: torch.Tensor, start: torch.Tensor, seqs: list | None) -> torch.Tensor:
+        """The block's input embeddings (the VL model puts image embeddings at placeholders)."""
+        return self.model.embed_tokens(tokens)
 
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, start: torch.Tensor, cache: KVCache, rows: slice | torch.Tensor,
                 length: int, last: torch.Tensor | None = None, all_logits: bool = False,
-                lengths: torch.Tensor | None = None) -> torch.Tensor:
+                lengths: torch.Tensor | None = None, seqs: list | None = None) -> torch.Tensor:
         """Feed tokens [B, S] to B cache rows, row b starting at position start[b].
 
         `rows`: a slice of cache rows, or a tensor of B slot numbers. `length` = max(start) + S, the
@@ -161,7 +177,8 @@ class CausalLM(nn.Module):
         Right-padded rows are fine: with `lengths` (real tokens per row) the padding goes to the
         scratch position, so it never writes a position that any row (or another request that later
         copies this row's prefix) reads; without it, padding writes beyond the row's real tokens,
-        which are masked until the row's own later tokens overwrite them.
+        which are masked until the row's own later tokens overwrite them. `seqs` (prefill: the
+        request of each row) is read by models whose rows need more than their tokens (images).
         """
         batch, steps = tokens.shape
         columns = torch.arange(steps, device=tokens.device)
@@ -171,8 +188,9 @@ class CausalLM(nn.Module):
         # Key t is visible to query (b, i) iff t <= positions[b, i] (causal within the row's slot).
         mask = (torch.arange(length, device=tokens.device) <= positions[:, :, None])[:, None]
         dtype = self.model.embed_tokens.weight.dtype
-        cos, sin = cache.cos[positions].to(dtype), cache.sin[positions].to(dtype)
-        h = self.model.embed_tokens(tokens)
+        cos, sin = self.rotary(cache, positions, rows, seqs)
+        cos, sin = cos.to(dtype), sin.to(dtype)
+        h = self.embed(tokens, start, seqs)
         for layer, keys, values in zip(self.model.layers, cache.keys, cache.values, strict=True):
             attn_in = layer.input_layernorm(h)
             h = h + layer.self_attn(attn_in, cos, sin, keys, values, rows, positions, mask, length)
@@ -269,6 +287,9 @@ class KVCache:
         self.cos, self.sin = rope_tables(self.config, capacity + 1, self.device)
 
 
+CausalLM.cache_class = KVCache
+
+
 def rope_tables(config, max_context: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 cos/sin [max_context, head_dim] for every position, computed as HF computes them."""
     params = dict(getattr(config, "rope_parameters", None) or {})
@@ -289,16 +310,29 @@ def rope_tables(config, max_context: int, device: torch.device) -> tuple[torch.T
 
 def load_model(folder: Path, dtype: torch.dtype, device: torch.device | str):
     """Build the model for a checkpoint folder and load its safetensors by HF name."""
-    from safetensors import safe_open
     from transformers import AutoConfig
 
     from flowrl_operators.models import BUILD_LOCK
 
     with BUILD_LOCK:  # see BUILD_LOCK: other stages may build theirs in other threads meanwhile
         config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
-        with torch.device("meta"):
-            model = CausalLM(config)
-        model = model.to_empty(device=device).to(dtype)
+        if hasattr(config, "vision_config"):  # a vision-language checkpoint
+            from flowrl_operators.engine.model_vl import build_vl
+
+            model = build_vl(folder, config, dtype, device)
+        else:
+            with torch.device("meta"):
+                model = CausalLM(config)
+            model = model.to_empty(device=device).to(dtype)
+    load_weights(model, folder)
+    model.eval()
+    return model
+
+
+def load_weights(model: CausalLM, folder: Path) -> None:
+    """Copy the folder's safetensors into the model's parameters, by name; every parameter must come."""
+    from safetensors import safe_open
+
     params = dict(model.named_parameters())
     files = sorted(folder.glob("*.safetensors"))
     if not files:
@@ -307,15 +341,14 @@ def load_model(folder: Path, dtype: torch.dtype, device: torch.device | str):
     for file in files:
         # One tensor at a time (not load_file's whole dict): loading holds the model plus one tensor.
         with safe_open(str(file), "pt") as reader:
-            for name in reader.keys():  # noqa: SIM118 - safe_open has keys(), not iteration
+            for stored in reader.keys():  # noqa: SIM118 - safe_open has keys(), not iteration
+                name = model.live_name(stored)
                 if name in params and not (name == "lm_head.weight" and model.tied):
-                    _load_one(params[name], reader.get_tensor(name), name, file)
+                    _load_one(params[name], reader.get_tensor(stored), name, file)
                     loaded.add(name)
     missing = sorted(set(params) - loaded)
     if missing:
         raise ValueError(f"{folder}: checkpoint lacks {len(missing)} parameters, e.g. {missing[:3]}")
-    model.eval()
-    return model
 
 
 def _load_one(param: torch.Tensor, tensor: torch.Tensor, name: str, file: Path) -> None:

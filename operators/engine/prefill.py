@@ -3,7 +3,8 @@
 GRPO-shaped work submits a group of requests with equal prompt ids (the generate node gathers a
 sample's episodes at once), and groups often open with the same system prompt. Prefill therefore
 
-1. picks one *leader* per distinct token list among the requests to prefill; the others (*forks*)
+1. picks one *leader* per distinct token list (and images: requests with images compare
+   `vl_requests.prefix_key`s, so KV is never shared across different images) among the requests to prefill; the others (*forks*)
    take a copy of the leader's KV and the leader's last-position logits, then sample from them with
    their own generator (so each request's noise still comes from its own seed);
 2. lets each leader copy the longest prefix it shares with a request already cached (a *donor*:
@@ -26,7 +27,9 @@ from typing import Protocol
 
 import torch
 
+from flowrl_operators.engine.base import GenerateRequest
 from flowrl_operators.engine.model import CausalLM, KVCache
+from flowrl_operators.engine.vl_requests import prefix_key
 
 PADDING = 1.25  # a batched prefill forward computes at most this many tokens per real token
 # A leader sharing at least this many more tokens with another new prompt than with any cached one
@@ -39,6 +42,7 @@ class Cached(Protocol):
 
     tokens: list[int]
     slot: int | None
+    request: GenerateRequest
 
 
 @dataclass
@@ -62,20 +66,27 @@ class Leader:
     start: int = 0  # positions copied from a donor; computing starts here
     donor: int | None = None  # the donor's slot
     forks: list[Cached] = field(default_factory=list)
+    key: list[int] | None = None  # the tokens as sharing compares them (vl_requests.prefix_key)
+
+    def __post_init__(self) -> None:
+        if self.key is None:
+            self.key = self.seq.tokens
 
 
-def plan(seqs: Seq[Cached], donors: Seq[Cached]) -> list[Leader]:
-    """One leader per distinct token list (with its forks), each with its best donor prefix."""
+def plan(seqs: Seq[Cached], donors: Seq[Cached], image_token: int | None = None) -> list[Leader]:
+    """One leader per distinct token list and images (with its forks), each with its best donor prefix."""
     leaders: dict[tuple[int, ...], Leader] = {}
+    donor_keys = [prefix_key(donor.request, donor.tokens, image_token) for donor in donors]
     for seq in seqs:
-        key = tuple(seq.tokens)
+        mine = prefix_key(seq.request, seq.tokens, image_token)
+        key = tuple(mine)
         if key in leaders:
             leaders[key].forks.append(seq)
             continue
-        leader = leaders[key] = Leader(seq)
-        for donor in donors:
+        leader = leaders[key] = Leader(seq, key=mine)
+        for donor, theirs in zip(donors, donor_keys, strict=True):
             # The donor's cache holds all its tokens but the last; the leader computes >= 1 token.
-            shared = common_prefix(seq.tokens, donor.tokens, min(len(seq.tokens), len(donor.tokens)) - 1)
+            shared = common_prefix(mine, theirs, min(len(mine), len(theirs)) - 1)
             if shared > leader.start:
                 leader.start, leader.donor = shared, donor.slot
     return list(leaders.values())
@@ -109,8 +120,8 @@ def rounds(leaders: list[Leader]) -> tuple[list[Leader], list[Leader]]:
     first: list[Leader] = []
     later: list[Leader] = []
     for leader in leaders:
-        tokens = leader.seq.tokens
-        best = max((common_prefix(tokens, f.seq.tokens, min(len(tokens) - 1, len(f.seq.tokens))) for f in first),
+        tokens = leader.key
+        best = max((common_prefix(tokens, f.key, min(len(tokens) - 1, len(f.key))) for f in first),
                    default=0)
         (later if best - leader.start >= MIN_SHARED else first).append(leader)
     return first, later
@@ -120,9 +131,9 @@ def adopt(later: list[Leader], first: list[Leader]) -> None:
     """Point each second-round leader at the first-round leader it shares most with (its KV now cached:
     every token, since nothing was sampled yet)."""
     for leader in later:
-        tokens = leader.seq.tokens
+        tokens = leader.key
         for f in first:
-            shared = common_prefix(tokens, f.seq.tokens, min(len(tokens) - 1, len(f.seq.tokens)))
+            shared = common_prefix(tokens, f.key, min(len(tokens) - 1, len(f.key)))
             if shared > leader.start:
                 leader.start, leader.donor = shared, f.seq.slot
 
@@ -131,7 +142,7 @@ def adopt(later: list[Leader], first: list[Leader]) -> None:
 def prefill(model: CausalLM, cache: KVCache, seqs: Seq[Cached], donors: Seq[Cached],
             stats: PrefillStats) -> tuple[list[Cached], torch.Tensor]:
     """Fill the cache for `seqs` (each in its own slot); returns them reordered with one logits row each."""
-    first, later = rounds(plan(seqs, donors))
+    first, later = rounds(plan(seqs, donors, getattr(model, "image_token_id", None)))
     order: list[Cached] = []
     rows: list[torch.Tensor] = []
     for group in (first, later):
@@ -165,7 +176,8 @@ def forward(model: CausalLM, cache: KVCache, batch: list[Leader]) -> torch.Tenso
     sizes_t = torch.tensor(sizes, device=device)
     return model(tokens, torch.tensor([row.start for row in batch], device=device), cache,
                  torch.tensor([row.seq.slot for row in batch], device=device),
-                 max(len(row.seq.tokens) for row in batch), last=sizes_t - 1, lengths=sizes_t)
+                 max(len(row.seq.tokens) for row in batch), last=sizes_t - 1, lengths=sizes_t,
+                 seqs=[row.seq for row in batch])
 
 
 def compact(slots: list, decode: Seq[Cached], cache: KVCache) -> int:

@@ -47,7 +47,7 @@ def stage(model: CausalLM, bucket, device: torch.device, owned: bool = False) ->
     staged = {}
     for name, tensor in bucket:
         if name == "lm_head.weight" and model.tied:
-            name = "model.embed_tokens.weight"  # a tied head is the embedding (trainers send both)
+            name = model.embed_name  # a tied head is the embedding (trainers send both)
         tensor = torch.as_tensor(tensor).detach()
         adapter = _adapter(model, name)
         if adapter is not None:

@@ -82,6 +82,8 @@ class Batch:
     # (B,) 1.0 on a group's greedy baseline row (generate `greedy_baseline: true`, for advantage
     # remax): its reward is the group's baseline and its loss mask is all zero.
     baseline: torch.Tensor | None = None
+    # Per row, the trajectory's images (list[ImageRef]; vision-language policies: training/vl_inputs.py).
+    images: list | None = None
 
     @property
     def size(self) -> int:
@@ -96,6 +98,8 @@ class Batch:
             value = getattr(self, field.name)
             if value is None:
                 out[field.name] = None
+            elif isinstance(value, list):  # images
+                out[field.name] = [value[i] for i in index.tolist()]
             elif field.name in ROW_FIELDS:
                 out[field.name] = value[index]
             elif field.name in TOKEN_FIELDS:
@@ -112,7 +116,8 @@ class Batch:
     def to(self, device: torch.device | str) -> Batch:
         return Batch(
             **{
-                f.name: (None if getattr(self, f.name) is None else getattr(self, f.name).to(device))
+                f.name: (getattr(self, f.name) if not isinstance(getattr(self, f.name), torch.Tensor)
+                         else getattr(self, f.name).to(device))
                 for f in dataclasses.fields(self)
             }
         )
@@ -238,6 +243,7 @@ def pack(trajectories: Sequence[Trajectory], require_reward: bool = True) -> Bat
         lengths=torch.tensor(lengths),
         reference_logprobs=reference,
         values=values,
+        images=[list(t.images) for t in trajectories] if any(t.images for t in trajectories) else None,
         **token,
     )
 

@@ -36,6 +36,7 @@ from collections.abc import Iterator
 import torch
 
 from flowrl_operators.training.kernels import token_logprobs
+from flowrl_operators.training.vl_inputs import vl_inputs
 
 # Packed rows aim at about this many tokens (or the longest sequence, if longer): wide enough that
 # the rows fill evenly, narrow enough that attention over a packed row (quadratic in its width, and
@@ -140,7 +141,7 @@ def loss_token_logprobs(model: torch.nn.Module, mb, autocast=None, pack: bool | 
     else:
         inputs = {"input_ids": mb.input_ids, "position_ids": mb.position_ids, "attention_mask": mb.attention_mask}
         at = (rows, cols)
-    with autocast or contextlib.nullcontext(), head_rows(output_head(model), *at):
+    with autocast or contextlib.nullcontext(), head_rows(output_head(model), *at), vl_inputs(model, mb, inputs) as inputs:
         logits = model(**inputs, use_cache=False).logits
     if logits.shape[:-1] != rows.shape:
         raise RuntimeError(f"the model returned logits shaped {tuple(logits.shape)} for {len(rows)} kept positions")

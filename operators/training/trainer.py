@@ -45,6 +45,7 @@ from flowrl_operators.training.batch import (
 from flowrl_operators.training.engine import EngineEntry
 from flowrl_operators.training.head import loss_token_logprobs
 from flowrl_operators.training.losses import LossFn
+from flowrl_operators.training.vl_inputs import shard_units
 
 
 class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -91,9 +92,9 @@ def lr_factor(step: int, config: TrainerConfig) -> float:
 
 
 def _load_model(path: Path, head: str):
-    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+    from transformers import AutoModelForTokenClassification
 
-    from flowrl_operators.models import silence_hf
+    from flowrl_operators.models import auto_class, silence_hf
 
     silence_hf()
     if head == "value":
@@ -101,7 +102,8 @@ def _load_model(path: Path, head: str):
         return AutoModelForTokenClassification.from_pretrained(
             str(path), num_labels=1, local_files_only=True, dtype=torch.float32
         )
-    return AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=torch.float32)
+    # AutoModelForCausalLM, or a vision-language policy's AutoModelForImageTextToText
+    return auto_class(path).from_pretrained(str(path), local_files_only=True, dtype=torch.float32)
 
 
 def _disable_dropout(model: torch.nn.Module) -> None:
@@ -186,7 +188,7 @@ class Trainer:
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if self.bf16 else None
         kwargs = {"mesh": self.mesh} | ({"mp_policy": mp} if mp else {})
         hf = self.model.get_base_model() if tuning.is_peft(self.model) else self.model
-        for layer in hf.base_model.layers:
+        for layer in shard_units(hf):  # decoder layers (and a VL model's vision blocks)
             fully_shard(layer, **kwargs)
         fully_shard(self.model, **kwargs)
 
@@ -387,6 +389,8 @@ def _placeholder(batch: Batch) -> Batch:
     for name, value in vars(batch).items():
         if value is None:
             fields[name] = None
+        elif name == "images":
+            fields[name] = [[]]
         elif name in ("group_index", "baseline"):
             fields[name] = torch.zeros(1, dtype=value.dtype)
         elif name == "lengths":

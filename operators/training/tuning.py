@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 PEFT_PREFIX = "base_model.model."
+VISION_PREFIX = "model.visual."  # a VL model's vision tower; `freeze: [vision]` (training/vl_inputs.py)
 ADAPTER = "default"  # peft's name for the one adapter flowrl trains
 
 
@@ -34,6 +35,11 @@ def frozen(names: list[str], patterns: list[str]) -> tuple[set[str], list[tuple[
     matched: set[str] = set()
     problems: list[tuple[tuple, str]] = []
     for i, pattern in enumerate(patterns):
+        if pattern == "vision":  # the keyword: a vision-language model's vision tower
+            if not any(n.startswith(VISION_PREFIX) for n in names):
+                problems.append((("freeze", i), "'vision' freezes a vision tower, and this model has none "
+                                 "(it is text-only); remove it"))
+            pattern = VISION_PREFIX + "*"
         hits = {n for n in names if fnmatch.fnmatchcase(n, pattern)}
         if not hits:
             problems.append((("freeze", i), f"{pattern!r} matches no parameter; names look like "
@@ -46,14 +52,12 @@ def frozen(names: list[str], patterns: list[str]) -> tuple[set[str], list[tuple[
 
 def check(model_path: str, freeze: list[str], lora: Any) -> list[tuple[tuple, str]]:
     """What is wrong with `freeze` / `lora` for this checkpoint, found on a weightless (meta) model."""
-    from transformers import AutoModelForCausalLM
-
-    from flowrl_operators.models import load_config
+    from flowrl_operators.models import auto_class, load_config
 
     if freeze and lora is not None:
         return [(("freeze",), "with lora only the adapters train (the base is frozen already); remove freeze")]
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(load_config(model_path))
+        model = auto_class(model_path).from_config(load_config(model_path))
     problems = frozen([n for n, _ in model.named_parameters()], freeze)[1]
     if lora is not None:
         linear = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
