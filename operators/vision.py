@@ -8,8 +8,8 @@ video processor that needs torchvision) and answers:
 - `prompt(messages, images)`: the token ids of a chat prompt whose messages hold image parts, each
   image's one `<|image_pad|>` expanded to the image's number of tokens (what the vision tower gives
   for it after merging patches), and the images in placeholder order;
-- `observation_ids(messages, images)`: the ids of later turns (e.g. an environment's image
-  observation) appended to a conversation that ended with an assistant turn;
+- `observation_ids(messages, images, model_ids)`: the ids that follow the model's last turn (its
+  end of turn, e.g. an environment's image observation, the next assistant header);
 - `pixels(refs)`: the processor's tensors for the images (`pixel_values`, `image_grid_thw`), their
   pixels read from the run's image store (flowrl.data.images);
 - `positions(ids, refs)`: the multimodal rotary positions (mrope: temporal, height, width rows) of a
@@ -41,6 +41,7 @@ from flowrl.data.images import ImageRef
 from flowrl.data.images import store as image_store
 
 SUPPORTED = ("qwen2_vl", "qwen2_5_vl")
+_PLACEHOLDER = "\u0001FLOWRL\u0001"  # assistant content no template produces on its own
 IMAGE_PARTS = ("image", "image_url")
 
 
@@ -131,18 +132,28 @@ class Vision:
         return self._encode(text, refs), refs
 
     def observation_ids(self, messages: list[dict[str, Any]], images: Sequence[ImageRef] | None = None,
+                        model_ids: Sequence[int] = (), history: list[dict[str, Any]] | None = None,
                         add_generation_prompt: bool = True) -> tuple[list[int], list[ImageRef]]:
-        """Token ids of `messages` appended to a conversation that ended with an assistant turn
-        (its end-of-turn token included): e.g. a tool or user message holding an image observation,
-        then the next assistant header. Returns (ids, images) as `prompt` does."""
+        """Token ids that follow the model's last turn up to the next assistant prompt: the end of
+        the assistant turn, `messages` (e.g. a tool or user message holding an image observation)
+        and the next assistant header; returns (ids, images) as `prompt` does. `model_ids`: the
+        model's last turn as sampled; when it ends with the end-of-turn token (its stop token), that
+        token is not repeated. `history`: the conversation before that turn (default: one user
+        message; only templates that render turns differently by position need it). The same
+        rendering as text workflows' `continuation_ids`, with the images' placeholders expanded."""
         refs = _refs(messages, images)
-        base = [{"role": "user", "content": "."}, {"role": "assistant", "content": "."}]
-        before = self._render(base, False)
-        after = self._render(base + list(messages), add_generation_prompt)
-        if not after.startswith(before):
-            raise ValueError(f"{self.folder.name}: the chat template does not render later turns as a "
-                             "continuation of earlier ones; observation_ids cannot split them")
-        return self._encode(after[len(before):], refs), refs
+        before = list(history) if history else [{"role": "user", "content": "."}]
+        rendered = self._render(before + [{"role": "assistant", "content": _PLACEHOLDER}] + list(messages),
+                                add_generation_prompt)
+        if rendered.count(_PLACEHOLDER) != 1:
+            raise ValueError(f"{self.folder.name}: the chat template does not render assistant content verbatim; "
+                             "observation_ids cannot find where the model's turn ends")
+        tail = rendered.split(_PLACEHOLDER, 1)[1]
+        if model_ids:
+            last = self.tokenizer.convert_ids_to_tokens(int(model_ids[-1]))
+            if last in self.tokenizer.all_special_tokens and tail.startswith(last):
+                tail = tail[len(last):]
+        return self._encode(tail, refs), refs
 
     def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, chat_template=self.chat_template, tokenize=False,

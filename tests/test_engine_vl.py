@@ -103,8 +103,9 @@ def test_alone_equals_among_text_and_image_requests(qwen2_vl, store):
     image_prompts = [prompt(folder, store, seed) for seed in range(3)]
     # Same token ids as the first, other images: must not share the first one's KV.
     assert image_prompts[1][0] == image_prompts[0][0]
-    text = [(v.prompt([{"role": "user", "content": "hi " * k}], [])[0], []) for k in (1, 3)]
-    requests = image_prompts + text
+    # Text prompts sharing a long prefix: the second copies it from the first (prefill.py's rounds).
+    text = [(v.prompt([{"role": "user", "content": f"a shared long opening, then {k}"}], [])[0], []) for k in (1, 3)]
+    requests = image_prompts + text + [image_prompts[2]]  # a GRPO-like twin: computed once, KV copied
 
     async def body():
         engine = EmbeddedEngine(folder, max_slots=8)
@@ -120,14 +121,17 @@ def test_alone_equals_among_text_and_image_requests(qwen2_vl, store):
     alone, together, stats = asyncio.run(body())
     assert together == alone
     assert alone[0] != alone[1]  # the images matter
-    assert stats["prefill_forks"] == 0  # equal ids with other images are not forks
+    assert stats["prefill_forks"] == 1  # only the twin: equal ids with other images are not forks
+    assert stats["prefill_shared_tokens"] >= 17  # the text prompts' common opening, copied
 
 
-def test_behaviour_logprobs_equal_the_trainers(qwen2_vl, store):
+@pytest.mark.parametrize("name", ["builtin:tiny-qwen2-vl", "builtin:tiny-qwen2.5-vl"])
+def test_behaviour_logprobs_equal_the_trainers(name, store, tmp_path):
     from flowrl_operators.training.batch import pack, response_values
     from flowrl_operators.training.trainer import Reference, TrainerConfig
 
-    folder, _ = qwen2_vl
+    folder = tmp_path
+    noisy_checkpoint(name, folder)
     prompts = [prompt(folder, store, seed) for seed in range(2)]
     sampling = SamplingParams(temperature=1.0, max_new_tokens=20, ignore_eos=True, seed=7)
 
@@ -201,6 +205,37 @@ def test_weight_sync_carries_the_vision_tower(qwen2_vl, store):
     assert all(torch.equal(live[n], t) for n, t in tower)
 
 
+def flat_config_copy(source, folder):
+    """The checkpoint with config.json in the layout published Qwen2-VL checkpoints use (text keys at
+    the top level, `rope_scaling: {type: mrope}`), as transformers 4 wrote it."""
+    import json
+
+    shutil.copytree(source, folder, dirs_exist_ok=True)
+    config = json.loads((source / "config.json").read_text())
+    text = config.pop("text_config")
+    config.update({k: v for k, v in text.items() if k not in ("model_type", "rope_parameters", "dtype", "layer_types")})
+    config.update(rope_theta=text["rope_parameters"]["rope_theta"], torch_dtype="float32",
+                  rope_scaling={"type": "mrope", "mrope_section": text["rope_parameters"]["mrope_section"]})
+    config["vision_config"]["model_type"] = "qwen2_vl"
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def test_a_published_layout_checkpoint_loads_the_same(qwen2_vl, store, tmp_path):
+    folder, _ = qwen2_vl
+    flat_config_copy(folder, tmp_path)
+    ids, refs = prompt(folder, store)
+
+    async def body(path):
+        engine = EmbeddedEngine(path)
+        try:
+            return (await generate(engine, "a", ids, refs, greedy(16))).output_ids
+        finally:
+            await engine.close()
+
+    assert "text_config" not in (tmp_path / "config.json").read_text()
+    assert asyncio.run(body(tmp_path)) == asyncio.run(body(folder))
+
+
 def test_images_are_refused_where_they_cannot_run(qwen2_vl, store):
     folder, _ = qwen2_vl
     ids, refs = prompt(folder, store)
@@ -211,12 +246,14 @@ def test_images_are_refused_where_they_cannot_run(qwen2_vl, store):
         try:
             return (await generate(text_engine, "x", [5, 6], refs[:1], greedy(2)),
                     await generate(engine, "y", ids, refs[:1], greedy(2)),
+                    await generate(engine, "w", ids, [], greedy(2)),
                     await generate(engine, "z", ids, [refs[0], missing], greedy(2)))
         finally:
             await text_engine.close()
             await engine.close()
 
-    text_only, too_few, absent = asyncio.run(body())
+    text_only, too_few, none, absent = asyncio.run(body())
+    assert "placeholders for 2 images, 0 were given" in none.error
     assert "text-only" in text_only.error and text_only.finish_reason == "abort"
     assert "placeholders for 2 images, 1 were given" in too_few.error
     assert "not in the image store" in absent.error

@@ -75,11 +75,13 @@ def test_observation_ids_continue_a_conversation(store):
     v = vision("builtin:tiny-qwen2-vl")
     ref = store.put(picture())
     first, _ = v.prompt([{"role": "user", "content": "hi"}], [])
-    tail, refs = v.observation_ids([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "?"}]}],
-                                   [ref])
-    whole, _ = v.prompt([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
-                         {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "?"}]}], [ref])
-    assert refs == [ref] and whole[-len(tail):] == tail and tail.count(v.image_token_id) == 4
+    observation = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "?"}]}]
+    whole, _ = v.prompt([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}] + observation, [ref])
+    reply = v.tokenizer("yo<|im_end|>", add_special_tokens=False)["input_ids"]  # the model stopped at its end token
+    tail, refs = v.observation_ids(observation, [ref], model_ids=reply)
+    assert refs == [ref] and first + reply + tail == whole and tail.count(v.image_token_id) == 4
+    cut = v.tokenizer("yo", add_special_tokens=False)["input_ids"]  # ran out of tokens: the end is added
+    assert first + cut + v.observation_ids(observation, [ref], model_ids=cut)[0] == whole
 
 
 def test_images_named_in_the_parts_are_stored(store):

@@ -64,7 +64,7 @@ class VLKVCache(KVCache):
     def copy(self, source: int, targets: list[int], length: int) -> None:
         super().copy(source, targets, length)
         if targets:
-            self.deltas[torch.tensor(targets, device=self.device)] = self.deltas[source]
+            self.deltas[torch.tensor(targets, device=self.device)] = int(self.deltas[source])
 
 
 class VLCausalLM(CausalLM):

@@ -18,9 +18,9 @@ from flowrl_operators.engine.base import GenerateRequest
 
 def check_images(model: Any, request: GenerateRequest) -> str | None:
     """Why the request's images cannot run on this model, or None."""
-    if not request.images:
-        return None
     vision = getattr(model, "vision", None)
+    if not request.images and vision is None:
+        return None
     if vision is None:
         return (f"the request has {len(request.images)} images but the model is text-only (model_type "
                 f"{getattr(model.config, 'model_type', '?')!r}); images need a vision-language model such "

@@ -242,10 +242,14 @@ def pack(trajectories: Sequence[Trajectory], require_reward: bool = True) -> Bat
         group_index=torch.tensor([groups[t.group_id] for t in trajectories]),
         lengths=torch.tensor(lengths),
         reference_logprobs=reference,
-        values=values,
-        images=[list(t.images) for t in trajectories] if any(t.images for t in trajectories) else None,
+        values=values, images=_images(trajectories),
         **token,
     )
+
+
+def _images(trajectories: Sequence[Trajectory]) -> list | None:
+    """Each row's images (vision-language policies), or None when no row has any."""
+    return [list(t.images) for t in trajectories] if any(t.images for t in trajectories) else None
 
 
 def _sampling_fields(trajectories: Sequence[Trajectory], width: int) -> dict[str, list[list[float]]]:

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from flowrl.data import images
 from flowrl_operators.transport.base import TensorMeta, as_bytes, from_bytes
 
 
@@ -42,7 +43,9 @@ class Child:
                  name: str = "flowrl-child") -> None:
         context = multiprocessing.get_context("spawn")  # fork would copy the parent's torch threads
         self._conn, child_end = context.Pipe()
-        self.process = context.Process(target=_serve, args=(child_end, factory, args, threads), name=name,
+        # The child reads images (vision-language batches) from the parent's store: the run's folder.
+        store = str(images.store().root)
+        self.process = context.Process(target=_serve, args=(child_end, factory, args, threads, store), name=name,
                                        daemon=True)
         self.process.start()
         child_end.close()
@@ -89,12 +92,13 @@ class Child:
                          "(a negative code is the signal that killed it, e.g. -9 for out of memory)")
 
 
-def _serve(conn: Any, factory: Callable[..., Any], args: tuple, threads: int | None) -> None:
+def _serve(conn: Any, factory: Callable[..., Any], args: tuple, threads: int | None, store: str) -> None:
     # Ctrl-C reaches the whole process group; the parent then checkpoints through this process, so
     # only the parent decides when it ends (close, or the pipe's end when the parent is gone).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if threads is not None:
         torch.set_num_threads(threads)
+    images.use_store(store)
     try:
         obj = factory(*args)
     except BaseException as e:

@@ -45,7 +45,8 @@ from flowrl_operators.training.batch import (
 from flowrl_operators.training.engine import EngineEntry
 from flowrl_operators.training.head import loss_token_logprobs
 from flowrl_operators.training.losses import LossFn
-from flowrl_operators.training.vl_inputs import shard_units
+from flowrl_operators.training.vl_inputs import shard_units, vl_inputs, vl_value_model
+from flowrl_operators.vision import is_vl
 
 
 class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -97,6 +98,8 @@ def _load_model(path: Path, head: str):
     from flowrl_operators.models import auto_class, silence_hf
 
     silence_hf()
+    if head == "value" and is_vl(path):
+        return vl_value_model(path)
     if head == "value":
         # verl's critic shape: the backbone with a 1-output token head (initialised from the seed).
         return AutoModelForTokenClassification.from_pretrained(
@@ -219,9 +222,9 @@ class Trainer:
     def _forward(self, mb: Batch) -> dict[str, torch.Tensor]:
         mb = mb.to(self.device)
         if self.head == "value":
-            with self._autocast():
-                out = self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
-                                 position_ids=mb.position_ids, use_cache=False)
+            inputs = {"input_ids": mb.input_ids, "attention_mask": mb.attention_mask, "position_ids": mb.position_ids}
+            with self._autocast(), vl_inputs(self.model, mb, inputs) as inputs:
+                out = self.model(**inputs, use_cache=False)
             return {"values": out.logits[:, :-1, 0].float()}
         # The LM head and the logprob kernel run on the loss-mask positions only (training/head.py);
         # logprobs are under each token's sampling distribution (temperature, top-k / top-p), as the

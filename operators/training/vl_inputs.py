@@ -46,11 +46,17 @@ def vl_inputs(model: torch.nn.Module, mb: Any, inputs: dict[str, Any]) -> Iterat
     """The model inputs for padded micro-batch `mb` (module docs); `inputs` unchanged for a text model
     or a batch without images. Rows must be the padded layout (input_ids [B, L], lengths [B])."""
     images = getattr(mb, "images", None)
-    if not is_vl_model(model) or not images or not any(images):
+    if not is_vl_model(model):
         yield inputs
+        return
+    if not images or not any(images):
+        with _idle_tower(model):
+            yield inputs
         return
     v = _vision(model)
     ids = inputs["input_ids"]
+    if ids.shape != mb.input_ids.shape:
+        raise ValueError("vision-language rows cannot be packed (training/head.py): call with pack=False")
     positions = torch.zeros((3, *ids.shape), dtype=torch.long)
     stray = torch.zeros(ids.shape, dtype=torch.bool)
     refs = []
@@ -85,6 +91,50 @@ def vl_inputs(model: torch.nn.Module, mb: Any, inputs: dict[str, Any]) -> Iterat
         yield out
     finally:
         handle.remove()
+
+
+@contextlib.contextmanager
+def _idle_tower(model: torch.nn.Module) -> Iterator[None]:
+    """A sharded model's forward on a micro-batch without images still runs the vision tower, on a
+    blank image, and adds 0 x its output: under FSDP2 every rank must gather (and reduce the
+    gradients of) the same shards, whichever rows each holds. Unsharded: nothing to do."""
+    if not any(hasattr(p, "full_tensor") for p in model.parameters()):
+        yield
+        return
+    v = _vision(model)
+    grid = torch.tensor([[1, 2 * v.merge_size, 2 * v.merge_size]])
+    width = 3 * v.temporal_patch_size * v.patch_size**2
+    hf = model.get_base_model() if hasattr(model, "get_base_model") else model
+
+    def touch(_module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple:
+        embeds = kwargs["inputs_embeds"]
+        blank = torch.zeros(int(grid.prod()), width, device=embeds.device, dtype=hf.model.visual.dtype)
+        out = hf.model.visual(blank, grid_thw=grid.to(embeds.device)).pooler_output
+        kwargs["inputs_embeds"] = embeds + 0 * out.sum().to(embeds.dtype)
+        return args, kwargs
+
+    handle = hf.model.language_model.register_forward_pre_hook(touch, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def vl_value_model(path: Any) -> torch.nn.Module:
+    """A VL critic: the policy's model with its LM head replaced by a fresh one-output head (what
+    AutoModelForTokenClassification builds for text families, which it has no class for here);
+    `.logits[..., 0]` are the values. The head is untied from the embedding and drawn from the
+    torch seed the trainer set."""
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(str(path), local_files_only=True, dtype=torch.float32)
+    hidden = model.config.text_config.hidden_size
+    model.config.tie_word_embeddings = False
+    model.config.text_config.tie_word_embeddings = False
+    model.lm_head = torch.nn.Linear(hidden, 1, bias=True)
+    torch.nn.init.normal_(model.lm_head.weight, std=model.config.text_config.initializer_range)
+    torch.nn.init.zeros_(model.lm_head.bias)
+    return model
 
 
 def shard_units(model: torch.nn.Module) -> list[torch.nn.Module]:
