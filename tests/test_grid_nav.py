@@ -37,8 +37,8 @@ def test_moves_rewards_and_the_end_of_an_episode():
     assert first["content"][0]["type"] == "image" and first["content"][1]["type"] == "text"
     assert first["content"][0]["image"].size == (84, 84)
     step = env.step("left")  # into the wall: no closer
-    assert (step.reward, step.done, env.agent) == (-0.2, False, (0, 0))
-    assert env.step("hello").reward == -0.1
+    assert (step.reward, step.done, env.agent) == (-0.1, False, (0, 0))
+    assert env.step("hello").reward == -0.3
     step = env.step("Right")
     assert (step.reward, step.done, env.agent) == (0.2, False, (1, 0))
     assert step.observation["content"][0]["type"] == "image"

@@ -1,0 +1,150 @@
+"""pipelines/vl_agent.yaml through `flowrl run`: a few steps of both phases (default suite), and a
+run interrupted by SIGINT then resumed with `--resume`, which loses no image and no trajectory
+(slow). Every trajectory the reward node scores is logged with its images; each must be in the
+phase's image store (`<phase dir>/images`), with one placeholder run per image."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from flowrl.cli import main
+from flowrl.data.images import ImageRef, ImageStore
+from flowrl.runtime import ledger
+
+ROOT = Path(__file__).resolve().parents[1]
+PIPELINE = str(ROOT / "pipelines/vl_agent.yaml")
+LOG = "FLOWRL_TEST_VL_LOG"
+SMOKE = ["phases.0.steps=2", "data.batch_size=2", "nodes.rollout.group_size=2", "data.eval.every=1",
+         "data.eval.samples=2", "nodes.rollout.workflow_args.max_turns=2", "nodes.score.fn=test_vl_pipeline:logged",
+         "nodes.rollout.engine.threads=1"]
+
+
+def logged(trajectory) -> float:
+    """The task's reward; also appends the trajectory's id, images and vision-start count to $LOG."""
+    from flowrl_operators.tasks.grid_nav import grid_nav
+    from flowrl_operators.vision import vision
+
+    facts = vision("builtin:tiny-qwen2-vl")
+    starts = sum(1 for i in trajectory.prompt_ids + trajectory.response_ids if i == facts.vision_start_id)
+    facts.spans(trajectory.prompt_ids + trajectory.response_ids, trajectory.images)  # raises if a run is wrong
+    with open(os.environ[LOG], "a") as f:
+        f.write(json.dumps({"id": trajectory.id, "starts": starts,
+                            "images": [[r.sha256, r.width, r.height] for r in trajectory.images]}) + "\n")
+    return grid_nav.reward(trajectory)
+
+
+def check_images(phase: Path, rows: list[dict]) -> int:
+    store = ImageStore(phase / "images")
+    for row in rows:
+        assert row["starts"] == len(row["images"]) >= 1, row
+        for sha, width, height in row["images"]:
+            assert store.get(ImageRef(sha, width, height)).size == (width, height)
+    return len(rows)
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory: pytest.TempPathFactory, monkeypatch_module) -> Path:
+    out = tmp_path_factory.mktemp("vl") / "run"
+    monkeypatch_module.setenv(LOG, str(out.parent / "scored.jsonl"))
+    code = main(["run", PIPELINE, *SMOKE, "phases.1.steps=2", "phases.1.seconds=null", "--run-dir", str(out),
+                 "--quiet"])
+    assert code == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
+def test_both_phases_run_and_every_scored_image_is_in_the_store(smoke: Path) -> None:
+    warmup, grpo = smoke / "phases/0-warmup", smoke / "phases/1-grpo"
+    for phase in (warmup, grpo):
+        assert json.loads((phase / "phase.json").read_text())["status"] == "done"
+        report = ledger.check(phase)
+        assert report.clean and report.ended and report.produced > 0, report
+    rows = [json.loads(line) for line in (smoke.parent / "scored.jsonl").read_text().splitlines()]
+    # The warm-up's trajectories hold one image (the first view); the episodes one per observation.
+    assert check_images(warmup, [r for r in rows if len(r["images"]) == 1 and "/" in r["id"]]) >= 4
+    evals = [json.loads(line) for line in (grpo / "eval.jsonl").read_text().splitlines()]
+    assert [e["version"] for e in evals] == [0, 1, 2] and all(-1.2 <= e["eval_reward"] <= 1.2 for e in evals)
+    assert any(len(r["images"]) == 2 for r in rows)  # an episode that saw a second view
+
+
+def test_the_exported_policy_is_a_vision_language_checkpoint(smoke: Path) -> None:
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(smoke / "phases/1-grpo/export/learner", local_files_only=True)
+    assert config.model_type == "qwen2_vl"
+
+
+SCRIPT = """
+import sys
+sys.path.insert(0, {tests!r})
+from flowrl.cli import main
+sys.exit(main({argv!r}))
+"""
+
+
+def flowrl(argv: list[str], log: Path) -> subprocess.Popen:
+    script = SCRIPT.format(tests=str(Path(__file__).parent), argv=argv)
+    env = {**os.environ, LOG: str(log), "TERM": "dumb"}
+    return subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env, cwd=ROOT)
+
+
+def referenced_images(checkpoint: Path) -> list[ImageRef]:
+    """The images of every trajectory a checkpoint keeps in its channels (the records a resume
+    hands on)."""
+    state = pickle.loads((checkpoint / "coordinator.pkl").read_bytes())
+    refs = []
+    for records, _ in state["channels"].values():
+        for record in records:
+            for t in getattr(record.value, "trajectories", []) or []:
+                refs += t.images
+    return refs
+
+
+@pytest.mark.slow
+def test_sigint_then_resume_loses_no_image_and_no_trajectory(tmp_path: Path) -> None:
+    run_dir, log = tmp_path / "run", tmp_path / "scored.jsonl"
+    argv = ["run", PIPELINE, *[a for a in SMOKE if not a.startswith("nodes.score")],
+            "nodes.score.fn=test_vl_pipeline:logged", "phases.1.steps=8", "phases.1.seconds=null",
+            "data.eval.every=4", "run.checkpoint_every=1", "--run-dir", str(run_dir)]
+    proc = flowrl(argv, log)
+    grpo = run_dir / "phases/1-grpo"
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        checkpoint = grpo / "checkpoints" / "latest"
+        if checkpoint.exists() and (grpo / "metrics.jsonl").exists() and \
+                len((grpo / "metrics.jsonl").read_text().splitlines()) >= 2:
+            break
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    assert re.search(r"grpo: interrupted", out) or "interrupted" in out, out
+    held = referenced_images((grpo / "checkpoints" / "latest").resolve())
+    store = ImageStore(grpo / "images")
+    assert all(store.path(ref).is_file() for ref in held)  # the records a resume hands on keep their images
+
+    resumed = flowrl(["run", "--resume", str(run_dir), "--quiet"], log)
+    out, _ = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, out
+    report = ledger.check(grpo)
+    assert report.ended and report.clean, report.problems  # every trajectory consumed exactly once
+    steps = [json.loads(line)["step"] for line in (grpo / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(8))
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    assert check_images(grpo, [r for r in rows if len(r["images"]) > 1]) > 0
