@@ -108,8 +108,8 @@ def test_environment_episode_records_each_observation_image(loop, engine, store,
         assert t.response_ids[turn.start:turn.end] == result.output_ids
         assert t.behaviour_logprobs[turn.start:turn.end] == result.logprobs
     # The pixels: the first image is the rendered first view, read back from the run's store.
-    first = render(4, (0, 0), (3, 3), 1, 28)
-    assert list(store.get(t.images[0]).getdata()) == list(first.getdata())
+    first = render(4, (0, 0), (3, 3), 1, 19)
+    assert store.get(t.images[0]).tobytes() == first.tobytes()
 
 
 def test_text_only_environment_is_unchanged(loop, engine):
@@ -145,7 +145,7 @@ def data_url(image: Image.Image) -> str:
 async def vl_agent(base_url: str, sample: dict) -> float:
     """Looks at two pictures over two turns with nothing but the openai client."""
     client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)
-    view = render(4, tuple(sample["agent"]), tuple(sample["target"]), 1, 28)
+    view = render(4, tuple(sample["agent"]), tuple(sample["target"]), 1, 19)
     messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(view)}},
                                              {"type": "text", "text": "where?"}]}]
     first = await client.chat.completions.create(model="policy", messages=messages, max_tokens=4, logprobs=True)
@@ -179,7 +179,7 @@ def test_openai_agent_with_images_is_recorded_with_the_engines_ids(loop, engine,
     assert r2.input_ids == t.prompt_ids + t.response_ids[:t.turns[1].start]  # the second call extends the first
     assert t.response_ids[t.turns[0].start:t.turns[0].end] == out1.output_ids
     assert t.behaviour_logprobs[t.turns[1].start:t.turns[1].end] == out2.logprobs
-    assert [(i.width, i.height) for i in t.images] == [(84, 84), (56, 84)]
+    assert [(i.width, i.height) for i in t.images] == [(57, 57), (56, 84)]
     assert store.get(t.images[1]).getpixel((5, 5)) == (0, 0, 255)
     check_placeholders(facts, t)
 
@@ -195,7 +195,7 @@ def test_sglang_adapter_sends_images_to_the_flowrl_server(loop, engine, store, f
     view = GridNavEnv().reset({"size": 4, "agent": [1, 1], "target": [3, 0]})
     messages, refs = store_images([view])
     ids = chat_ids(tok, messages, images=refs)
-    request = GenerateRequest(request_id="vl", input_ids=ids, images=refs, sampling=SamplingParams(max_new_tokens=5))
+    request = GenerateRequest(request_id="vl", input_ids=ids, images=refs, sampling=SamplingParams(temperature=0.0, max_new_tokens=5))
 
     async def go():
         direct = await engine.generate(request)
