@@ -81,8 +81,9 @@ def check_placeholders(facts, trajectory) -> None:
     otherwise) and is never trained on."""
     ids = trajectory.prompt_ids + trajectory.response_ids
     spans = facts.spans(ids, trajectory.images)
-    assert len(spans) == len(trajectory.images) == sum(1 for i in ids if i == facts.vision_start_id)
     mask = [0] * len(trajectory.prompt_ids) + trajectory.loss_mask
+    written = sum(1 for i, m in zip(ids, mask, strict=True) if i == facts.vision_start_id and m == 0)
+    assert len(spans) == len(trajectory.images) == written  # a sampled vision-start token is text
     assert all(mask[i] == 0 for start, end in spans for i in range(start, end))
 
 
@@ -218,3 +219,26 @@ def msgspec_copy(request: GenerateRequest, request_id: str, **changes) -> Genera
     import msgspec
 
     return msgspec.structs.replace(request, request_id=request_id, **changes)
+
+
+def test_a_dataset_row_with_an_image_through_single_turn(loop, engine, store, facts, tmp_path):
+    """Item: a dataset file's row (an image path relative to the file) -> a sample with an ImageRef
+    -> the default workflow's prompt with the placeholders expanded -> the engine."""
+    import json
+
+    from flowrl.data.source import load_source
+    from flowrl_operators.models import load_tokenizer
+    from flowrl_operators.workflows.single_turn import single_turn
+
+    (tmp_path / "pics").mkdir()
+    Image.new("RGB", (30, 60), (0, 200, 0)).save(tmp_path / "pics" / "a.png")
+    row = {"messages": [{"role": "user", "content": [{"type": "text", "text": "color?"}, {"type": "image"}]}],
+           "images": ["pics/a.png"], "answer": "green"}
+    (tmp_path / "rows.jsonl").write_text(json.dumps(row) + "\n")
+    sample = load_source({"source": {"file": str(tmp_path / "rows.jsonl")}, "batch_size": 1}).sample(0, 0)
+    tok = load_tokenizer(MODEL)
+    ctx = WorkflowContext(engine=engine, tokenizer=tok, sampling=SamplingParams(max_new_tokens=3), sample_id="4:0")
+    t = loop.run_until_complete(single_turn(ctx, sample))
+    assert t.images == sample["images"] and store.get(t.images[0]).getpixel((1, 1)) == (0, 200, 0)
+    check_placeholders(facts, t)
+    assert t.prompt_ids.count(facts.image_token_id) == facts.image_tokens(t.images[0])

@@ -131,6 +131,29 @@ def test_proxy_refuses_a_remote_image_url_through_the_openai_client(text_engine,
     assert "flowrl fetches no remote images; send the image inline as data:image/png;base64" in message
 
 
+def test_proxy_refuses_images_for_a_text_only_model(text_engine, store):
+    from flowrl_operators.models import load_tokenizer
+    from flowrl_operators.workflows.proxy import Proxy
+
+    loop, engine = text_engine
+
+    async def go() -> str:
+        proxy = Proxy(engine, load_tokenizer(MODEL))
+        await proxy.start()
+        client = openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0)
+        try:
+            await client.chat.completions.create(model="p", messages=[{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": data_url((1, 2, 3))}}]}])
+        except openai.BadRequestError as e:
+            return e.message
+        finally:
+            await client.close()
+            await proxy.close()
+        raise AssertionError("a text-only model answered an image")
+
+    assert "is not a vision-language model" in loop.run_until_complete(go())
+
+
 def test_engine_server_answers_400_for_a_url_in_image_data(text_engine, store):
     from flowrl_operators.engine.server import start_server
 

@@ -23,7 +23,7 @@ from flowrl.runtime import ledger
 ROOT = Path(__file__).resolve().parents[1]
 PIPELINE = str(ROOT / "pipelines/vl_agent.yaml")
 LOG = "FLOWRL_TEST_VL_LOG"
-SMOKE = ["phases.0.steps=2", "data.batch_size=2", "nodes.rollout.group_size=2", "data.eval.every=1",
+SMOKE = ["phases.0.steps=1", "data.batch_size=2", "nodes.rollout.group_size=2", "data.eval.every=1",
          "data.eval.samples=2", "nodes.score.fn=test_vl_pipeline:logged"]
 
 
@@ -37,9 +37,12 @@ def logged(trajectory) -> float:
     facts = vision("builtin:tiny-qwen2-vl")
     ids = trajectory.prompt_ids + trajectory.response_ids
     facts.spans(ids, trajectory.images)  # raises unless each image has its placeholder run, in order
+    # Image starts the prompt and the environment wrote (a sampled token may be one too: it is text).
+    mask = [0] * len(trajectory.prompt_ids) + trajectory.loss_mask
     with open(os.environ[LOG], "a") as f:
         f.write(json.dumps({"id": trajectory.id, "store": str(images.store().root),
-                            "starts": sum(1 for i in ids if i == facts.vision_start_id),
+                            "starts": sum(1 for i, m in zip(ids, mask, strict=True) if i == facts.vision_start_id
+                                          and m == 0),
                             "images": [[r.sha256, r.width, r.height] for r in trajectory.images]}) + "\n")
     return grid_nav.reward(trajectory)
 
@@ -78,11 +81,11 @@ def test_both_phases_run_and_every_scored_image_is_in_the_store(smoke: Path) -> 
         report = ledger.check(phase)
         assert report.clean and report.ended and report.produced > 0, report
     rows = [json.loads(line) for line in (smoke.parent / "scored.jsonl").read_text().splitlines()]
-    assert check_images(warmup, rows) == 4  # 2 steps x 2 samples, one view each
+    assert check_images(warmup, rows) == 32  # 1 step of the phase's own batch size, one view each
     assert check_images(grpo, rows) == 2 * 2 * 2  # 2 steps x 2 samples x 2 episodes
     assert all(len(r["images"]) == 1 for r in rows if Path(r["store"]) == warmup / "images")
     evals = [json.loads(line) for line in (grpo / "eval.jsonl").read_text().splitlines()]
-    assert [e["version"] for e in evals] == [0, 1, 2] and all(-0.7 <= e["eval_reward"] <= 1.2 for e in evals)
+    assert [e["version"] for e in evals] == [0, 1] and all(-0.7 <= e["eval_reward"] <= 1.2 for e in evals)
 
 
 def test_the_exported_policy_is_a_vision_language_checkpoint(smoke: Path) -> None:

@@ -24,7 +24,7 @@ from flowrl.data.images import ImageRef
 from flowrl.data.trajectory import SamplingSpan, Trajectory, Turn
 from flowrl_operators.engine.base import GenerateRequest, GenerateResult, InferenceEngine, SamplingParams
 from flowrl_operators.workflows.vision_messages import ImageContentError, has_images, store_images
-from flowrl_operators.workflows.vision_prompt import encode_with_images
+from flowrl_operators.workflows.vision_prompt import encode_with_images, require_vision
 
 
 class EpisodeError(RuntimeError):
@@ -184,9 +184,18 @@ def chat_ids(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prom
     """The chat template's text, tokenised (the template's special tokens map to their ids). With
     `images` (the messages' `{"type": "image"}` parts, in order: `store_images`), each image
     placeholder is expanded to its image's tokens."""
+    _check_vision(tokenizer, images)
     text = tokenizer.apply_chat_template(
         [_plain(m) for m in messages], tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False)
     return _encode(tokenizer, text, images)
+
+
+def _check_vision(tokenizer: Any, images: list[ImageRef] | None) -> None:
+    if images:
+        try:
+            require_vision(tokenizer)
+        except ImageContentError as e:
+            raise EpisodeError(str(e)) from None
 
 
 def _encode(tokenizer: Any, text: str, images: list[ImageRef] | None) -> list[int]:
@@ -221,6 +230,7 @@ def continuation_ids(tokenizer: Any, history: list[dict[str, Any]], observation:
     token), that part is not repeated. Only this text is tokenised; the model's ids are kept as is.
     `images`: the observation's images in order (`store_images`), their placeholders expanded.
     """
+    _check_vision(tokenizer, images)
     rendered = tokenizer.apply_chat_template(
         [_plain(m) for m in history] + [{"role": "assistant", "content": _PLACEHOLDER}]
         + [_plain(m) for m in observation], add_generation_prompt=True, tokenize=False)

@@ -11,11 +11,11 @@ the episode:
 message (`{"role": "tool", "content": ...}`), or a list of messages. For a vision-language policy
 a message's content may be a list of `{"type": "text", "text": ...}` and `{"type": "image", "image":
 <PIL image, bytes, path or data URL>}` parts: each image is stored in the run's image store, its
-placeholder tokens expanded in the observation's ids, and the trajectory lists its images in order. `step` receives the decoded
-text of the model's turn, or its token ids if the class sets `action = "ids"`. `step` may return
-`(observation, reward, done)` or add an `info` dict; a `StepResult` works too. Its reward must be
-a finite number (`flowrl_operators.reward_values`); anything else fails the episode. An optional
-`close()` runs when the episode ends, however it ends.
+placeholder tokens expanded in the observation's ids, and the trajectory lists its images in
+order. `step` receives the decoded text of the model's turn, or its token ids if the class sets
+`action = "ids"`. `step` may return `(observation, reward, done)` or add an `info` dict; a
+`StepResult` works too. Its reward must be a finite number (`flowrl_operators.reward_values`);
+anything else fails the episode. An optional `close()` runs when the episode ends, however it ends.
 
 Sync code never runs on the event loop, where it would stall every stage of the process and no
 timeout could fire: an environment class with a sync `reset` or `step` is built, and its sync

@@ -42,7 +42,7 @@ from flowrl_operators.workflows.base import (
     is_async_callable,
 )
 from flowrl_operators.workflows.vision_messages import ImageContentError, store_images
-from flowrl_operators.workflows.vision_prompt import encode_with_images
+from flowrl_operators.workflows.vision_prompt import encode_with_images, require_vision
 
 _MARK = "\u0002"  # brackets spliced-reply indices in a rendered template
 _TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
@@ -163,6 +163,8 @@ class Proxy:
         sampling = self._sampling(body, session)
         try:  # image_url parts: data URLs stored in the run's image store, refused otherwise
             messages, images = store_images(messages)
+            if images:
+                require_vision(self.tokenizer)
         except ImageContentError as e:
             raise ProxyError(400, str(e)) from None
         prompt_ids = self.render(messages, body.get("tools"), session, images)

@@ -21,12 +21,7 @@ def encode_with_images(tokenizer: Any, text: str, pending: list[ImageRef]) -> li
     never reach the vision operators)."""
     if not pending:
         return list(tokenizer.encode(text, add_special_tokens=False))
-    from flowrl_operators.vision import vision
-
-    try:
-        facts = vision(tokenizer.name_or_path)  # the tokenizer was loaded from the checkpoint folder
-    except (ValueError, OSError) as e:
-        raise ImageContentError(str(e)) from None
+    facts = require_vision(tokenizer)
     pieces = text.split(facts.image_token)
     if len(pieces) - 1 > len(pending):
         raise ImageContentError(f"the chat text holds {len(pieces) - 1} image placeholders for {len(pending)} images")
@@ -34,3 +29,14 @@ def encode_with_images(tokenizer: Any, text: str, pending: list[ImageRef]) -> li
     for piece in pieces[1:]:
         expanded += facts.image_token * facts.image_tokens(pending.pop(0)) + piece
     return list(tokenizer.encode(expanded, add_special_tokens=False))
+
+
+def require_vision(tokenizer: Any) -> Any:
+    """The vision facts of the checkpoint the tokenizer was loaded from (`flowrl_operators.vision`);
+    ImageContentError for a text-only model, before any chat template meets image parts."""
+    from flowrl_operators.vision import vision
+
+    try:
+        return vision(tokenizer.name_or_path)  # load_tokenizer loads from the checkpoint folder
+    except (ValueError, OSError) as e:
+        raise ImageContentError(str(e)) from None
