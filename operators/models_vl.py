@@ -1,8 +1,10 @@
-"""Built-in tiny vision-language models: `builtin:tiny-qwen2-vl` and `builtin:tiny-qwen2.5-vl`.
+"""Built-in tiny vision-language models: `builtin:tiny-qwen2-vl`, `builtin:tiny-qwen2.5-vl` and
+`builtin:tiny-qwen3-vl`.
 
-Each is a real Hugging Face checkpoint folder of its family (Qwen2-VL, Qwen2.5-VL): config.json with
-a tiny vision tower (2 blocks, patch 14, spatial merge 2) and a tiny Qwen2-style text decoder with
-multimodal rotary positions (mrope), deterministic random weights (fixed seed), the character-level
+Each is a real Hugging Face checkpoint folder of its family (Qwen2-VL, Qwen2.5-VL, Qwen3-VL):
+config.json with a tiny vision tower (2 blocks, patch 14, or 16 for Qwen3-VL, spatial merge 2) and a
+tiny text decoder (Qwen2-style; Qwen3-style with deepstack for Qwen3-VL) with multimodal rotary
+positions (mrope), deterministic random weights (fixed seed), the character-level
 tokenizer of the text built-ins extended with the family's vision tokens (<|vision_start|>,
 <|image_pad|>, <|vision_end|>, <|video_pad|>, after the characters, so text ids equal tiny-qwen2's),
 the family's real image processor (`Qwen2VLImageProcessorPil`: PIL only, no torchvision) with small
@@ -23,8 +25,11 @@ VISION_START, VISION_END = "<|vision_start|>", "<|vision_end|>"
 IMAGE_PAD, VIDEO_PAD = "<|image_pad|>", "<|video_pad|>"
 VISION_TOKENS = [VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD]
 # Pixel bounds of the built-ins' image processor: images are resized (keeping the aspect ratio) to a
-# multiple of 28 pixels a side with area in [MIN_PIXELS, MAX_PIXELS]; one token per 28x28 pixels.
+# multiple of 28 pixels a side with area in [MIN_PIXELS, MAX_PIXELS]; one token per 28x28 pixels
+# (Qwen3-VL: 32 and 32x32, patch 16).
 MIN_PIXELS, MAX_PIXELS = 56 * 56, 28 * 28 * 16
+PROCESSOR = {"min_pixels": MIN_PIXELS, "max_pixels": MAX_PIXELS}
+PROCESSOR_16 = {"min_pixels": 64 * 64, "max_pixels": 32 * 32 * 16, "patch_size": 16}
 
 VL_CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -48,22 +53,36 @@ _TEXT = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_ke
 _VISION_COMMON = dict(depth=2, num_heads=2, in_channels=3, patch_size=14, spatial_merge_size=2,
                       temporal_patch_size=2)
 
-# name -> (model_type, text config keys, vision config keys)
-VL_MODELS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
+# Qwen3-VL's decoder is Qwen3's (head_dim, q/k norms) with interleaved mrope: 16 frequencies, 6/5/5.
+_TEXT_QWEN3 = dict(_TEXT, head_dim=32, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                        "mrope_section": [6, 5, 5], "mrope_interleaved": True})
+
+# name -> (model_type, text config keys, vision config keys, image processor keys)
+VL_MODELS: dict[str, tuple[str, dict[str, Any], dict[str, Any], dict[str, Any]]] = {
     # ~0.5M parameters (0.05M of them the vision tower).
     "tiny-qwen2-vl": ("qwen2_vl", _TEXT, dict(_VISION_COMMON, embed_dim=32, hidden_size=128, mlp_ratio=2,
-                                              hidden_act="quick_gelu")),
+                                              hidden_act="quick_gelu"), PROCESSOR),
     # Qwen2.5-VL's tower: RMSNorm, gated MLP, window attention (56-pixel windows) with block 1 global.
     "tiny-qwen2.5-vl": ("qwen2_5_vl", _TEXT, dict(_VISION_COMMON, hidden_size=32, intermediate_size=64,
                                                   out_hidden_size=128, hidden_act="silu", window_size=56,
-                                                  fullatt_block_indexes=[1], tokens_per_second=2)),
+                                                  fullatt_block_indexes=[1], tokens_per_second=2), PROCESSOR),
+    # Qwen3-VL's tower: patch 16, learned position embeddings (a 4x4 grid, interpolated), and block
+    # 0's features merged into the decoder after its layer 0 (deepstack).
+    "tiny-qwen3-vl": ("qwen3_vl", _TEXT_QWEN3, dict(_VISION_COMMON, patch_size=16, hidden_size=32,
+                                                    intermediate_size=64, out_hidden_size=128,
+                                                    hidden_act="gelu_pytorch_tanh", num_position_embeddings=16,
+                                                    deepstack_visual_indexes=[0]), PROCESSOR_16),
 }
 
 
 def spec(name: str) -> dict[str, Any]:
     """What the built-in's fingerprint covers (models.py rebuilds the folder when it changes)."""
-    return {"vl": VL_MODELS[name], "tokens": VISION_TOKENS, "template": VL_CHAT_TEMPLATE,
-            "pixels": [MIN_PIXELS, MAX_PIXELS]}
+    model_type, text, vision, processor = VL_MODELS[name]
+    out = {"vl": (model_type, text, vision), "tokens": VISION_TOKENS, "template": VL_CHAT_TEMPLATE,
+           "pixels": [MIN_PIXELS, MAX_PIXELS]}
+    # The default processor is left out so that the first two built-ins keep their first fingerprint
+    # (caches are shared between checkouts: two fingerprints of one name would rebuild it in turns).
+    return out if processor is PROCESSOR else out | {"processor": processor}
 
 
 def build_vl_model(name: str, folder: Path) -> None:
@@ -75,7 +94,7 @@ def build_vl_model(name: str, folder: Path) -> None:
     from flowrl_operators.models import EOS, IM_END, SEED, build_tokenizer, silence_hf
 
     silence_hf()
-    model_type, text, vision = VL_MODELS[name]
+    model_type, text, vision, processor = VL_MODELS[name]
     tokenizer = build_tokenizer(extra_special=VISION_TOKENS, chat_template=VL_CHAT_TEMPLATE)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in [EOS, IM_END, *VISION_TOKENS]}
     eos_ids = [ids[EOS], ids[IM_END]]
@@ -95,4 +114,4 @@ def build_vl_model(name: str, folder: Path) -> None:
     # The family's image processor, PIL backend (torchvision is not needed). No processor_config:
     # `AutoProcessor` of these families also builds a video processor, which needs torchvision, so
     # flowrl loads the image processor and the tokenizer themselves (operators/vision.py).
-    Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS).save_pretrained(folder)
+    Qwen2VLImageProcessorPil(**processor).save_pretrained(folder)

@@ -22,8 +22,9 @@ image's token count. Image-pad tokens elsewhere (a model may sample the token) a
 they are during decoding, and so are runs after the last image (`spans` is lenient there; the
 engine refuses a prompt whose placeholder runs and images differ in number: `image_runs`).
 
-Supported families: Qwen2-VL and Qwen2.5-VL (`SUPPORTED`), the built-ins `builtin:tiny-qwen2-vl` and
-`builtin:tiny-qwen2.5-vl` and real checkpoints of those families in a local folder.
+Supported families: Qwen2-VL, Qwen2.5-VL and Qwen3-VL (`SUPPORTED`): the built-ins
+`builtin:tiny-qwen2-vl`, `builtin:tiny-qwen2.5-vl`, `builtin:tiny-qwen3-vl`, and real checkpoints of
+those families in a local folder.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import torch
 from flowrl.data.images import ImageRef
 from flowrl.data.images import store as image_store
 
-SUPPORTED = ("qwen2_vl", "qwen2_5_vl")
+SUPPORTED = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 _PLACEHOLDER = "\u0001FLOWRL\u0001"  # assistant content no template produces on its own
 IMAGE_PARTS = ("image", "image_url")
 

@@ -79,7 +79,10 @@ async def generate(engine, rid, ids, refs, sampling):
     return await engine.generate(GenerateRequest(request_id=rid, input_ids=ids, images=refs, sampling=sampling))
 
 
-@pytest.mark.parametrize("name", ["builtin:tiny-qwen2-vl", "builtin:tiny-qwen2.5-vl"])
+FAMILIES = ["builtin:tiny-qwen2-vl", "builtin:tiny-qwen2.5-vl", "builtin:tiny-qwen3-vl"]
+
+
+@pytest.mark.parametrize("name", FAMILIES)
 def test_greedy_equals_hugging_face_generate(name, store, tmp_path):
     model = noisy_checkpoint(name, tmp_path)
     ids, refs = prompt(tmp_path, store)
@@ -125,7 +128,39 @@ def test_alone_equals_among_text_and_image_requests(qwen2_vl, store):
     assert stats["prefill_shared_tokens"] >= 17  # the text prompts' common opening, copied
 
 
-@pytest.mark.parametrize("name", ["builtin:tiny-qwen2-vl", "builtin:tiny-qwen2.5-vl"])
+def test_turns_share_the_prefix_up_to_their_first_different_image(qwen2_vl, store):
+    """Second turns of one episode's group: the first image's prefix is computed once, the KV after
+    the differing observation image is each request's own."""
+    folder, _ = qwen2_vl
+    v = vision(folder)
+    first_image, *observations = [store.put(picture(seed=s)) for s in (0, 1, 2)]
+    opening, _ = v.prompt([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Go on."}]}],
+                          [first_image])
+    reply = v.tokenizer("Looking.<|im_end|>", add_special_tokens=False)["input_ids"]
+    turns = []
+    for ref in observations:
+        tail, _ = v.observation_ids([{"role": "user", "content": [{"type": "image"}]}], [ref], model_ids=reply)
+        turns.append((opening + reply + tail, [first_image, ref]))
+    assert turns[0][0] == turns[1][0]
+
+    async def body():
+        engine = EmbeddedEngine(folder)
+        try:
+            alone = [(await generate(engine, f"a{i}", ids, refs, greedy(12))).output_ids
+                     for i, (ids, refs) in enumerate(turns)]
+            before = engine.stats()["prefill_shared_tokens"]
+            together = await asyncio.gather(*(generate(engine, f"t{i}", ids, refs, greedy(12))
+                                              for i, (ids, refs) in enumerate(turns)))
+            return alone, [r.output_ids for r in together], engine.stats()["prefill_shared_tokens"] - before
+        finally:
+            await engine.close()
+
+    alone, together, shared = asyncio.run(body())
+    assert together == alone and alone[0] != alone[1]
+    assert len(opening + reply) <= shared < len(turns[0][0])  # up to the second image, not beyond
+
+
+@pytest.mark.parametrize("name", FAMILIES)
 def test_behaviour_logprobs_equal_the_trainers(name, store, tmp_path):
     from flowrl_operators.training.batch import pack, response_values
     from flowrl_operators.training.trainer import Reference, TrainerConfig

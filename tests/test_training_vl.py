@@ -25,9 +25,9 @@ def picture(seed: int) -> Image.Image:
     return Image.fromarray(torch.randint(0, 256, (56, 56, 3), generator=g, dtype=torch.uint8).numpy(), "RGB")
 
 
-def trajectories(tmp_path, seeds=(0, 1, 2, 3)) -> list[Trajectory]:
+def trajectories(tmp_path, seeds=(0, 1, 2, 3), model=MODEL) -> list[Trajectory]:
     store = use_store(tmp_path / "images")
-    v = vision(MODEL)
+    v = vision(model)
     out = []
     for i, seed in enumerate(seeds):
         ids, refs = v.prompt([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "?"}]}],
@@ -68,6 +68,11 @@ def test_images_change_the_logprobs_and_values(tmp_path):
     assert torch.allclose(lp_a[0, :-1], lp_a[1, :-1]) and not torch.allclose(lp_a, lp_b)  # last token differs
     v_a, v_b = critic.compute_values(a), critic.compute_values(b)
     assert v_a.shape == a.loss_mask.shape and not torch.allclose(v_a, v_b)
+
+
+def test_a_text_model_refuses_trajectories_with_images(tmp_path):
+    with pytest.raises(ValueError, match="carry images but the model .qwen2. is text-only"):
+        Trainer("builtin:tiny-qwen2", TrainerConfig()).compute_logprobs(pack(trajectories(tmp_path), require_reward=False))
 
 
 def test_freeze_vision_is_checked_against_the_model():
@@ -159,3 +164,29 @@ def test_an_exported_policy_is_a_vl_checkpoint(tmp_path):
     assert result.error is None and result.output_ids
     assert torch.equal(live["model.visual.patch_embed.proj.weight"], exported["model.visual.patch_embed.proj.weight"])
     assert vision(folder).image_tokens(traj.images[0]) == 4
+
+
+@pytest.mark.parametrize("model", [MODEL, "builtin:tiny-qwen2.5-vl", "builtin:tiny-qwen3-vl"])
+def test_packed_rows_equal_padded_rows(tmp_path, model):
+    """Packed VL rows (4-row position ids, images in packed order) give the padded rows' logprobs and
+    gradients, with a text-only row and stray image-pad tokens among them."""
+    from flowrl_operators.training.head import loss_token_logprobs, pack_rows, packing_supported
+
+    rows = trajectories(tmp_path, seeds=(0, 1, 2), model=model)
+    rows.append(Trajectory(id="text", group_id="g", sample_id="g", step=0, prompt_ids=[5, 6, 7, 101, 103],
+                           response_ids=[103, 9, 10], loss_mask=[1] * 3, behaviour_logprobs=[-4.0] * 3,
+                           versions=[0] * 3, reward=0.0))
+    batch = pack(rows)
+    trainer = Trainer(model, TrainerConfig())
+    assert packing_supported(trainer.model) and pack_rows(batch)[0].shape[0] == 1  # all four rows in one
+    results = []
+    for packed in (False, True):
+        trainer.model.zero_grad()
+        out = loss_token_logprobs(trainer.model, batch, pack=packed)
+        out["logprobs"].sum().backward()
+        grad = trainer.model.model.visual.patch_embed.proj.weight.grad.clone()
+        results.append((out["logprobs"].detach(), grad))
+    (padded, g_padded), (packed, g_packed) = results
+    assert (padded != 0).sum() == batch.loss_mask.sum()
+    torch.testing.assert_close(packed, padded, atol=1e-5, rtol=0)
+    torch.testing.assert_close(g_packed, g_padded, atol=1e-5, rtol=1e-4)

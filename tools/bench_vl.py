@@ -7,7 +7,9 @@ weights are perturbed (scale 0.3) so that greedy outputs vary. Every request's t
 against HF `generate` of the same prompt and images (one at a time); the first two image requests
 are then sampled (temperature 1) and their logprobs compared with the trainer's.
 
-    python tools/bench_vl.py [--model builtin:tiny-qwen2.5-vl] [--requests 16] [--max-new-tokens 64]
+    python tools/bench_vl.py [--model builtin:tiny-qwen2.5-vl | builtin:tiny-qwen3-vl] [--requests 16] [--max-new-tokens 64]
+
+`--device cuda` runs the engine and the HF model on the GPU (fp32; the trainer picks CUDA itself).
 
 The last line of output is one JSON object.
 """
@@ -33,6 +35,8 @@ from flowrl_operators.models import load_hf_model, resolve_model
 from flowrl_operators.training.batch import pack, response_values
 from flowrl_operators.training.trainer import Reference, TrainerConfig
 from flowrl_operators.vision import vision
+
+DEVICE = "cpu"
 
 
 def picture(size, seed) -> Image.Image:
@@ -65,7 +69,7 @@ def requests(folder: Path, store, n: int) -> list[tuple[list[int], list]]:
 
 
 async def serve(folder: Path, work, sampling: SamplingParams) -> tuple[list, float]:
-    engine = EmbeddedEngine(folder, max_slots=32)
+    engine = EmbeddedEngine(folder, max_slots=32, device=DEVICE)
     try:
         start = time.perf_counter()
         results = await asyncio.gather(*(engine.generate(GenerateRequest(
@@ -76,11 +80,12 @@ async def serve(folder: Path, work, sampling: SamplingParams) -> tuple[list, flo
 
 
 def hf_greedy(model, folder: Path, ids: list[int], refs: list, n: int) -> list[int]:
-    x = torch.tensor([ids])
+    x = torch.tensor([ids], device=DEVICE)
     extra = {}
     if refs:
         v = vision(folder)
-        extra = dict(v.pixels(refs), mm_token_type_ids=(x == v.image_token_id).int())
+        pixels = {k: t.to(DEVICE) for k, t in v.pixels(refs).items()}
+        extra = dict(pixels, mm_token_type_ids=(x == v.image_token_id).int())
     out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
                          eos_token_id=None, **extra)
     return out[0, len(ids):].tolist()
@@ -104,15 +109,21 @@ def main() -> None:
     parser.add_argument("--model", default="builtin:tiny-qwen2-vl")
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
+    global DEVICE
+    DEVICE = args.device
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         store = use_store(Path(tmp) / "images")
         folder = Path(tmp) / "model"
-        model = perturbed(args.model, folder)
+        model = perturbed(args.model, folder).to(DEVICE)
         work = requests(folder, store, args.requests)
         greedy = SamplingParams(temperature=0.0, max_new_tokens=args.max_new_tokens, ignore_eos=True)
         results, seconds = asyncio.run(serve(folder, work, greedy))
+        errors = [r.error for r in results if r.error]
+        if errors:
+            raise SystemExit(f"{len(errors)} requests failed: {errors[0]}")
         same = sum(r.output_ids == hf_greedy(model, folder, ids, refs, args.max_new_tokens)
                    for (ids, refs), r in zip(work, results, strict=True))
         mean, worst = logprob_gap(folder, work[:4:2])

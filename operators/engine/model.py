@@ -165,6 +165,10 @@ class CausalLM(nn.Module):
         """The block's input embeddings (the VL model puts image embeddings at placeholders)."""
         return self.model.embed_tokens(tokens)
 
+    def after_layer(self, index: int, h: torch.Tensor) -> torch.Tensor:
+        """Decoder layer `index`'s output as the next layer reads it (Qwen3-VL adds image features)."""
+        return h
+
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, start: torch.Tensor, cache: KVCache, rows: slice | torch.Tensor,
                 length: int, last: torch.Tensor | None = None, all_logits: bool = False,
@@ -191,10 +195,10 @@ class CausalLM(nn.Module):
         cos, sin = self.rotary(cache, positions, rows, seqs)
         cos, sin = cos.to(dtype), sin.to(dtype)
         h = self.embed(tokens, start, seqs)
-        for layer, keys, values in zip(self.model.layers, cache.keys, cache.values, strict=True):
+        for index, (layer, keys, values) in enumerate(zip(self.model.layers, cache.keys, cache.values, strict=True)):
             attn_in = layer.input_layernorm(h)
             h = h + layer.self_attn(attn_in, cos, sin, keys, values, rows, positions, mask, length)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            h = self.after_layer(index, h + layer.mlp(layer.post_attention_layernorm(h)))
         if not all_logits:
             h = h[:, -1] if last is None else h[torch.arange(batch, device=h.device), last]
         return (self.model.norm(h) @ self.head_weight().T).float()

@@ -1,16 +1,19 @@
-"""The embedded engine's vision-language model (Qwen2-VL, Qwen2.5-VL): flowrl's decoder with images.
+"""The embedded engine's vision-language model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): flowrl's decoder with images.
 
 The module tree is Hugging Face's in memory (`model.language_model.layers.0...`, `model.visual...`,
 `lm_head`), so the names a trainer sends are the engine's; checkpoint files name the same tensors
 the older way (`model.layers.0...`, `visual...`) and `live_name` maps them.
 
-- Text decoder: flowrl's own (model.py), the same layers as Qwen2; only the rotary positions differ.
-  They are multimodal (mrope): each token has a temporal, height and width position, and the
-  rotary frequencies are split in `mrope_section` groups that read one of the three each. Text
-  tokens have three equal positions; an image's tokens have their grid's (operators/vision.py).
+- Text decoder: flowrl's own (model.py), the same layers as Qwen2 (Qwen3 for Qwen3-VL); only the
+  rotary positions differ. They are multimodal (mrope): each token has a temporal, height and
+  width position, and each rotary frequency reads one of the three (`rope_axes`: in `mrope_section`
+  groups, or interleaved for Qwen3-VL). Text tokens have three equal positions; an image's tokens
+  have their grid's (operators/vision.py).
 - Vision tower: the checkpoint's own Hugging Face module (`model.visual`), run at prefill on the
   images whose placeholders fall in the block being prefilled; its output replaces the placeholder
-  tokens' embeddings. A prefill after a weight update (retract) runs it again, with the new weights.
+  tokens' embeddings; Qwen3-VL's deepstack features are added to the hidden states at the same
+  positions after the first decoder layers (`after_layer`). A prefill after a weight update
+  (retract) runs the tower again, with the new weights.
 - Positions: prefill reads them from each request's tokens and images (`Vision.positions`); the KV
   cache keeps each slot's `delta` (text after the last image sits at index + delta), so a decode step
   needs only its token's index, and the delta moves with the slot's KV (compaction, forks).
@@ -24,9 +27,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from flowrl_operators.engine.model import CausalLM, DecoderBody, KVCache
+from flowrl_operators.engine.model import CausalLM, DecoderBody, KVCache, head_dim_of
 
-VL_ARCHITECTURES = ("qwen2_vl", "qwen2_5_vl")
+VL_ARCHITECTURES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
 
 class VLBody(nn.Module):
@@ -80,8 +83,10 @@ class VLCausalLM(CausalLM):
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         self.model = VLBody(self.config, visual)
         self.lm_head = None if self.tied else nn.Linear(self.config.hidden_size, self.config.vocab_size, bias=False)
-        self.section = list(self.config.rope_parameters["mrope_section"])
-        head_dim = self.config.hidden_size // self.config.num_attention_heads
+        head_dim = head_dim_of(self.config)
+        self.axis = rope_axes(self.config.rope_parameters["mrope_section"], head_dim // 2,
+                              interleaved=config.model_type == "qwen3_vl")
+        self.deep: list[torch.Tensor] = []  # Qwen3-VL: what each early layer adds in this prefill block
         theta = self.config.rope_parameters.get("rope_theta", 10000.0)
         # A plain fp32 tensor on the CPU (not a buffer: built on meta, to_empty would blank it).
         steps = torch.arange(0, head_dim, 2, dtype=torch.float, device="cpu")
@@ -101,7 +106,7 @@ class VLCausalLM(CausalLM):
             rope = (positions + cache.deltas[rows][:, None]).expand(3, -1, -1)
         else:
             rope = self._prefill_positions(cache, positions, rows, seqs)
-        return mrope(self.inv_freq.to(positions.device), self.section, rope)
+        return mrope(self.inv_freq.to(positions.device), self.axis.to(positions.device), rope)
 
     def _prefill_positions(self, cache, positions, rows, seqs) -> torch.Tensor:
         """[3, B, S] mrope positions of a prefill block (padding: 0); records each row's delta."""
@@ -118,8 +123,12 @@ class VLCausalLM(CausalLM):
             cache.deltas[int(rows[b])] = delta
         return rope
 
+    def after_layer(self, index: int, h: torch.Tensor) -> torch.Tensor:
+        return h + self.deep[index] if index < len(self.deep) else h
+
     def embed(self, tokens, start, seqs):
         h = self.model.embed_tokens(tokens)
+        self.deep = []
         if seqs is None:
             return h
         wanted = []  # (row, column in the block, image index in the tower's output, offset in the image)
@@ -135,25 +144,42 @@ class VLCausalLM(CausalLM):
                     refs.append(ref)
         if not refs:
             return h
-        per_image = self.image_embeddings(refs)
+        per_image, deep = self.image_embeddings(refs)
+        self.deep = [torch.zeros_like(h) for _ in deep]
         for b, column, index, offset, count in wanted:
-            h[b, column:column + count] = per_image[index][offset:offset + count].to(h.dtype)
+            for target, source in zip([h, *self.deep], [per_image, *deep], strict=True):
+                target[b, column:column + count] = source[index][offset:offset + count].to(h.dtype)
         return h
 
-    def image_embeddings(self, refs: list) -> list[torch.Tensor]:
-        """The vision tower's output for each image: [tokens, hidden] (the merged patches)."""
+    def image_embeddings(self, refs: list) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
+        """The vision tower's output for each image, [tokens, hidden] (the merged patches), and for
+        Qwen3-VL's deepstack layers the features each adds to the decoder after its layer i."""
         pixels = self.vision.pixels(refs)
         visual = self.model.visual
         device, dtype = visual.patch_embed.proj.weight.device, visual.patch_embed.proj.weight.dtype
         grid = pixels["image_grid_thw"].to(device)
-        out = visual(pixels["pixel_values"].to(device, dtype), grid_thw=grid).pooler_output
-        return list(out.split([self.vision.image_tokens(r) for r in refs]))
+        out = visual(pixels["pixel_values"].to(device, dtype), grid_thw=grid)
+        sizes = [self.vision.image_tokens(r) for r in refs]
+        deep = [list(f.split(sizes)) for f in getattr(out, "deepstack_features", None) or []]
+        return list(out.pooler_output.split(sizes)), deep
 
 
-def mrope(inv_freq: torch.Tensor, section: list[int], rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 cos/sin [B, S, head_dim] for mrope positions [3, B, S]: frequency group i reads axis i % 3."""
+def rope_axes(section: list[int], half: int, interleaved: bool) -> torch.Tensor:
+    """Which position (0 temporal, 1 height, 2 width) each of the `half` rotary frequencies reads.
+    Qwen2-VL / Qwen2.5-VL: consecutive groups of `section` sizes, group i axis i % 3. Qwen3-VL
+    (interleaved): frequency 3k + 1 height and 3k + 2 width while k < the section's size, else temporal."""
+    if not interleaved:  # (on the CPU explicitly: the model is built under torch.device("meta"))
+        return torch.cat([torch.full((size,), i % 3, device="cpu") for i, size in enumerate(section)])
+    axis = torch.zeros(half, dtype=torch.long, device="cpu")
+    for dim in (1, 2):
+        axis[dim:section[dim] * 3:3] = dim
+    return axis
+
+
+def mrope(inv_freq: torch.Tensor, axis: torch.Tensor, rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 cos/sin [B, S, head_dim] for mrope positions [3, B, S], frequency j reading axis[j]."""
     freqs = rope[..., None].float() * inv_freq  # [3, B, S, head_dim / 2]
-    freqs = torch.cat([part[i % 3] for i, part in enumerate(freqs.split(section, dim=-1))], dim=-1)
+    freqs = freqs.gather(0, axis.expand(1, *freqs.shape[1:]))[0]
     angles = torch.cat((freqs, freqs), dim=-1)
     return angles.cos(), angles.sin()
 
@@ -161,7 +187,8 @@ def mrope(inv_freq: torch.Tensor, section: list[int], rope: torch.Tensor) -> tup
 def text_config(config):
     """The decoder's config as model.py reads it: the text config, with Qwen2's q/k/v biases."""
     text = config.text_config.to_dict()
-    text["model_type"] = "qwen2"  # Qwen2-VL's and Qwen2.5-VL's decoders are Qwen2's (model.Attention)
+    # Qwen2-VL's and Qwen2.5-VL's decoders are Qwen2's, Qwen3-VL's Qwen3's (model.Attention reads it).
+    text["model_type"] = "qwen3" if config.model_type == "qwen3_vl" else "qwen2"
     text["vl_model_type"] = config.model_type
     text["tie_word_embeddings"] = bool(getattr(config, "tie_word_embeddings", False))
     if text.get("eos_token_id") is None:
@@ -171,7 +198,9 @@ def text_config(config):
 
 def vision_tower(config) -> nn.Module:
     """The family's Hugging Face vision module for `config.vision_config` (random weights)."""
-    if config.model_type == "qwen2_vl":
+    if config.model_type == "qwen3_vl":
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel as Tower
+    elif config.model_type == "qwen2_vl":
         from transformers.models.qwen2_vl.modeling_qwen2_vl import (
             Qwen2VisionTransformerPretrainedModel as Tower,
         )

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -73,12 +73,13 @@ class Leader:
             self.key = self.seq.tokens
 
 
-def plan(seqs: Seq[Cached], donors: Seq[Cached], image_token: int | None = None) -> list[Leader]:
-    """One leader per distinct token list and images (with its forks), each with its best donor prefix."""
+def plan(seqs: Seq[Cached], donors: Seq[Cached], vision: Any = None) -> list[Leader]:
+    """One leader per distinct token list and images (with its forks), each with its best donor prefix.
+    `vision`: a VL model's operators/vision.py `Vision`, which finds the images' placeholders."""
     leaders: dict[tuple[int, ...], Leader] = {}
-    donor_keys = [prefix_key(donor.request, donor.tokens, image_token) for donor in donors]
+    donor_keys = [prefix_key(donor.request, donor.tokens, vision) for donor in donors]
     for seq in seqs:
-        mine = prefix_key(seq.request, seq.tokens, image_token)
+        mine = prefix_key(seq.request, seq.tokens, vision)
         key = tuple(mine)
         if key in leaders:
             leaders[key].forks.append(seq)
@@ -142,7 +143,7 @@ def adopt(later: list[Leader], first: list[Leader]) -> None:
 def prefill(model: CausalLM, cache: KVCache, seqs: Seq[Cached], donors: Seq[Cached],
             stats: PrefillStats) -> tuple[list[Cached], torch.Tensor]:
     """Fill the cache for `seqs` (each in its own slot); returns them reordered with one logits row each."""
-    first, later = rounds(plan(seqs, donors, getattr(model, "image_token_id", None)))
+    first, later = rounds(plan(seqs, donors, getattr(model, "vision", None)))
     order: list[Cached] = []
     rows: list[torch.Tensor] = []
     for group in (first, later):

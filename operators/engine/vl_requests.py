@@ -3,14 +3,14 @@ prefill shares KV between requests (flowrl_operators.engine.prefill).
 
 A prompt's KV depends on its images as well as its tokens, and two requests with equal token ids
 (the same number of placeholder tokens) may hold different images. Prefill therefore compares
-`prefix_key`s, not token ids: the tokens with every image placeholder of the prompt replaced by a
-negative number derived from the hashes of all the request's images. Text before the first image
-is shared between any requests; the rest only between requests with the same images.
+`prefix_key`s, not token ids: the tokens with each image's placeholders replaced by a negative
+number derived from that image's hash. The KV at a position depends on the tokens and images up
+to it, so two requests share exactly the prefix up to their first difference in either: a
+multi-turn episode's first image is shared by a group whose later observations differ.
 """
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
 from flowrl_operators.engine.base import GenerateRequest
@@ -42,12 +42,13 @@ def check_images(model: Any, request: GenerateRequest) -> str | None:
     return None
 
 
-def prefix_key(request: GenerateRequest, tokens: list[int], image_token_id: int | None) -> list[int]:
-    """`tokens` (the request's prompt and output so far) with the prompt's image placeholders marked
-    by its images (see the module docs); the tokens themselves for a request without images."""
-    if not request.images or image_token_id is None:
+def prefix_key(request: GenerateRequest, tokens: list[int], vision: Any) -> list[int]:
+    """`tokens` (the request's prompt and output so far) with each image's placeholders in the prompt
+    marked by the image (see the module docs); the tokens themselves for a request without images.
+    `vision`: the model's operators/vision.py `Vision` (None for a text model)."""
+    if not request.images or vision is None:
         return tokens
-    digest = hashlib.sha256("".join(ref.sha256 for ref in request.images).encode()).hexdigest()
-    mark = -1 - int(digest[:15], 16)
-    prompt = len(request.input_ids)
-    return [mark if i < prompt and t == image_token_id else t for i, t in enumerate(tokens)]
+    key = list(tokens)
+    for ref, (start, end) in zip(request.images, vision.image_runs(request.input_ids), strict=False):
+        key[start:end] = [-1 - int(ref.sha256[:15], 16)] * (end - start)
+    return key

@@ -36,7 +36,7 @@ from collections.abc import Iterator
 import torch
 
 from flowrl_operators.training.kernels import token_logprobs
-from flowrl_operators.training.vl_inputs import vl_inputs
+from flowrl_operators.training.vl_inputs import hidden_size, vl_inputs
 
 # Packed rows aim at about this many tokens (or the longest sequence, if longer): wide enough that
 # the rows fill evenly, narrow enough that attention over a packed row (quadratic in its width, and
@@ -45,9 +45,10 @@ PACK_TOKENS = 256
 
 
 # Families whose attention is checked to stop at packed sequences' boundaries (tests/test_training_head.py
-# compares packed against padded rows). Others (sliding windows, multimodal position ids, custom
-# attention) get padded rows until they are checked the same way.
-PACKED_FAMILIES = frozenset({"llama", "qwen2"})
+# compares packed against padded rows; the VL families tests/test_training_vl.py, with their 4-row position
+# ids from training/vl_inputs.py). Others (sliding windows, custom attention) get padded rows until they
+# are checked the same way.
+PACKED_FAMILIES = frozenset({"llama", "qwen2", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"})  # VL: tests/test_training_vl.py
 
 
 def packing_supported(model: torch.nn.Module | None = None) -> bool:
@@ -135,13 +136,15 @@ def loss_token_logprobs(model: torch.nn.Module, mb, autocast=None, pack: bool | 
     if pack is None:
         pack = packing_supported(model)
     if pack:
-        input_ids, position_ids, packed_row, offset = pack_rows(mb, attention_width=6 * model.config.hidden_size)
+        input_ids, position_ids, packed_row, offset = pack_rows(mb, attention_width=6 * hidden_size(model))
         inputs = {"input_ids": input_ids, "position_ids": position_ids, "attention_mask": None}
         at = (packed_row[rows], offset[rows] + cols)
     else:
         inputs = {"input_ids": mb.input_ids, "position_ids": mb.position_ids, "attention_mask": mb.attention_mask}
         at = (rows, cols)
-    with autocast or contextlib.nullcontext(), head_rows(output_head(model), *at), vl_inputs(model, mb, inputs) as inputs:
+    layout = (packed_row, offset) if pack else None  # VL models: images in the packed order
+    with autocast or contextlib.nullcontext(), head_rows(output_head(model), *at), \
+            vl_inputs(model, mb, inputs, layout) as inputs:
         logits = model(**inputs, use_cache=False).logits
     if logits.shape[:-1] != rows.shape:
         raise RuntimeError(f"the model returned logits shaped {tuple(logits.shape)} for {len(rows)} kept positions")

@@ -2,7 +2,7 @@
 
 A batch row's images are `Batch.images[row]` (the trajectory's `images`: the images whose
 placeholders appear in its prompt and response ids, in order). For a VL model (Qwen2-VL,
-Qwen2.5-VL, loaded through `AutoModelForImageTextToText`), `vl_inputs` turns the padded
+Qwen2.5-VL, Qwen3-VL, loaded through `AutoModelForImageTextToText`), `vl_inputs` turns the padded
 micro-batch's model inputs into the family's:
 
 - `pixel_values` / `image_grid_thw`: every row's images, in row order, rebuilt from the run's image
@@ -16,8 +16,9 @@ micro-batch's model inputs into the family's:
   so the model's placeholder count equals its images' tokens while those tokens stay text, as in
   the engine.
 
-Packing (training/head.py) is off for VL families: packed rows would need the 4-row position ids
-and images in packed order; padded rows are used (`head.PACKED_FAMILIES` lists no VL family).
+Packed rows (training/head.py) work too: the position ids get four rows (the text positions first,
+from which transformers finds each packed sequence's boundaries) and the images follow the packed
+placeholders' order.
 """
 
 from __future__ import annotations
@@ -35,6 +36,12 @@ def is_vl_model(model: torch.nn.Module) -> bool:
     return getattr(getattr(model, "config", None), "model_type", None) in SUPPORTED
 
 
+def hidden_size(model: torch.nn.Module) -> int:
+    """The decoder's width (a VL config keeps it in its text_config)."""
+    config = model.config
+    return getattr(config, "text_config", config).hidden_size
+
+
 def _vision(model: torch.nn.Module):
     from flowrl_operators.vision import vision
 
@@ -42,53 +49,73 @@ def _vision(model: torch.nn.Module):
 
 
 @contextlib.contextmanager
-def vl_inputs(model: torch.nn.Module, mb: Any, inputs: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    """The model inputs for padded micro-batch `mb` (module docs); `inputs` unchanged for a text model
-    or a batch without images. Rows must be the padded layout (input_ids [B, L], lengths [B])."""
-    images = getattr(mb, "images", None)
+def vl_inputs(model: torch.nn.Module, mb: Any, inputs: dict[str, Any],
+              packed: tuple[torch.Tensor, torch.Tensor] | None = None) -> Iterator[dict[str, Any]]:
+    """The model inputs for micro-batch `mb` (module docs); `inputs` unchanged for a text model.
+    `inputs` are the padded rows, or with `packed` = (packed row, offset) of each of mb's rows the
+    packed ones (training/head.py `pack_rows`): then position_ids get 4 rows, the text positions
+    first, from which transformers finds the packed sequences' boundaries."""
+    images = getattr(mb, "images", None) or [[] for _ in range(mb.size)]
     if not is_vl_model(model):
+        if any(images):
+            raise ValueError(f"trajectories carry images but the model ({getattr(model.config, 'model_type', '?')}) "
+                             "is text-only; images need a vision-language model such as builtin:tiny-qwen2-vl")
         yield inputs
         return
-    if not images or not any(images):
-        with _idle_tower(model):
-            yield inputs
-        return
-    v = _vision(model)
-    ids = inputs["input_ids"]
-    if ids.shape != mb.input_ids.shape:
-        raise ValueError("vision-language rows cannot be packed (training/head.py): call with pack=False")
-    positions = torch.zeros((3, *ids.shape), dtype=torch.long)
+    with contextlib.ExitStack() as stack:
+        if not any(images):
+            stack.enter_context(_idle_tower(model))
+            if packed is None:  # text rows: transformers' own (text) positions are the mrope ones
+                yield inputs
+                return
+        v = _vision(model)
+        out, stray, refs = _placed(v, mb, images, inputs, packed)
+        if refs:
+            pixels = v.pixels(refs)
+            out["pixel_values"] = pixels["pixel_values"].to(stray.device)
+            out["image_grid_thw"] = pixels["image_grid_thw"].to(stray.device)
+        if bool(stray.any()):
+            stack.enter_context(_stray_embeddings(model, stray, v.image_token_id))
+        yield out
+
+
+def _placed(v: Any, mb: Any, images: list, inputs: dict[str, Any], packed: Any) -> tuple[dict, torch.Tensor, list]:
+    """(inputs with mrope position ids and stray image-pad tokens as 0, the strays' mask, the images
+    in the order their placeholders appear in the (packed) rows)."""
+    ids, text = inputs["input_ids"], inputs["position_ids"]
+    lengths = mb.lengths.tolist()
+    where = list(zip(*(t.tolist() for t in packed), strict=True)) if packed else [(b, 0) for b in range(len(lengths))]
+    positions = text.cpu()[None].repeat(3, 1, 1)  # padding and packed tails keep their text positions
     stray = torch.zeros(ids.shape, dtype=torch.bool)
     refs = []
-    for b, n in enumerate(mb.lengths.tolist()):
-        row, row_refs = ids[b, :n].tolist(), list(images[b])
+    for r in sorted(range(len(lengths)), key=lambda r: where[r]):
+        (at, off), n, row_refs = where[r], lengths[r], list(images[r])
+        row = ids[at, off:off + n].tolist()
         in_span = torch.zeros(n, dtype=torch.bool)
         if row_refs:
-            positions[:, b, :n], _ = v.positions(row, row_refs)
+            positions[:, at, off:off + n], _ = v.positions(row, row_refs)
             for start, end in v.spans(row, row_refs):
                 in_span[start:end] = True
-        else:
-            positions[:, b, :n] = torch.arange(n)
-        stray[b, :n] = (ids[b, :n].cpu() == v.image_token_id) & ~in_span
+        stray[at, off:off + n] = (torch.tensor(row) == v.image_token_id) & ~in_span
         refs += row_refs
-    device = ids.device
-    stray = stray.to(device)
-    out = dict(inputs, input_ids=ids.masked_fill(stray, 0), position_ids=positions.to(device))
-    if refs:
-        pixels = v.pixels(refs)
-        out["pixel_values"] = pixels["pixel_values"].to(device)
-        out["image_grid_thw"] = pixels["image_grid_thw"].to(device)
-    if not bool(stray.any()):
-        yield out
-        return
+    if packed:
+        positions = torch.cat([text.cpu()[None], positions])
+    stray = stray.to(ids.device)
+    return dict(inputs, input_ids=ids.masked_fill(stray, 0), position_ids=positions.to(ids.device)), stray, refs
+
+
+@contextlib.contextmanager
+def _stray_embeddings(model: torch.nn.Module, stray: torch.Tensor, image_token_id: int) -> Iterator[None]:
+    """Stray image-pad tokens go in as token 0 (so the model's placeholder count is its images');
+    this hook gives them back the image-pad token's embedding."""
 
     def restore(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
-        pad = module.weight[v.image_token_id].to(output.dtype)
+        pad = module.weight[image_token_id].to(output.dtype)
         return torch.where(stray[..., None], pad, output)
 
     handle = model.get_input_embeddings().register_forward_hook(restore)
     try:
-        yield out
+        yield
     finally:
         handle.remove()
 
@@ -109,8 +136,9 @@ def _idle_tower(model: torch.nn.Module) -> Iterator[None]:
     def touch(_module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple:
         embeds = kwargs["inputs_embeds"]
         blank = torch.zeros(int(grid.prod()), width, device=embeds.device, dtype=hf.model.visual.dtype)
-        out = hf.model.visual(blank, grid_thw=grid.to(embeds.device)).pooler_output
-        kwargs["inputs_embeds"] = embeds + 0 * out.sum().to(embeds.dtype)
+        out = hf.model.visual(blank, grid_thw=grid.to(embeds.device))
+        used = sum(f.sum() for f in [out.pooler_output, *(getattr(out, "deepstack_features", None) or [])])
+        kwargs["inputs_embeds"] = embeds + 0 * used.to(embeds.dtype)
         return args, kwargs
 
     handle = hf.model.language_model.register_forward_pre_hook(touch, with_kwargs=True)
