@@ -140,9 +140,12 @@ def test_sigint_then_resume_loses_no_image_and_no_trajectory(tmp_path: Path) -> 
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 1 and "1-grpo: interrupted after" in out, out  # flowrl run: 1 unless done
     assert (run_dir / "phases/0-warmup/phase.json").exists() and not (grpo / "phase.json").exists(), out
+    # The records a resume hands on keep their images (often none wait at this batch size: then the
+    # scored rows below, from before and after the interruption, are the check).
     held = referenced_images(checkpoints.latest(grpo))
     store = ImageStore(grpo / "images")
-    assert all(store.path(ref).is_file() for ref in held)  # the records a resume hands on keep their images
+    assert all(store.path(ref).is_file() for ref in held)
+    before = len(log.read_text().splitlines())
 
     resumed = flowrl(["run", "--resume", str(run_dir), "--quiet"], log)
     out, _ = resumed.communicate(timeout=600)
@@ -153,4 +156,5 @@ def test_sigint_then_resume_loses_no_image_and_no_trajectory(tmp_path: Path) -> 
     steps = [json.loads(line)["step"] for line in (grpo / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(8))
     rows = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(rows) > before > 32  # scored before the interruption (the warm-up's 32 too) and after
     assert check_images(grpo, rows) >= 8 * 2 * 2  # every scored episode, re-issued ones included
