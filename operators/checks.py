@@ -19,6 +19,21 @@ def _task(value: str, what: str) -> str | None:
     return f"unknown built-in {what} '{value}'; known: {', '.join('builtin:' + t for t in TASKS)}"
 
 
+def _task_workflow_args(value: str, args: dict[str, Any]) -> str | None:
+    """A built-in task's workflow built from `workflow_args` (cheap: no model), so a wrong or
+    out-of-range argument is reported by `flowrl validate`, not after the weights load."""
+    from flowrl_operators.tasks import TASKS
+
+    factory = getattr(TASKS[value.removeprefix("builtin:")], "workflow", None)
+    if factory is None:
+        return "workflow_args: this task's workflow takes none" if args else None
+    try:
+        factory(**args)
+    except (TypeError, ValueError) as e:
+        return f"workflow_args: {e}"
+    return None
+
+
 def reward_fn(value: str, section: Any = None) -> str | None:
     """A reward's `fn`: `builtin:<task>` or a callable `module:attr`."""
     del section
@@ -29,7 +44,7 @@ def workflow(value: str, section: Any) -> str | None:
     """A generate node's `workflow` (and the `module:attr` its `workflow_args` name for it)."""
     args = section.workflow_args
     if value.startswith("builtin:"):
-        return _task(value, "workflow")
+        return _task(value, "workflow") or _task_workflow_args(value, args)
     if value in ("agent", "environment"):
         key = "agent" if value == "agent" else "env"
         if not isinstance(args.get(key), str):

@@ -5,6 +5,8 @@ or `messages` (a chat list of `{role, content}`), taken from the column `prompt:
 name (default: a column called `messages`, else one called `prompt`). The generate node's
 workflow turns `messages` into tokens with the tokenizer's chat template and a text `prompt` with
 the tokenizer's special tokens; every column reaches the reward as `trajectory.metadata["sample"]`.
+Rows of a vision-language dataset also hold images (the column `images:` names, default one called
+`images`): see flowrl/data/image_columns.py; the sample carries them as `ImageRef`s under `images`.
 
 Order: sample `(step, index)` is row position `p = step * batch_size + index` of epoch
 `p // len(self)`. With `shuffle` (the default) each epoch is its own permutation of the training
@@ -20,8 +22,10 @@ from __future__ import annotations
 import hashlib
 import random
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
+from flowrl.data import image_columns
 from flowrl.data.readers import Rows, SourceError, read_rows
 
 
@@ -46,13 +50,19 @@ class FileSource:
     def __init__(self, seed: int = 0, batch_size: int = 1, *, file: str, format: str | None = None,
                  prompt: str | None = None, messages: str | None = None, split: str | None = None,
                  eval_file: str | None = None, eval_split: str | None = None, eval_rows: int | None = None,
-                 eval_fraction: float | None = None, shuffle: bool = True) -> None:
+                 eval_fraction: float | None = None, shuffle: bool = True, images: str | None = None) -> None:
         self.seed, self.batch_size, self.shuffle = seed, batch_size, shuffle
         self.file = file
         rows = read_rows(file, format, split)
         if len(rows) == 0:
             raise SourceError("file", f"{file!r} holds no rows")
         self.key, self.column = _prompt_column(rows[0], prompt, messages, "file")
+        self.images = image_columns.image_column(rows[0], images)
+        # Image paths are relative to the folder of the file holding the row.
+        self.base = self.eval_base = Path(file).expanduser().parent
+        if eval_file is not None:
+            self.eval_base = Path(eval_file).expanduser().parent
+        self._check_images(rows[0], self.base)
         held = [k for k, v in (("eval_file", eval_file), ("eval_split", eval_split), ("eval_rows", eval_rows),
                                ("eval_fraction", eval_fraction)) if v is not None]
         if len(held) > 1 and held != ["eval_file", "eval_split"]:
@@ -65,6 +75,7 @@ class FileSource:
                 raise SourceError(key, "the held-out rows are empty")
             _prompt_column(self.eval[0], self.column if self.key == "prompt" else None,
                            self.column if self.key == "messages" else None, key)
+            self._check_images(self.eval[0], self.eval_base)
         self.train = rows
         if eval_rows is not None or eval_fraction is not None:
             self.train, self.eval = _hold_out(rows, eval_rows, eval_fraction)
@@ -78,7 +89,7 @@ class FileSource:
         if not 0 <= index < self.batch_size or step < 0:
             raise IndexError(f"sample ({step}, {index}) is outside steps >= 0 and batch size {self.batch_size}")
         epoch, offset = divmod(step * self.batch_size + index, len(self.train))
-        return self._sample(self.train[self._order(epoch)[offset] if self.shuffle else offset])
+        return self._sample(self.train[self._order(epoch)[offset] if self.shuffle else offset], self.base)
 
     def eval_sample(self, index: int) -> dict[str, Any]:
         """Held-out row `index`, in file order."""
@@ -88,7 +99,7 @@ class FileSource:
         if not 0 <= index < len(self.eval):
             raise ValueError(f"data.eval.samples asks for held-out sample {index}, but data.source holds "
                              f"{len(self.eval)} held-out rows; lower data.eval.samples")
-        return self._sample(self.eval[index])
+        return self._sample(self.eval[index], self.eval_base)
 
     def _order(self, epoch: int) -> list[int]:
         """The permutation of epoch `epoch` (the two latest are kept: samples of two epochs may be in
@@ -99,13 +110,23 @@ class FileSource:
             self._orders = {e: o for e, o in self._orders.items() if e >= epoch - 1} | {epoch: order}
         return self._orders[epoch]
 
-    def _sample(self, row: dict[str, Any]) -> dict[str, Any]:
+    def _sample(self, row: dict[str, Any], base: Path) -> dict[str, Any]:
         value = row.get(self.column)
         _check_value(self.key, value, self.column)
         sample = dict(row)
         sample.pop("prompt" if self.key == "messages" else "messages", None)  # the workflow uses the chosen one
         sample[self.key] = value
+        if self.images is not None:  # references replace the pixels (or paths) the column held
+            cell = sample.pop(self.images)
+            sample["images"] = image_columns.store_cell(cell, base, self.images)
+            _check_image_count(self.key, value, len(sample["images"]), self.images)
         return sample
+
+    def _check_images(self, row: dict[str, Any], base: Path) -> None:
+        if self.images is None:
+            return
+        image_columns.check_cell(row[self.images], base, self.images)
+        _check_image_count(self.key, row[self.column], len(image_columns.cell_items(row[self.images])), self.images)
 
 
 def _prompt_column(row: dict[str, Any], prompt: str | None, messages: str | None, where: str) -> tuple[str, str]:
@@ -133,10 +154,19 @@ def _check_value(key: str, value: Any, column: str) -> None:
     if key == "prompt" and not isinstance(value, str):
         raise SourceError("prompt", f"column {column!r} must hold text, got {type(value).__name__} {value!r:.60}")
     if key == "messages" and not (isinstance(value, list) and value and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            isinstance(m, dict) and isinstance(m.get("role"), str) and image_columns.valid_content(m.get("content"))
             for m in value)):
         raise SourceError("messages", f"column {column!r} must hold a non-empty list of {{role, content}} "
-                                      f"messages, got {value!r:.80}")
+                                      "messages (content: text, or a list of {type: text, text} and {type: image} "
+                                      f"parts), got {value!r:.80}")
+
+
+def _check_image_count(key: str, prompt: Any, count: int, column: str) -> None:
+    """Each image needs its place in the prompt: one {type: image} part per image, in order."""
+    parts = image_columns.image_parts(prompt) if key == "messages" else 0
+    if parts != count:
+        raise SourceError("images", f"a row holds {count} image(s) in column {column!r} but its messages have "
+                                    f"{parts} {{type: image}} part(s); give one part per image, in order")
 
 
 def _hold_out(rows: Rows, count: int | None, fraction: float | None) -> tuple[Rows, Rows]:

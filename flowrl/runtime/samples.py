@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from flowrl.data import images
 from flowrl.data.source import load_source
 from flowrl.runtime.admission import Admission
 from flowrl.runtime.channel import Record, Work
@@ -30,6 +31,8 @@ class Samples(Role):
     def __init__(self, coord: Any) -> None:
         super().__init__(coord)
         plan, facts = coord.plan, coord.plan.facts
+        if coord.run_dir is not None:  # a file source stores its rows' images as it draws them
+            images.use_store(coord.run_dir / "images")
         self.source = load_source(plan.data, plan.seed, plan.model) if facts.generate else None
         self.admission: dict[str, Admission] = {}
         for g, f in facts.generate.items():

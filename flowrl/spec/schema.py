@@ -46,6 +46,7 @@ class FileSourceSpec(Strict):
     format: Literal["jsonl", "json", "csv", "parquet", "datasets"] | None = None  # default: from the name
     prompt: str | None = None  # column of prompt text (default: a column named prompt)
     messages: str | None = None  # column of chat messages (default: a column named messages)
+    images: str | None = None  # column of images, for vision-language rows (default: a column named images)
     split: str | None = None  # the split of a datasets folder with several (default: train)
     shuffle: bool = True  # a new order every epoch, drawn from run.seed
     # Held-out rows for data.eval: another file, a split of the datasets folder, or rows of this file.

@@ -5,12 +5,11 @@
 prints `flowrl engine listening on http://127.0.0.1:PORT` once it serves. Routes (SGLang 0.5.23's
 names and bodies; weight versions are strings on the wire, as in SGLang, holding integers):
 
-  POST /generate                 input_ids (or text), sampling_params, return_logprob, rid; a list
-                                 of prompts is a batch. Answer: output_ids, text, meta_info with
-                                 finish_reason {"type": stop|length|abort}, output_token_logprobs
-                                 [(logprob, token_id, null)], weight_version, weight_versions spans.
-                                 A rejected single request answers 400 {"error": {"message"}}; in a
-                                 batch it answers finish_reason abort with the message.
+  POST /generate                 input_ids (or text), sampling_params, return_logprob, rid, image_data
+                                 (inline images: image_data.py); a list of prompts is a batch. Answer:
+                                 output_ids, text, meta_info (finish_reason {"type": stop|length|abort},
+                                 output_token_logprobs [(logprob, token_id, null)], weight_version(s));
+                                 a rejected request: 400 {"error": {"message"}}; in a batch, abort.
   POST /pause_generation         {"mode": "abort" (default, as SGLang) | "retract" | "in_place"}
   POST /continue_generation
   POST /abort_request            {"rid": prefix} or {"abort_all": true}; rids match by prefix
@@ -41,6 +40,7 @@ from aiohttp import web
 from flowrl_operators.engine import chat
 from flowrl_operators.engine.base import PAUSE_MODES, GenerateRequest, GenerateResult, SamplingParams
 from flowrl_operators.engine.embedded import EmbeddedEngine
+from flowrl_operators.engine.image_data import request_images
 from flowrl_operators.engine.transfer import LOAD_FORMAT, decode_bucket, parse_dtype, weight_update_group
 from flowrl_operators.models import load_tokenizer
 
@@ -151,9 +151,10 @@ class EngineServer:
             raise BadRequest(f"{len(rids)} rids for {len(prompts)} prompts")
         sampling = sampling_from(body.get("sampling_params"))
         started = time.perf_counter()
-        results = await asyncio.gather(*[
-            self.engine.generate(GenerateRequest(request_id=str(rid), input_ids=ids, sampling=sampling))
-            for rid, ids in zip(rids, prompts, strict=True)])
+        pictures = request_images(body.get("image_data"), len(prompts), batched)
+        requests = [GenerateRequest(request_id=str(rid), input_ids=ids, sampling=sampling, images=refs)
+                    for rid, ids, refs in zip(rids, prompts, pictures, strict=True)]
+        results = await asyncio.gather(*[self.engine.generate(r) for r in requests])
         if not batched and results[0].error:
             raise BadRequest(results[0].error)
         answers = [self._answer(r, len(ids), bool(body.get("return_logprob")), started)

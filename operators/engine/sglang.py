@@ -11,6 +11,7 @@ Generation. `/generate` with `input_ids`, `sampling_params` and `return_logprob`
 version from `meta_info.weight_versions` spans (SGLang >= 0.5.20), else `meta_info.weight_version`.
 Each submission gets a fresh 32-character rid, because SGLang's `/abort_request` matches rids by
 prefix ("a/1#1" would also abort "a/1#10"). Several servers are balanced by fewest requests in flight.
+A vision-language request's images go as `image_data` data URLs (`image_data.py`).
 
 Pause. `pause(mode)` posts `/pause_generation` to every server and holds new submissions in the
 adapter until `resume()` posts `/continue_generation`. Mode "retract" (the default for partial
@@ -53,6 +54,7 @@ from flowrl_operators.engine.base import (
     PauseMode,
     SamplingParams,
 )
+from flowrl_operators.engine.image_data import image_data
 from flowrl_operators.engine.sglang_weights import (
     ServerError,
     WeightGroup,
@@ -218,7 +220,7 @@ class SGLangEngine:
         self._requests[request.request_id] = (server, rid, done)
         server.in_flight += 1
         body = {"input_ids": list(request.input_ids), "sampling_params": sampling_params(request.sampling),
-                "return_logprob": True, "rid": rid}
+                "return_logprob": True, "rid": rid, **image_data(request.images)}
         try:
             status, answer = await self._call(server, "/generate", body)
             if status == 400:  # the server rejected this request; the engine serves on

@@ -7,9 +7,10 @@ gives held-out problems that the train split never draws.
 
 from flowrl_operators.tasks.calculator import CalculatorEnv, calculator
 from flowrl_operators.tasks.digits import copy_digits, positions_correct, reverse_digits
+from flowrl_operators.tasks.grid_nav import GridNavEnv, grid_nav
 from flowrl_operators.tasks.guess import GuessNumberEnv, guess_number
 
-TASKS = {t.name: t for t in (reverse_digits, copy_digits, guess_number, calculator)}
+TASKS = {t.name: t for t in (reverse_digits, copy_digits, guess_number, calculator, grid_nav)}
 
-__all__ = ["TASKS", "CalculatorEnv", "GuessNumberEnv", "calculator", "copy_digits", "guess_number",
-           "positions_correct", "reverse_digits"]
+__all__ = ["TASKS", "CalculatorEnv", "GridNavEnv", "GuessNumberEnv", "calculator", "copy_digits", "grid_nav",
+           "guess_number", "positions_correct", "reverse_digits"]

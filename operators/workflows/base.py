@@ -20,8 +20,11 @@ from typing import Any, Protocol
 
 import msgspec
 
+from flowrl.data.images import ImageRef
 from flowrl.data.trajectory import SamplingSpan, Trajectory, Turn
 from flowrl_operators.engine.base import GenerateRequest, GenerateResult, InferenceEngine, SamplingParams
+from flowrl_operators.workflows.vision_messages import ImageContentError, has_images, store_images
+from flowrl_operators.workflows.vision_prompt import encode_with_images, require_vision
 
 
 class EpisodeError(RuntimeError):
@@ -48,18 +51,22 @@ def resubmit_seed(seed: int | None, generated: int) -> int | None:
 
 
 async def generate_complete(engine: InferenceEngine, request_id: str, input_ids: list[int],
-                            sampling: SamplingParams, max_attempts: int = 1000) -> GenerateResult:
+                            sampling: SamplingParams, max_attempts: int = 1000,
+                            images: list[ImageRef] | None = None) -> GenerateResult:
     """One engine call that survives weight updates: a request aborted by one (pause mode "abort")
     is resubmitted with its partial output appended (and a fresh seed, `resubmit_seed`), so the
     caller sees one result whose `versions` say which policy produced each token. Its finish
-    reason is never "abort": out of tokens it is "length". An engine error is returned in `error`."""
+    reason is never "abort": out of tokens it is "length". An engine error is returned in `error`.
+    `images` are the images whose placeholder tokens `input_ids` hold, in order (a resubmission
+    appends only text tokens, so they stay the same)."""
     merged = GenerateResult(request_id=request_id, sampling=sampling)  # what the trainer recomputes under
     prefix = list(input_ids)
     for attempt in range(max_attempts):
         done = len(merged.output_ids)
         attempt_sampling = msgspec.structs.replace(sampling, seed=resubmit_seed(sampling.seed, done),
                                                    max_new_tokens=sampling.max_new_tokens - done)
-        request = GenerateRequest(request_id=f"{request_id}#{attempt}", input_ids=prefix, sampling=attempt_sampling)
+        request = GenerateRequest(request_id=f"{request_id}#{attempt}", input_ids=prefix, sampling=attempt_sampling,
+                                  images=list(images or []))
         result = await engine.generate(request)
         merged.output_ids += result.output_ids
         merged.logprobs += result.logprobs
@@ -88,9 +95,9 @@ class WorkflowContext:
     seed: int = 0
     args: dict[str, Any] = field(default_factory=dict)
     services: dict[str, Any] = field(default_factory=dict)  # e.g. "proxy" for agent workflows
-    # Prompt ids by sample object, shared by the episodes of one group (the generate node passes one
-    # dict per group): tokenising the same prompt once per episode was ~5% of a quickstart step.
-    prompt_cache: dict[int, tuple[dict[str, Any], list[int]]] = field(default_factory=dict)
+    # Prompt ids (and images) by sample object, shared by the episodes of one group (the generate node
+    # passes one dict per group): tokenising the same prompt once per episode was ~5% of a quickstart step.
+    prompt_cache: dict[int, tuple[dict[str, Any], list[int], list[ImageRef]]] = field(default_factory=dict)
     calls: int = field(default=0, init=False)
     _rng: random.Random | None = field(default=None, init=False, repr=False)
 
@@ -107,8 +114,11 @@ class WorkflowContext:
         """The policy version the engine serves now."""
         return self.engine.version
 
-    async def generate(self, input_ids: list[int], **overrides: Any) -> GenerateResult:
+    async def generate(self, input_ids: list[int], images: list[ImageRef] | None = None,
+                       **overrides: Any) -> GenerateResult:
         """One engine call from token ids. `overrides` replace sampling fields (max_new_tokens, ...).
+        `images`: the images whose placeholder tokens `input_ids` hold, in order (a vision-language
+        policy; see `vision_prompt` for ids and images from chat messages).
 
         A request aborted by a weight update (pause mode "abort") is resubmitted with its partial
         output appended, so the caller always sees one complete result whose `versions` say which
@@ -121,7 +131,7 @@ class WorkflowContext:
                 sampling, seed=derive_seed(self.seed, self.sample_id, self.episode, self.calls))
         # Unique even if the same sample runs twice at once (e.g. a greedy evaluation episode).
         request_id = f"{self.sample_id}/{self.episode}/{self.calls}-{uuid.uuid4().hex[:8]}"
-        result = await generate_complete(self.engine, request_id, input_ids, sampling)
+        result = await generate_complete(self.engine, request_id, input_ids, sampling, images=images)
         if result.error:
             raise EpisodeError(f"engine rejected request {request_id}: {result.error}")
         return result
@@ -139,12 +149,29 @@ class WorkflowContext:
 
     def prompt_ids(self, sample: dict[str, Any]) -> list[int]:
         """A sample's prompt: `prompt_ids` (as given), chat `messages` (the chat template, with a
-        generation prompt), or `prompt` text (with the tokenizer's special tokens), in that order."""
+        generation prompt), or `prompt` text (with the tokenizer's special tokens), in that order.
+        A sample with images needs them too: use `prompt`."""
+        return self.prompt(sample)[0]
+
+    def prompt(self, sample: dict[str, Any]) -> tuple[list[int], list[ImageRef]]:
+        """(prompt ids, images): as `prompt_ids`, and for chat messages with image parts (or a
+        sample's `images`, flowrl/data/image_columns.py) the images in order, each placeholder the
+        template renders expanded for its image; pass both to `generate`."""
         # The entry keeps its sample alive, so no other object can take its id while it is cached.
         cached = self.prompt_cache.get(id(sample))
         if cached is None or cached[0] is not sample:
-            cached = self.prompt_cache[id(sample)] = (sample, self._prompt_ids(sample))
-        return list(cached[1])
+            cached = self.prompt_cache[id(sample)] = (sample, *self._prompt(sample))
+        return list(cached[1]), list(cached[2])
+
+    def _prompt(self, sample: dict[str, Any]) -> tuple[list[int], list[ImageRef]]:
+        messages = sample.get("messages")
+        if "prompt_ids" not in sample and isinstance(messages, list) and (sample.get("images") or has_images(messages)):
+            try:
+                messages, images = store_images(messages, sample.get("images"))
+            except ImageContentError as e:
+                raise EpisodeError(f"sample {self.sample_id}: {e}") from None
+            return chat_ids(self.tokenizer, messages, images=images), images
+        return self._prompt_ids(sample), []
 
     def _prompt_ids(self, sample: dict[str, Any]) -> list[int]:
         if "prompt_ids" in sample:
@@ -159,11 +186,36 @@ class WorkflowContext:
 
 
 def chat_ids(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-             tools: list[dict] | None = None) -> list[int]:
-    """The chat template's text, tokenised (the template's special tokens map to their ids)."""
+             tools: list[dict] | None = None, images: list[ImageRef] | None = None) -> list[int]:
+    """The chat template's text, tokenised (the template's special tokens map to their ids). With
+    `images` (the messages' `{"type": "image"}` parts, in order: `store_images`), each image
+    placeholder is expanded to its image's tokens."""
+    _check_vision(tokenizer, images)
     text = tokenizer.apply_chat_template(
         [_plain(m) for m in messages], tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False)
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    return _encode(tokenizer, text, images)
+
+
+def _check_vision(tokenizer: Any, images: list[ImageRef] | None) -> None:
+    if images:
+        try:
+            require_vision(tokenizer)
+        except ImageContentError as e:
+            raise EpisodeError(str(e)) from None
+
+
+def _encode(tokenizer: Any, text: str, images: list[ImageRef] | None) -> list[int]:
+    if not images:
+        return list(tokenizer.encode(text, add_special_tokens=False))
+    pending = list(images)
+    try:
+        ids = encode_with_images(tokenizer, text, pending)
+    except ImageContentError as e:
+        raise EpisodeError(str(e)) from None
+    if pending:
+        raise EpisodeError(f"the chat template placed {len(images) - len(pending)} of {len(images)} images; "
+                           "is the model a vision-language one?")
+    return ids
 
 
 def _plain(message: dict[str, Any]) -> dict[str, Any]:
@@ -175,14 +227,16 @@ _PLACEHOLDER = "\u0001FLOWRL\u0001"  # assistant content the template never prod
 
 
 def continuation_ids(tokenizer: Any, history: list[dict[str, Any]], observation: list[dict[str, Any]],
-                     model_ids: list[int]) -> list[int]:
+                     model_ids: list[int], images: list[ImageRef] | None = None) -> list[int]:
     """Tokens that follow the model's last turn up to the next assistant prompt.
 
     Renders `history + [assistant: PLACEHOLDER] + observation` with a generation prompt and keeps the
     text after the placeholder: the template's end of the assistant turn, the observation messages
     and the next assistant header. If the model already produced the end-of-turn token (its stop
     token), that part is not repeated. Only this text is tokenised; the model's ids are kept as is.
+    `images`: the observation's images in order (`store_images`), their placeholders expanded.
     """
+    _check_vision(tokenizer, images)
     rendered = tokenizer.apply_chat_template(
         [_plain(m) for m in history] + [{"role": "assistant", "content": _PLACEHOLDER}]
         + [_plain(m) for m in observation], add_generation_prompt=True, tokenize=False)
@@ -195,7 +249,7 @@ def continuation_ids(tokenizer: Any, history: list[dict[str, Any]], observation:
         if last and tokenizer.convert_ids_to_tokens(model_ids[-1]) in tokenizer.all_special_tokens \
                 and tail.startswith(last):
             tail = tail[len(last):]
-    return list(tokenizer.encode(tail, add_special_tokens=False))
+    return _encode(tokenizer, tail, images)
 
 
 class TrajectoryBuilder:
@@ -203,7 +257,7 @@ class TrajectoryBuilder:
     (loss mask 0), with turn spans over the response, one reward per turn if given, and the
     sampling parameters of each model turn (from `GenerateResult.sampling`)."""
 
-    def __init__(self, prompt_ids: list[int]) -> None:
+    def __init__(self, prompt_ids: list[int], images: list[ImageRef] | None = None) -> None:
         self.prompt_ids = list(prompt_ids)
         self.response_ids: list[int] = []
         self.loss_mask: list[int] = []
@@ -212,6 +266,7 @@ class TrajectoryBuilder:
         self.turns: list[Turn] = []
         self.sampling: list[SamplingSpan] = []
         self.turn_rewards: list[float] = []
+        self.images = list(images or [])  # those whose placeholders are in context_ids, in order
         self.finish_reason = "stop"
 
     @property
@@ -241,7 +296,9 @@ class TrajectoryBuilder:
         else:
             self.sampling.append(SamplingSpan(start, end, temperature, top_p, top_k))
 
-    def add_environment(self, ids: list[int], version: int) -> None:
+    def add_environment(self, ids: list[int], version: int, images: list[ImageRef] | None = None) -> None:
+        """Tokens the model did not produce (loss mask 0), with the images whose placeholders they hold."""
+        self.images += images or []
         self.response_ids += ids
         self.loss_mask += [0] * len(ids)
         self.logprobs += [0.0] * len(ids)
@@ -255,7 +312,7 @@ class TrajectoryBuilder:
             id="", group_id="", sample_id="", prompt_ids=self.prompt_ids, response_ids=self.response_ids,
             loss_mask=self.loss_mask, behaviour_logprobs=self.logprobs, versions=self.versions,
             turns=self.turns, sampling=self.sampling, reward=reward, turn_rewards=rewards,
-            finish_reason=self.finish_reason,
+            finish_reason=self.finish_reason, images=list(self.images),
             metadata=dict(metadata or {}),
         )
         trajectory.validate()

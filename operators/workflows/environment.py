@@ -8,11 +8,14 @@ the episode:
         async def step(self, action: str) -> tuple[observation, reward, done, info]: ...
 
 `reset` and `step` may be sync or async. An observation is text (a user message), one chat
-message (`{"role": "tool", "content": ...}`), or a list of messages. `step` receives the decoded
-text of the model's turn, or its token ids if the class sets `action = "ids"`. `step` may return
-`(observation, reward, done)` or add an `info` dict; a `StepResult` works too. Its reward must be
-a finite number (`flowrl_operators.reward_values`); anything else fails the episode. An optional
-`close()` runs when the episode ends, however it ends.
+message (`{"role": "tool", "content": ...}`), or a list of messages. For a vision-language policy
+a message's content may be a list of `{"type": "text", "text": ...}` and `{"type": "image", "image":
+<PIL image, bytes, path or data URL>}` parts: each image is stored in the run's image store, its
+placeholder tokens expanded in the observation's ids, and the trajectory lists its images in
+order. `step` receives the decoded text of the model's turn, or its token ids if the class sets
+`action = "ids"`. `step` may return `(observation, reward, done)` or add an `info` dict; a
+`StepResult` works too. Its reward must be a finite number (`flowrl_operators.reward_values`);
+anything else fails the episode. An optional `close()` runs when the episode ends, however it ends.
 
 Sync code never runs on the event loop, where it would stall every stage of the process and no
 timeout could fire: an environment class with a sync `reset` or `step` is built, and its sync
@@ -31,6 +34,7 @@ from typing import Any, Protocol
 
 import msgspec
 
+from flowrl.data.images import ImageRef
 from flowrl.data.trajectory import Trajectory
 from flowrl_operators.reward_values import InvalidReward, as_reward
 from flowrl_operators.threads import DaemonExecutor, call_in_thread
@@ -43,6 +47,7 @@ from flowrl_operators.workflows.base import (
     is_async_callable,
     maybe_await,
 )
+from flowrl_operators.workflows.vision_messages import ImageContentError, store_images
 
 CLOSE_TIMEOUT_S = 30.0  # an abandoned episode's async close() (its sync close() queues in its thread)
 _CLOSING: set[asyncio.Task] = set()  # those closes, kept referenced until they finish
@@ -69,6 +74,14 @@ def as_messages(observation: Any) -> list[dict[str, Any]]:
     if isinstance(observation, list) and all(isinstance(m, dict) for m in observation):
         return list(observation)
     raise EpisodeError(f"an observation must be text, a chat message or a list of them, got {type(observation).__name__}")
+
+
+def with_images(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[ImageRef]]:
+    """Image parts stored in the run's image store (`vision_messages.store_images`)."""
+    try:
+        return store_images(messages)
+    except ImageContentError as e:
+        raise EpisodeError(f"an observation's image: {e}") from None
 
 
 def as_step(value: Any) -> StepResult:
@@ -122,9 +135,9 @@ class EnvironmentWorkflow:
             host.thread.close()
 
     async def _episode(self, ctx: WorkflowContext, host: _Host, env: Any, sample: dict[str, Any]) -> Trajectory:
-        history = ([{"role": "system", "content": self.system}] if self.system else []) + as_messages(
-            await host.call(env.reset, sample))
-        builder = TrajectoryBuilder(chat_ids(ctx.tokenizer, history))
+        history, images = with_images(([{"role": "system", "content": self.system}] if self.system else [])
+                                      + as_messages(await host.call(env.reset, sample)))
+        builder = TrajectoryBuilder(chat_ids(ctx.tokenizer, history, images=images), images)
         limit = self.max_context or getattr(ctx.engine, "max_context", None)
         info: dict[str, Any] = {}
         done = False
@@ -135,7 +148,7 @@ class EnvironmentWorkflow:
             max_new = ctx.sampling.max_new_tokens
             if limit is not None:
                 max_new = min(max_new, limit - len(builder.context_ids))
-            result = await ctx.generate(builder.context_ids, max_new_tokens=max_new)
+            result = await ctx.generate(builder.context_ids, images=builder.images, max_new_tokens=max_new)
             builder.add_model(result)
             text = ctx.decode(result.output_ids)
             action = result.output_ids if getattr(env, "action", "text") == "ids" else text
@@ -148,9 +161,9 @@ class EnvironmentWorkflow:
                 break
             if turn == self.max_turns - 1:
                 break  # out of turns: the last observation would never be answered
-            observation = as_messages(step.observation)
-            builder.add_environment(continuation_ids(ctx.tokenizer, history[:-1], observation, result.output_ids),
-                                    ctx.version)
+            observation, images = with_images(as_messages(step.observation))
+            builder.add_environment(continuation_ids(ctx.tokenizer, history[:-1], observation, result.output_ids,
+                                                     images), ctx.version, images)
             history += observation
         if not done and builder.finish_reason == "stop":
             builder.finish_reason = "length"  # out of turns

@@ -29,6 +29,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from flowrl.data.images import ImageRef
 from flowrl.data.trajectory import Trajectory
 from flowrl_operators.checks import is_loopback
 from flowrl_operators.engine.base import GenerateResult, InferenceEngine, SamplingParams
@@ -40,6 +41,8 @@ from flowrl_operators.workflows.base import (
     generate_complete,
     is_async_callable,
 )
+from flowrl_operators.workflows.vision_messages import ImageContentError, store_images
+from flowrl_operators.workflows.vision_prompt import encode_with_images, require_vision
 
 _MARK = "\u0002"  # brackets spliced-reply indices in a rendered template
 _TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
@@ -53,6 +56,7 @@ class Call:
     versions: list[int]
     finish_reason: str
     sampling: SamplingParams  # as sent to the engine (its seed makes the call replayable)
+    images: list[ImageRef] = field(default_factory=list)  # those whose placeholders prompt_ids hold
 
 
 @dataclass
@@ -157,10 +161,16 @@ class Proxy:
         if body.get("stream"):
             raise ProxyError(400, "stream is not supported by the flowrl proxy; call without stream=True")
         sampling = self._sampling(body, session)
-        prompt_ids = self.render(messages, body.get("tools"), session)
+        try:  # image_url parts: data URLs stored in the run's image store, refused otherwise
+            messages, images = store_images(messages)
+            if images:
+                require_vision(self.tokenizer)
+        except ImageContentError as e:
+            raise ProxyError(400, str(e)) from None
+        prompt_ids = self.render(messages, body.get("tools"), session, images)
         calls = len(session.calls) if session else 0
         request_id = f"{session.id if session else 'open'}/{calls}/{uuid.uuid4().hex[:8]}"
-        result = await generate_complete(self.engine, request_id, prompt_ids, sampling)
+        result = await generate_complete(self.engine, request_id, prompt_ids, sampling, images=images)
         if result.error:
             raise ProxyError(400, f"the engine rejected the request: {result.error}")
         response = self._response(result, prompt_ids, body)
@@ -168,14 +178,16 @@ class Proxy:
             if not session.open:
                 raise ProxyError(404, f"session {session.id!r} ended while the call was running")
             session.calls.append(Call(prompt_ids, list(result.output_ids), list(result.logprobs),
-                                      list(result.versions), result.finish_reason, sampling))
+                                      list(result.versions), result.finish_reason, sampling, images))
             session.replies[response["choices"][0]["message"]["content"]] = list(result.output_ids)
         return response
 
-    def render(self, messages: list[dict[str, Any]], tools: list[dict] | None, session: Session | None) -> list[int]:
+    def render(self, messages: list[dict[str, Any]], tools: list[dict] | None, session: Session | None,
+               images: list[ImageRef] | None = None) -> list[int]:
         """The prompt's token ids. An assistant message whose content is a reply this session sent is
         spliced in as the engine's own output ids (stop token included), not re-tokenised, so a
-        conversation's prompt extends the previous call's prompt + output token for token."""
+        conversation's prompt extends the previous call's prompt + output token for token. Each
+        image placeholder the template renders is expanded for its image (`encode_with_images`)."""
         replies = session.replies if session else {}
         spliced: list[list[int]] = []
         rendered = []
@@ -185,25 +197,37 @@ class Proxy:
                 spliced.append(replies[m["content"]])
             else:
                 rendered.append(m)
-        if not spliced:
+        pending = list(images or [])
+        if not spliced and not pending:
             return chat_ids(self.tokenizer, messages, add_generation_prompt=True, tools=tools)
         text = self.tokenizer.apply_chat_template([{**m, "content": m.get("content") or ""} for m in rendered],
                                                   tools=tools, add_generation_prompt=True, tokenize=False)
         parts = text.split(_MARK)
-        if len(parts) != 2 * len(spliced) + 1:  # the template altered the content: fall back to text
-            return chat_ids(self.tokenizer, messages, add_generation_prompt=True, tools=tools)
-        ids = self._encode(parts[0])
+        if len(parts) != 2 * len(spliced) + 1:  # the template altered the content: no splicing
+            parts, spliced = [self.tokenizer.apply_chat_template(
+                [{**m, "content": m.get("content") or ""} for m in messages], tools=tools,
+                add_generation_prompt=True, tokenize=False)], []
+        ids = self._encode(parts[0], pending)
         for k in range(len(spliced)):
             output, tail = spliced[int(parts[2 * k + 1])], parts[2 * k + 2]
             ids += output
             if output and output[-1] in self.stop_ids:
                 end = self.tokenizer.decode([output[-1]], skip_special_tokens=False)
                 tail = tail.removeprefix(end)  # the model already closed its turn
-            ids += self._encode(tail)
+            ids += self._encode(tail, pending)
+        if pending:
+            raise ProxyError(400, f"the chat template placed {len(images or []) - len(pending)} of the "
+                                  f"{len(images or [])} images; is the model a vision-language one?")
         return ids
 
-    def _encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False)) if text else []
+    def _encode(self, text: str, pending: list[ImageRef]) -> list[int]:
+        """Tokens of `text`, each image placeholder in it expanded for the next of `pending` (consumed)."""
+        if not text:
+            return []
+        try:
+            return encode_with_images(self.tokenizer, text, pending)
+        except ImageContentError as e:
+            raise ProxyError(400, str(e)) from None
 
     def _sampling(self, body: dict[str, Any], session: Session | None) -> SamplingParams:
         base = session.sampling if session else self.sampling
@@ -260,12 +284,12 @@ def assemble(calls: list[Call], version: int) -> list[Trajectory]:
     chains: list[TrajectoryBuilder] = []
     for call in calls:
         for builder in reversed(chains):
-            context = builder.context_ids
-            if len(call.prompt_ids) >= len(context) and call.prompt_ids[:len(context)] == context:
-                builder.add_environment(call.prompt_ids[len(context):], version)
+            context, seen = builder.context_ids, builder.images
+            if call.prompt_ids[:len(context)] == context and call.images[:len(seen)] == seen:
+                builder.add_environment(call.prompt_ids[len(context):], version, call.images[len(seen):])
                 break
         else:
-            builder = TrajectoryBuilder(call.prompt_ids)
+            builder = TrajectoryBuilder(call.prompt_ids, call.images)
             chains.append(builder)
         builder.add_model(GenerateResult(request_id="", output_ids=call.output_ids, logprobs=call.logprobs,
                                          versions=call.versions, finish_reason=call.finish_reason,

@@ -9,9 +9,10 @@ from flowrl_operators.workflows.base import EpisodeError, TrajectoryBuilder, Wor
 
 
 async def single_turn(ctx: WorkflowContext, sample: dict[str, Any]) -> Trajectory:
-    """Prompt (see `WorkflowContext.prompt_ids`) -> one generation -> one trajectory."""
-    builder = TrajectoryBuilder(ctx.prompt_ids(sample))
-    builder.add_model(await ctx.generate(builder.context_ids))
+    """Prompt (see `WorkflowContext.prompt`, images included) -> one generation -> one trajectory."""
+    ids, images = ctx.prompt(sample)
+    builder = TrajectoryBuilder(ids, images)
+    builder.add_model(await ctx.generate(builder.context_ids, images=images))
     return builder.build(metadata={"sample": sample})
 
 
@@ -31,7 +32,8 @@ async def supervised(ctx: WorkflowContext, sample: dict[str, Any]) -> Trajectory
             target.append(ctx.tokenizer.eos_token_id)
     else:
         raise EpisodeError(f"the supervised workflow needs a sample with 'target' or 'target_ids' (keys: {sorted(sample)})")
-    builder = TrajectoryBuilder(ctx.prompt_ids(sample))
+    ids, images = ctx.prompt(sample)
+    builder = TrajectoryBuilder(ids, images)
     version = ctx.version
     builder.response_ids, builder.loss_mask = target, [1] * len(target)
     builder.logprobs, builder.versions = [0.0] * len(target), [version] * len(target)
