@@ -85,7 +85,7 @@ def test_both_phases_run_and_every_scored_image_is_in_the_store(smoke: Path) -> 
     assert check_images(grpo, rows) == 2 * 2 * 2  # 2 steps x 2 samples x 2 episodes
     assert all(len(r["images"]) == 1 for r in rows if Path(r["store"]) == warmup / "images")
     evals = [json.loads(line) for line in (grpo / "eval.jsonl").read_text().splitlines()]
-    assert [e["version"] for e in evals] == [0, 1] and all(-0.7 <= e["eval_reward"] <= 1.2 for e in evals)
+    assert [e["version"] for e in evals] == [0, 1, 2] and all(-0.7 <= e["eval_reward"] <= 1.2 for e in evals)
 
 
 def test_the_exported_policy_is_a_vision_language_checkpoint(smoke: Path) -> None:
