@@ -60,13 +60,65 @@ async def _by_reference(value: Any, replica: int) -> Any:
     if value is None or replica > 0:  # rank > 0: the coordinator keeps rank 0's policy only
         return None
     # ray.put copies the whole model once: off the stage's event loop.
-    return await asyncio.to_thread(lambda: ray.put(to_store(value)))
+    return await asyncio.to_thread(lambda: ray.put(StoredBuckets.put(value) if _is_buckets(value) else to_store(value)))
 
 
 async def from_store(ref: Any) -> Any:
     """The value a train stage put (`_by_reference`), with its tensors back: on the same Ray node
     they map the object store's memory, read-only, without a copy."""
-    return _unpack(await ref)
+    value = await ref
+    if isinstance(value, StoredBuckets):
+        return await value.resolve()
+    return _unpack(value)
+
+
+def _is_buckets(value: Any) -> bool:
+    """A policy in buckets (a train node's Snapshot): a non-empty list of lists of (name, tensor)."""
+    return (isinstance(value, list) and bool(value) and all(isinstance(b, list) for b in value)
+            and all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) and _is_tensor(p[1])
+                    for b in value for p in b))
+
+
+def _is_tensor(value: Any) -> bool:
+    return hasattr(value, "data_ptr") and hasattr(value, "element_size")
+
+
+class StoredBuckets:
+    """A policy in buckets as the train stage puts it: each bucket its own object, a list of flat
+    numpy byte arrays (the object store transport's bucket layout), described by (name, dtype,
+    shape) triples; this small value holds their refs. A sync stage with the object store transport
+    hands these refs on to the engines as they are (`object_refs` on what `resolve` returns): the
+    version is put once, by the trainer, and never copied again before an engine's node pulls it."""
+
+    __slots__ = ("buckets", "kind")
+
+    def __init__(self, kind: type, buckets: list[tuple[Any, list[tuple[str, str, tuple[int, ...]]]]]) -> None:
+        self.kind, self.buckets = kind, buckets
+
+    @classmethod
+    def put(cls, value: list) -> StoredBuckets:
+        """Put each bucket of `value` (blocking: one copy of the bytes into the object store)."""
+        buckets = []
+        for bucket in value:
+            stored = [HostBytes(t.cpu() if t.is_cuda else t) for _, t in bucket]
+            metas = [(name, str(h.dtype).removeprefix("torch."), h.shape) for (name, _), h in zip(bucket, stored, strict=True)]
+            buckets.append((ray.put([h.array for h in stored]), metas))
+        return cls(type(value), buckets)
+
+    async def resolve(self) -> Any:
+        """The buckets with their tensors (mapped, not copied, on the same node), as the type that was
+        put, carrying the refs as `object_refs`."""
+        import torch
+
+        arrays = await asyncio.gather(*(ref for ref, _ in self.buckets))
+        with warnings.catch_warnings():  # a read-only mapping: readers (sync, engines) only read
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            out = self.kind([[(name, torch.from_numpy(a).view(getattr(torch, dtype)).reshape(shape))
+                              for a, (name, dtype, shape) in zip(bucket, metas, strict=True)]
+                             for bucket, (_, metas) in zip(arrays, self.buckets, strict=True)])
+        if self.kind is not list:  # a plain list takes no attribute: the sync stage re-puts it
+            out.object_refs = self.buckets
+        return out
 
 
 class HostBytes:
@@ -95,7 +147,7 @@ def to_store(value: Any) -> Any:
     """`value` as it goes into the object store: each tensor a `HostBytes`, a host tensor's bytes
     not copied (a CUDA tensor is copied to host memory first: a GPU trainer's policy must unpickle
     in a sync actor that sees no GPU; not exercised on a GPU by this project's tests)."""
-    if hasattr(value, "data_ptr") and hasattr(value, "element_size"):
+    if _is_tensor(value):
         return HostBytes(value.cpu() if value.is_cuda else value)
     return _rebuilt(value, to_store)
 
