@@ -5,9 +5,12 @@ put into the Ray object store by the train actor, its tensors as numpy byte arra
 and only the `ObjectRef` is handed to `coord.complete`; the coordinator keeps that ref in the
 policy channel, and the proxy of the sync stage that takes it resolves it before the operator sees
 it. So the weights never enter the coordinator actor's memory, and they are copied once into the
-object store (on the train actor's node), then mapped without a copy by a sync stage on that node. The object is owned by the
-train actor and lives while the coordinator or the sync stage holds the ref; a checkpoint never
-stores one (snapshot.py keeps policy records without their values). Ranks > 0 of a train group
+object store (on the train actor's node), then mapped without a copy by a sync stage on that node.
+A policy in buckets (the train operator's Snapshot) goes in bucket by bucket, one object each, in
+the object store transport's layout (`StoredBuckets`): a sync stage with that transport hands the
+trainer's refs on to the engines instead of putting the version a second time. The objects are
+owned by the train actor and live while the coordinator, the sync stage or a weights record holds
+a ref; a checkpoint never stores one (snapshot.py keeps policy records without their values). Ranks > 0 of a train group
 hand back no policy at all: the coordinator only ever uses rank 0's (batches.py).
 """
 
@@ -169,15 +172,23 @@ def _rebuilt(value: Any, each: Any) -> Any:
 
 
 class StageActor:
-    def __init__(self, plan: bytes, node: str, replica: int, coord: Any, run_dir: str | None, origin: float) -> None:
-        # The plan travels as msgspec JSON: small arguments are inlined in the actor's creation
-        # task, so a restart never depends on an object-store copy.
-        decoded = msgspec.json.decode(plan, type=Plan)
-        self.stage = Stage(decoded, node, replica, RemoteCoordinator(coord, decoded, node), run_dir, origin, "ray")
+    """Hosts one replica of a stage. The constructor takes only plain values (the plan as msgspec
+    JSON, small): Ray inlines them in the actor's creation task, which it replays on a restart. The
+    coordinator's handle comes with `start` instead: an actor handle among the constructor arguments
+    would be kept in the object store, where a restart could not count on it (Ray warns of exactly
+    that for an actor with max_restarts > 0)."""
 
-    async def start(self, checkpoint: str | None, env: dict[str, str] | None = None) -> dict[str, Any]:
-        """Set up the stage; returns where it runs (pid, Ray node id and address)."""
+    def __init__(self, plan: bytes, node: str, replica: int, run_dir: str | None, origin: float) -> None:
+        self.plan = msgspec.json.decode(plan, type=Plan)
+        self.node, self.replica, self.run_dir, self.origin = node, replica, run_dir, origin
+        self.stage: Stage | None = None
+
+    async def start(self, coord: Any, checkpoint: str | None, env: dict[str, str] | None = None) -> dict[str, Any]:
+        """Set up the stage, calling the coordinator `coord`; returns where it runs (pid, Ray node id
+        and address)."""
         os.environ.update(env or {})
+        remote = RemoteCoordinator(coord, self.plan, self.node)
+        self.stage = Stage(self.plan, self.node, self.replica, remote, self.run_dir, self.origin, "ray")
         await self.stage.start(checkpoint)
         context = ray.get_runtime_context()
         return {"pid": os.getpid(), "node_id": context.get_node_id(), "ip": ray.util.get_node_ip_address()}
@@ -195,4 +206,5 @@ class StageActor:
         self.stage.save(path)
 
     async def close(self) -> None:
-        await self.stage.close()
+        if self.stage is not None:  # None: closed before it started (a failed start elsewhere)
+            await self.stage.close()
