@@ -4,8 +4,9 @@ Ray stores numpy arrays out of band, so `ray.put` copies each tensor once into s
 `ray.get` in another process on the node maps it without copying (a torch tensor would be pickled
 and copied both ways: about 0.4 s per 100 MB, measured on this project's 2-core CPU machine). Dtypes numpy lacks (bfloat16) travel as
 raw bytes and are viewed back with torch. The record holds the object refs, so the objects live as
-long as some record does; their owner is the sending process, which must outlive the transfer (if it
-dies, `ray.get` raises and the engine keeps its old weights).
+long as some record does; their owner is the sending process (the train actor, for a version a Ray
+train stage put and the sync stage forwarded), which must outlive the transfer (if it dies, `ray.get`
+raises and the engine keeps its old weights).
 """
 
 from __future__ import annotations
