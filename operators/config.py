@@ -249,6 +249,8 @@ class SyncConfig(Strict):
     # auto: in-process when the pipeline runs in one process, the Ray object store under Ray;
     # inprocess, object_store, broadcast, or a transport a plugin registers (flowrl.transports).
     transport: str = "auto"
+    # Under Ray with the object store, a train stage's version goes on in the buckets it was put in
+    # (the trainer's, 64 MB): nothing is re-bucketed or put again, so bucket_mb does not apply there.
     bucket_mb: Annotated[float, Meta(gt=0)] = 64.0
     # inprocess: copy the tensors at send time instead of handing over references (needed when the
     # trainer may step again before the engines applied the version, e.g. behind async edges).

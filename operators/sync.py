@@ -16,7 +16,9 @@ class Sync(Operator):
     `named_weights(bucket_bytes)`), a torch module, a state dict, an iterable of buckets, None (the
     step changed nothing: the version advances with no bytes), or a weights
     record the trainer already sent itself (passed through; that is how a broadcast leaves a Ray train
-    actor's rank 0 without the weights travelling through this node). It returns the weights record
+    actor's rank 0 without the weights travelling through this node). A policy a Ray train stage put
+    in the object store (`object_refs`) goes on by reference with the object store transport. It
+    returns the weights record
     that the generate node hands to `flowrl_operators.transport.apply`.
     """
 
@@ -59,6 +61,11 @@ class Sync(Operator):
         if self.sender is None:
             await self.setup()
         # None: the train step changed nothing (no data); the version still advances, with no bytes.
+        stored = getattr(policy, "object_refs", None)
+        if stored is not None and hasattr(self.sender, "forward"):
+            # Under Ray the train stage put the version in buckets already: pass its refs on (the
+            # trainer's bucket size, not `bucket_mb`), no second copy into the object store.
+            return self.sender.forward(stored, version)
         size = int(self.config.bucket_mb * 2**20)
         if isinstance(policy, Snapshot):  # the train node's private copy: stays one, so it is not copied again
             buckets = Snapshot(rebucket((pair for bucket in policy for pair in bucket), size))

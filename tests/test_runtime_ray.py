@@ -90,7 +90,7 @@ def metrics(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_weights_reach_sync_by_reference_not_through_the_coordinator(tmp_path):
+def test_weights_reach_sync_by_reference_not_through_the_coordinator(tmp_path, capfd):
     # 1 MiB of weights per version; ToySync checks each arrives whole and of the right version.
     plan = ops.grpo("sync", steps=2, batch_size=2, train={"weights_kb": 1024})
     crossed = {}
@@ -100,6 +100,8 @@ def test_weights_reach_sync_by_reference_not_through_the_coordinator(tmp_path):
         crossed[executor] = [row["coordinator_weight_bytes"] for row in metrics(tmp_path / executor)]
     assert crossed["inprocess"] == [2**20] * 2  # handed over by reference there: the policy's size
     assert crossed["ray"] == [0] * 2  # only object refs crossed the coordinator actor
+    # The generate actor is restartable: none of its constructor arguments may sit in the object store.
+    assert "constructor arguments in the object store" not in capfd.readouterr().err
 
 
 @pytest.mark.slow

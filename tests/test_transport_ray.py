@@ -59,6 +59,13 @@ class Publisher:
             buckets = self._dies_after(buckets, 2)
         return await self.nodes[transport, layout].sync(buckets, version=version)
 
+    async def put_policy(self) -> list:
+        """The policy as a Ray train stage hands it to the coordinator: one ref (ray_stage)."""
+        from flowrl.runtime.ray_stage import _by_reference
+        from flowrl_operators.transport import Snapshot
+
+        return [await _by_reference(Snapshot(rebucket(self.weights.items(), BUCKET_BYTES)), 0)]
+
     def _dies_after(self, buckets, count: int):
         yield from buckets[:count]
         os._exit(1)  # the train process dies half-way through the transfer
@@ -145,3 +152,33 @@ def test_publisher_dying_half_way_leaves_the_old_weights(ray_session, trained, t
             await engine.close()
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("transport", ["auto", "broadcast"])
+def test_a_ray_train_stages_put_reaches_the_engine_without_a_second_put(shared_publisher, trained, transport):
+    from flowrl.runtime.ray_stage import from_store
+    from flowrl_operators.sync import Sync
+    from flowrl_operators.transport import ObjectStoreRecord, Snapshot
+
+    async def run():
+        [ref] = await shared_publisher.put_policy.remote()
+        policy = await from_store(ref)  # as the sync stage's proxy resolves it
+        assert isinstance(policy, Snapshot) and len(policy) > 1
+        config = SyncConfig(transport=transport, bucket_mb=BUCKET_BYTES / 2**20, timeout_s=60.0)
+        node = Sync(config, OperatorContext(node="sync"))
+        engine = EmbeddedEngine(MODEL, max_slots=2)
+        try:
+            record = await node.sync(policy, version=1)
+            if transport == "auto":  # the object store: the trainer's objects go on as they are
+                assert isinstance(record, ObjectStoreRecord)
+                assert [r for r, _ in record.buckets] == [r for r, _ in policy.object_refs]
+            metrics = await apply(engine, record, 1)
+            assert engine.version == 1
+            assert_bitwise(engine, trained)
+            return metrics
+        finally:
+            await engine.close()
+            await node.close()
+
+    metrics = asyncio.run(run())
+    assert metrics.bytes == sum(t.numel() * t.element_size() for t in trained.values())

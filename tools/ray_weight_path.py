@@ -2,10 +2,11 @@
 multi-node Ray cluster: used by `tools/bench_weight_sync.py --ray-path`.
 
 A train actor on worker node `a` publishes the weights as the train stage does (ray_stage's
-`_by_reference`: one `ray.put`, only the ref goes on); the driver stands for the coordinator and
-holds nothing but that ref (its tensor bytes are counted, as metrics.jsonl's
+`_by_reference`: one `ray.put` per bucket, only a ref to them goes on); the driver stands for the
+coordinator and holds nothing but that ref (its tensor bytes are counted, as metrics.jsonl's
 `coordinator_weight_bytes`); a sync actor next to the trainer resolves the ref as the sync stage's
-proxy does and runs the real sync operator (`transport: auto`, the object store under Ray); engine
+proxy does and runs the real sync operator (`transport: auto`, the object store under Ray, which
+passes the trainer's bucket refs on; or `broadcast`, which sends the mapped tensors); engine
 actors on the other nodes (worker `b` and the head) apply the record with the real `apply` into
 live buffers. One version's time is from the trainer's publish until every engine holds it. The
 reference is a raw gloo broadcast of the same bytes, in the same bucket size, from a process on
@@ -183,7 +184,7 @@ def run_ray_path(layers: int, bucket_mb: float, repeats: int, total: int, engine
     sys.path.insert(0, str(ROOT / "tests"))
     from ray_cluster import LocalCluster
 
-    # Each store holds a version or two: the trainer's put and the sync's buckets share node a's.
+    # Each store holds a version or two (the one being read, the next one put).
     cluster = LocalCluster({"a": 1, "b": 1}, store_bytes=int(max(6 * total, 512 * 2**20))).start()
     try:
         ray.init(address=cluster.address, log_to_driver=False)

@@ -78,7 +78,7 @@ class RayExecutor:
                     scheduling_strategy=PlacementGroupSchedulingStrategy(self.pgs[name], placement_group_bundle_index=r),
                     max_restarts=self.max_restarts if self.plan.nodes[name].kind == "generate" else 0,
                     max_task_retries=0,  # a call that killed its actor must not be retried (it would again)
-                ).remote(msgspec.json.encode(self.plan), name, r, self.coord, self.run_dir, self.origin)
+                ).remote(msgspec.json.encode(self.plan), name, r, self.run_dir, self.origin)
         env = {}
         for name in names:
             size = self.plan.nodes[name].resources.replicas
@@ -89,7 +89,8 @@ class RayExecutor:
                                       "WORLD_SIZE": str(size), "LOCAL_RANK": str(r)}
         # Started together: the ranks of a group meet in their operators' setup().
         where = await asyncio.gather(*(
-            actor.start.remote(str(checkpoint / name / f"r{r}") if checkpoint else None, env.get((name, r)))
+            actor.start.remote(self.coord, str(checkpoint / name / f"r{r}") if checkpoint else None,
+                               env.get((name, r)))
             for (name, r), actor in self.actors.items()))
         self.where = dict(zip(self.actors, where, strict=True))
         placement.write(self.run_dir, self.where, self.attached)
@@ -104,7 +105,7 @@ class RayExecutor:
                 if starting:
                     # The restarted actor sets up again and attaches to the coordinator, which
                     # re-issues the samples the dead one held.
-                    self.where[key] = await actor.start.remote(None)
+                    self.where[key] = await actor.start.remote(self.coord, None)
                     placement.write(self.run_dir, self.where, self.attached)  # Ray may have put it on another node
                     starting = False
                 return await actor.run.remote()

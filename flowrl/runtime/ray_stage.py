@@ -5,9 +5,12 @@ put into the Ray object store by the train actor, its tensors as numpy byte arra
 and only the `ObjectRef` is handed to `coord.complete`; the coordinator keeps that ref in the
 policy channel, and the proxy of the sync stage that takes it resolves it before the operator sees
 it. So the weights never enter the coordinator actor's memory, and they are copied once into the
-object store (on the train actor's node), then mapped without a copy by a sync stage on that node. The object is owned by the
-train actor and lives while the coordinator or the sync stage holds the ref; a checkpoint never
-stores one (snapshot.py keeps policy records without their values). Ranks > 0 of a train group
+object store (on the train actor's node), then mapped without a copy by a sync stage on that node.
+A policy in buckets (the train operator's Snapshot) goes in bucket by bucket, one object each, in
+the object store transport's layout (`StoredBuckets`): a sync stage with that transport hands the
+trainer's refs on to the engines instead of putting the version a second time. The objects are
+owned by the train actor and live while the coordinator, the sync stage or a weights record holds
+a ref; a checkpoint never stores one (snapshot.py keeps policy records without their values). Ranks > 0 of a train group
 hand back no policy at all: the coordinator only ever uses rank 0's (batches.py).
 """
 
@@ -60,13 +63,65 @@ async def _by_reference(value: Any, replica: int) -> Any:
     if value is None or replica > 0:  # rank > 0: the coordinator keeps rank 0's policy only
         return None
     # ray.put copies the whole model once: off the stage's event loop.
-    return await asyncio.to_thread(lambda: ray.put(to_store(value)))
+    return await asyncio.to_thread(lambda: ray.put(StoredBuckets.put(value) if _is_buckets(value) else to_store(value)))
 
 
 async def from_store(ref: Any) -> Any:
     """The value a train stage put (`_by_reference`), with its tensors back: on the same Ray node
     they map the object store's memory, read-only, without a copy."""
-    return _unpack(await ref)
+    value = await ref
+    if isinstance(value, StoredBuckets):
+        return await value.resolve()
+    return _unpack(value)
+
+
+def _is_buckets(value: Any) -> bool:
+    """A policy in buckets (a train node's Snapshot): a non-empty list of lists of (name, tensor)."""
+    return (isinstance(value, list) and bool(value) and all(isinstance(b, list) for b in value)
+            and all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) and _is_tensor(p[1])
+                    for b in value for p in b))
+
+
+def _is_tensor(value: Any) -> bool:
+    return hasattr(value, "data_ptr") and hasattr(value, "element_size")
+
+
+class StoredBuckets:
+    """A policy in buckets as the train stage puts it: each bucket its own object, a list of flat
+    numpy byte arrays (the object store transport's bucket layout), described by (name, dtype,
+    shape) triples; this small value holds their refs. A sync stage with the object store transport
+    hands these refs on to the engines as they are (`object_refs` on what `resolve` returns): the
+    version is put once, by the trainer, and never copied again before an engine's node pulls it."""
+
+    __slots__ = ("buckets", "kind")
+
+    def __init__(self, kind: type, buckets: list[tuple[Any, list[tuple[str, str, tuple[int, ...]]]]]) -> None:
+        self.kind, self.buckets = kind, buckets
+
+    @classmethod
+    def put(cls, value: list) -> StoredBuckets:
+        """Put each bucket of `value` (blocking: one copy of the bytes into the object store)."""
+        buckets = []
+        for bucket in value:
+            stored = [HostBytes(t.cpu() if t.is_cuda else t) for _, t in bucket]
+            metas = [(name, str(h.dtype).removeprefix("torch."), h.shape) for (name, _), h in zip(bucket, stored, strict=True)]
+            buckets.append((ray.put([h.array for h in stored]), metas))
+        return cls(type(value), buckets)
+
+    async def resolve(self) -> Any:
+        """The buckets with their tensors (mapped, not copied, on the same node), as the type that was
+        put, carrying the refs as `object_refs`."""
+        import torch
+
+        arrays = await asyncio.gather(*(ref for ref, _ in self.buckets))
+        with warnings.catch_warnings():  # a read-only mapping: readers (sync, engines) only read
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            out = self.kind([[(name, torch.from_numpy(a).view(getattr(torch, dtype)).reshape(shape))
+                              for a, (name, dtype, shape) in zip(bucket, metas, strict=True)]
+                             for bucket, (_, metas) in zip(arrays, self.buckets, strict=True)])
+        if self.kind is not list:  # a plain list takes no attribute: the sync stage re-puts it
+            out.object_refs = self.buckets
+        return out
 
 
 class HostBytes:
@@ -95,7 +150,7 @@ def to_store(value: Any) -> Any:
     """`value` as it goes into the object store: each tensor a `HostBytes`, a host tensor's bytes
     not copied (a CUDA tensor is copied to host memory first: a GPU trainer's policy must unpickle
     in a sync actor that sees no GPU; not exercised on a GPU by this project's tests)."""
-    if hasattr(value, "data_ptr") and hasattr(value, "element_size"):
+    if _is_tensor(value):
         return HostBytes(value.cpu() if value.is_cuda else value)
     return _rebuilt(value, to_store)
 
@@ -117,15 +172,23 @@ def _rebuilt(value: Any, each: Any) -> Any:
 
 
 class StageActor:
-    def __init__(self, plan: bytes, node: str, replica: int, coord: Any, run_dir: str | None, origin: float) -> None:
-        # The plan travels as msgspec JSON: small arguments are inlined in the actor's creation
-        # task, so a restart never depends on an object-store copy.
-        decoded = msgspec.json.decode(plan, type=Plan)
-        self.stage = Stage(decoded, node, replica, RemoteCoordinator(coord, decoded, node), run_dir, origin, "ray")
+    """Hosts one replica of a stage. The constructor takes only plain values (the plan as msgspec
+    JSON, small): Ray inlines them in the actor's creation task, which it replays on a restart. The
+    coordinator's handle comes with `start` instead: an actor handle among the constructor arguments
+    would be kept in the object store, where a restart could not count on it (Ray warns of exactly
+    that for an actor with max_restarts > 0)."""
 
-    async def start(self, checkpoint: str | None, env: dict[str, str] | None = None) -> dict[str, Any]:
-        """Set up the stage; returns where it runs (pid, Ray node id and address)."""
+    def __init__(self, plan: bytes, node: str, replica: int, run_dir: str | None, origin: float) -> None:
+        self.plan = msgspec.json.decode(plan, type=Plan)
+        self.node, self.replica, self.run_dir, self.origin = node, replica, run_dir, origin
+        self.stage: Stage | None = None
+
+    async def start(self, coord: Any, checkpoint: str | None, env: dict[str, str] | None = None) -> dict[str, Any]:
+        """Set up the stage, calling the coordinator `coord`; returns where it runs (pid, Ray node id
+        and address)."""
         os.environ.update(env or {})
+        remote = RemoteCoordinator(coord, self.plan, self.node)
+        self.stage = Stage(self.plan, self.node, self.replica, remote, self.run_dir, self.origin, "ray")
         await self.stage.start(checkpoint)
         context = ray.get_runtime_context()
         return {"pid": os.getpid(), "node_id": context.get_node_id(), "ip": ray.util.get_node_ip_address()}
@@ -143,4 +206,5 @@ class StageActor:
         self.stage.save(path)
 
     async def close(self) -> None:
-        await self.stage.close()
+        if self.stage is not None:  # None: closed before it started (a failed start elsewhere)
+            await self.stage.close()

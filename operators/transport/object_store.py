@@ -4,15 +4,16 @@ Ray stores numpy arrays out of band, so `ray.put` copies each tensor once into s
 `ray.get` in another process on the node maps it without copying (a torch tensor would be pickled
 and copied both ways: about 0.4 s per 100 MB, measured on this project's 2-core CPU machine). Dtypes numpy lacks (bfloat16) travel as
 raw bytes and are viewed back with torch. The record holds the object refs, so the objects live as
-long as some record does; their owner is the sending process, which must outlive the transfer (if it
-dies, `ray.get` raises and the engine keeps its old weights).
+long as some record does; their owner is the sending process (the train actor, for a version a Ray
+train stage put and the sync stage forwarded), which must outlive the transfer (if it dies, `ray.get`
+raises and the engine keeps its old weights).
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +48,14 @@ class ObjectStoreSender:
             refs.append((ray.put(arrays), metas))
         return ObjectStoreRecord(version, refs, nbytes)
 
+    def forward(self, stored: list[tuple[Any, list[tuple[str, str, tuple[int, ...]]]]], version: int) -> ObjectStoreRecord:
+        """The record of buckets already in the object store in this transport's layout (a list of
+        uint8 arrays per object; a Ray train stage puts a policy so, `object_refs` on what the sync
+        stage receives): their refs go on as they are, nothing is copied or put again. The engines
+        then read the trainer's objects, which live while a record holds their refs."""
+        buckets = [(ref, [TensorMeta(name, dtype, tuple(shape)) for name, dtype, shape in metas]) for ref, metas in stored]
+        return ObjectStoreRecord(version, buckets, sum(m.nbytes for _, metas in buckets for m in metas))
+
     def wait(self, timeout: float | None = None) -> None:
         del timeout
 
@@ -60,17 +69,16 @@ class ObjectStoreStream(Stream):
 
     def __init__(self, record: ObjectStoreRecord) -> None:
         super().__init__()
-        self._metas = [metas for _, metas in record.buckets]
         self._pool = ThreadPoolExecutor(max_workers=max(1, min(self.FETCH_AHEAD, len(record.buckets))))
-        self._fetches = [(ref, self._pool.submit(_fetch, ref)) for ref, _ in record.buckets]
-        self._at = 0
+        self._pending = {self._pool.submit(_fetch, ref): (ref, metas) for ref, metas in record.buckets}
 
     def _next(self) -> Bucket | None:
-        if self._at == len(self._fetches):
+        if not self._pending:
             return None
-        (ref, fetch), metas = self._fetches[self._at], self._metas[self._at]
-        self._fetches[self._at] = (ref, None)  # the engine copies it; let go of the mapping after
-        self._at += 1
+        # The first bucket to have arrived, not the next in order: the engine copies the small ones
+        # while a large one (an embedding) is still being pulled from another node.
+        fetch = next(iter(wait(self._pending, return_when=FIRST_COMPLETED).done))
+        ref, metas = self._pending.pop(fetch)  # the engine copies it; the mapping is let go after
         try:
             arrays = fetch.result()
         except Exception as exc:  # owner died, object lost, timeout: the version cannot be completed
