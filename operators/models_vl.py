@@ -58,6 +58,9 @@ _TEXT_QWEN3 = dict(_TEXT, head_dim=32, rope_parameters={"rope_type": "default", 
                                                         "mrope_section": [6, 5, 5], "mrope_interleaved": True})
 
 # name -> (model_type, text config keys, vision config keys, image processor keys)
+# The model_type of the vision-language families flowrl runs (operators/vision.py).
+SUPPORTED = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+
 VL_MODELS: dict[str, tuple[str, dict[str, Any], dict[str, Any], dict[str, Any]]] = {
     # ~0.5M parameters (0.05M of them the vision tower).
     "tiny-qwen2-vl": ("qwen2_vl", _TEXT, dict(_VISION_COMMON, embed_dim=32, hidden_size=128, mlp_ratio=2,

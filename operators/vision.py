@@ -40,8 +40,8 @@ import torch
 
 from flowrl.data.images import ImageRef
 from flowrl.data.images import store as image_store
+from flowrl_operators.models_vl import SUPPORTED  # re-exported: the families flowrl runs
 
-SUPPORTED = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 _PLACEHOLDER = "\u0001FLOWRL\u0001"  # assistant content no template produces on its own
 IMAGE_PARTS = ("image", "image_url")
 

@@ -136,3 +136,21 @@ def test_flowrl_validate_names_the_key_and_exits_1(tmp_path):
     assert proc.returncode == 1, proc.stderr
     assert "data.source.images: column 'images': no image file" in proc.stderr + proc.stdout
     assert "Traceback" not in proc.stderr
+
+
+def test_a_source_of_images_needs_a_vision_language_model(tmp_path, store):
+    (tmp_path / "r.jsonl").write_text(json.dumps({"messages": chat(1), "images": ["a.png"]}) + "\n")
+    picture(COLORS[0]).save(tmp_path / "a.png")
+    data = {"source": {"file": str(tmp_path / "r.jsonl")}, "batch_size": 1}
+    text_folder = tmp_path / "text-model"
+    text_folder.mkdir()
+    (text_folder / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    for path, kind in (("builtin:tiny-qwen2", "qwen2"), (str(text_folder), "llama")):
+        [(key, message)] = problems(data, 0, {"path": path})
+        assert key == ("model", "path") and f"is a text-only model ({kind})" in message
+    assert problems(data, 0, {"path": "builtin:tiny-qwen2-vl"}) == []
+    (tmp_path / "t.jsonl").write_text(json.dumps({"prompt": "no pictures"}) + "\n")
+    assert problems({"source": {"file": str(tmp_path / "t.jsonl")}, "batch_size": 1}, 0, {"path": "builtin:tiny-qwen2"}) == []
+    # A visual task: its episodes render the pictures, its samples hold none.
+    [(key, message)] = problems({"source": "builtin:grid_nav", "batch_size": 4}, 0, {"path": "builtin:tiny-qwen2"})
+    assert key == ("model", "path") and message.startswith("builtin:grid_nav gives the model images")

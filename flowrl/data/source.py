@@ -15,7 +15,9 @@ object with
 
 and, for `data.eval`, `eval_sample(index) -> dict` (held-out samples). A finite source may define
 `__len__` (its samples per epoch); `flowrl validate` then refuses a `batch_size` larger than that,
-as no step could be filled.
+as no step could be filled. A source whose samples or episodes show the model images says so with a
+truthy `images` attribute (a file source's image column, `builtin:grid_nav`); `flowrl validate`
+then refuses a text-only `model.path`.
 
 Step `s` of a run consists of samples `(s, 0) .. (s, batch_size - 1)`. `sample` must be a pure
 function of `(seed, options, step, index)`: the runtime re-issues a sample after a generate actor
@@ -25,7 +27,9 @@ dies or a run resumes, and the result must be the same sample, so resume and re-
 from __future__ import annotations
 
 import inspect
+import json
 from collections.abc import Sized
+from pathlib import Path
 from typing import Any, Protocol
 
 from flowrl.registry import OperatorError, import_path
@@ -104,6 +108,8 @@ def problems(data: dict[str, Any], seed: int = 0, model: dict[str, Any] | None =
     """(key path, problem) of a pipeline's `data` section, found by building its source (and the
     eval source) as a run would, without generating anything."""
     built, out = _build(data, ("data", "source"), seed, model)
+    if built is not None and getattr(built, "images", None) and model:
+        out += _vision_model_problems(data["source"], model)
     size = data.get("batch_size", 16)
     if isinstance(built, Sized) and len(built) < size:
         out.append((("data", "batch_size"), f"batch_size {size} is larger than the source, which holds "
@@ -121,6 +127,26 @@ def problems(data: dict[str, Any], seed: int = 0, model: dict[str, Any] | None =
             out += _build({**data, "source": spec["source"], "options": options}, ("data", "eval", "source"), seed,
                           model)[1]
     return out
+
+
+def _vision_model_problems(name: Any, model: dict[str, Any]) -> list[tuple[tuple[str, ...], str]]:
+    """A source whose samples (or whose task's episodes) carry images (its `images` attribute is
+    truthy: a file source's image column, a visual task) needs a vision-language model."""
+    from flowrl_operators.models import BUILTIN_MODELS, BUILTIN_PREFIX
+    from flowrl_operators.models_vl import SUPPORTED
+
+    path = str(model.get("path", ""))
+    if path.startswith(BUILTIN_PREFIX):
+        kind = BUILTIN_MODELS.get(path.removeprefix(BUILTIN_PREFIX), (None,))[0]
+    else:
+        config = Path(path).expanduser() / "config.json"
+        kind = json.loads(config.read_text()).get("model_type") if config.is_file() else None
+    if kind is None or kind in SUPPORTED:  # a VL model, or one refs.py reports already
+        return []
+    what = name if isinstance(name, str) else "this data source"
+    return [(("model", "path"), f"{what} gives the model images, but '{path}' is a text-only model ({kind}); "
+                                f"use a vision-language one: builtin:tiny-qwen2-vl, or a Qwen2-VL, Qwen2.5-VL or "
+                                f"Qwen3-VL folder")]
 
 
 def _build(data: dict[str, Any], path: tuple[str, ...], seed: int,

@@ -121,6 +121,7 @@ class grid_nav(TaskSource):  # noqa: N801 - the name users write: builtin:grid_n
     """Walk to a target seen only in pictures of the agent's surroundings (module docs)."""
 
     name = "grid_nav"
+    images = True  # its episodes show the model pictures: `flowrl validate` asks for a VL model
 
     def __init__(self, seed: int = 0, split: Split = "train", size: int = 4, max_distance: int = 2) -> None:
         super().__init__(seed, split)
