@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 
 import pytest
@@ -20,3 +21,12 @@ def ray_nodes():
         yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def loop():
+    """One event loop for a test module whose engine (a module fixture) lives across its tests."""
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+

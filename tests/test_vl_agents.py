@@ -5,12 +5,12 @@ is the engine's, every image in the trajectory in placeholder order."""
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import io
 import os
 
 import pytest
+from engines import embedded_engine
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -27,13 +27,6 @@ MODEL = "builtin:tiny-qwen2-vl"
 
 
 @pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
-
-
-@pytest.fixture(scope="module")
 def store(tmp_path_factory):
     yield images.use_store(tmp_path_factory.mktemp("run") / "images")
     images.use_store(images.default_root())
@@ -41,14 +34,7 @@ def store(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(loop, store):
-    import torch
-
-    from flowrl_operators.engine.embedded import EmbeddedEngine
-
-    torch.set_num_threads(1)
-    engine = EmbeddedEngine(MODEL, max_slots=8, threads=1, seed=0)
-    yield engine
-    loop.run_until_complete(engine.close())
+    yield from embedded_engine(loop, MODEL, 8)
 
 
 @pytest.fixture(scope="module")

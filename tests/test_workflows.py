@@ -7,6 +7,7 @@ import asyncio
 import os
 
 import pytest
+from engines import embedded_engine
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -26,22 +27,8 @@ MODEL = "builtin:tiny-qwen2"
 
 
 @pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
-
-
-@pytest.fixture(scope="module")
 def engine(loop):
-    import torch
-
-    from flowrl_operators.engine.embedded import EmbeddedEngine
-
-    torch.set_num_threads(1)
-    engine = EmbeddedEngine(MODEL, max_slots=16, threads=1, seed=0)
-    yield engine
-    loop.run_until_complete(engine.close())
+    yield from embedded_engine(loop, MODEL, 16)
 
 
 @pytest.fixture(scope="module")

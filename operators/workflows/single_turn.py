@@ -32,11 +32,14 @@ async def supervised(ctx: WorkflowContext, sample: dict[str, Any]) -> Trajectory
             target.append(ctx.tokenizer.eos_token_id)
     else:
         raise EpisodeError(f"the supervised workflow needs a sample with 'target' or 'target_ids' (keys: {sorted(sample)})")
-    ids, images = ctx.prompt(sample)
-    builder = TrajectoryBuilder(ids, images)
-    version = ctx.version
+    return data_trajectory(TrajectoryBuilder(*ctx.prompt(sample)), target, ctx.version, sample)
+
+
+def data_trajectory(builder: TrajectoryBuilder, target: list[int], version: int, sample: dict[str, Any]) -> Trajectory:
+    """`target` as the response of `builder`'s prompt: data, not sampled (logprobs 0, every token at
+    `version`, one turn), trained on the model's own distribution (a temperature-1 span)."""
     builder.response_ids, builder.loss_mask = target, [1] * len(target)
     builder.logprobs, builder.versions = [0.0] * len(target), [version] * len(target)
     builder.turns = [Turn(0, len(target))]
-    builder.add_sampling(0, temperature=1.0)  # data, not sampled: trained on the model's own distribution
+    builder.add_sampling(0, temperature=1.0)
     return builder.build(metadata={"sample": sample})

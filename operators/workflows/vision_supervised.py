@@ -11,9 +11,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from flowrl.data.trajectory import Trajectory, Turn
+from flowrl.data.trajectory import Trajectory
 from flowrl_operators.workflows.base import EpisodeError, TrajectoryBuilder, WorkflowContext, chat_ids
 from flowrl_operators.workflows.environment import as_messages, with_images
+from flowrl_operators.workflows.single_turn import data_trajectory
 
 
 def _end_of_turn(tokenizer: Any) -> list[int]:
@@ -39,9 +40,4 @@ class FirstObservationSupervised:
         history, images = with_images(([{"role": "system", "content": self.system}] if self.system else []) + first)
         builder = TrajectoryBuilder(chat_ids(ctx.tokenizer, history, images=images), images)
         target = ctx.encode(str(sample[self.target_key])) + _end_of_turn(ctx.tokenizer)
-        version = ctx.version
-        builder.response_ids, builder.loss_mask = target, [1] * len(target)
-        builder.logprobs, builder.versions = [0.0] * len(target), [version] * len(target)
-        builder.turns = [Turn(0, len(target))]
-        builder.add_sampling(0, temperature=1.0)  # data, not sampled: trained on the model's own distribution
-        return builder.build(metadata={"sample": sample})
+        return data_trajectory(builder, target, ctx.version, sample)
