@@ -12,6 +12,7 @@ from pathlib import Path
 import msgspec
 import pytest
 import runtime_ops as ops
+from adam_tolerance import assert_adam_close
 
 from flowrl.cli import main
 from flowrl.graph.compile import compile_file
@@ -139,9 +140,9 @@ def test_two_train_ranks_on_two_nodes_equal_one_rank_after_three_steps(ray_nodes
         return load_file(next((out / "export" / "learner").glob("*.safetensors")))
 
     one, two = policy(1, "pack"), policy(2, "strict_spread")
-    assert one.keys() == two.keys()
-    for name in one:
-        assert (one[name] - two[name]).abs().max().item() < 1e-5, name
+    # Split into micro-batches and packed differently from the ranks' shards: equal up to summation
+    # order, which Adam amplifies where a gradient is near its eps (adam_tolerance.py).
+    assert_adam_close(two, one, lr=1e-3, steps=3)
 
 
 @pytest.mark.slow

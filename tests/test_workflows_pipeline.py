@@ -74,7 +74,8 @@ class Learner(Operator):
 
 
 class FlakyGuess(GuessNumberEnv):
-    """Guess-the-number whose simulator crashes on the second turn of every third episode."""
+    """Guess-the-number whose simulator crashes on the first answer of every third episode (after the
+    model's tokens: a later turn would be never reached by an episode that guessed right at once)."""
 
     created = 0
 
@@ -84,7 +85,7 @@ class FlakyGuess(GuessNumberEnv):
         return super().reset(sample)
 
     async def step(self, action: str):
-        if self.crash and self.turn == 1:
+        if self.crash and self.turn == 0:
             raise ConnectionError("simulator went away")
         return await super().step(action)
 
