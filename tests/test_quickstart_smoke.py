@@ -128,3 +128,10 @@ def test_async_quickstart_over_the_sglang_adapter(tmp_path: Path) -> None:
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+def test_every_published_version_reaches_the_engine_the_final_one_included(run_dir: Path) -> None:
+    rows = [json.loads(line) for line in (run_dir / "phases/1-grpo/ledger.jsonl").read_text().splitlines()]
+    produced = [r["version"] for r in rows if r["event"] == "produce" and r.get("weights")]
+    loaded = [r["version"] for r in rows if r["event"] == "consume" and r.get("weights") and r["id"].endswith("@0")]
+    assert produced == [1, 2] and loaded == produced  # the final version is loaded (and evaluated) too
