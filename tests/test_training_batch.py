@@ -122,7 +122,8 @@ def test_packed_micro_batches_are_balanced_by_tokens():
     """A long-tailed batch: the token split fills micro-batches evenly, where consecutive rows left
     one nearly empty; every row once, each micro-batch within the budget (a longer row alone)."""
     lengths = [60, 12, 14, 11, 13, 58, 10, 12, 15, 11, 55, 12]
-    batch = pack([traj(i, [1], list(range(2, 1 + n)), reward=0.0) for i, n in enumerate(lengths)])
+    # Each row its own prompt token: no two rows share a prefix (that case: the test below).
+    batch = pack([traj(i, [100 + i], list(range(2, 1 + n)), reward=0.0) for i, n in enumerate(lengths)])
     rows = micro_batch_rows(batch, 100, packed=True)
     assert sorted(r for group in rows for r in group) == list(range(len(lengths)))
     loads = [sum(lengths[r] for r in group) for group in rows]
@@ -135,6 +136,23 @@ def test_packed_micro_batches_are_balanced_by_tokens():
     for group in rows:
         assert sum(lengths[r] for r in group) <= 40 or len(group) == 1
     assert [g for g in rows if len(g) == 1 and lengths[g[0]] > 40] == [[0], [5], [10]]
+
+
+def test_packed_micro_batches_keep_a_groups_shared_prefix_together():
+    """Rows of a group sharing a prompt go into one micro-batch, counted at the tokens they cost
+    with the prompt once; a group too large for the budget is split into rows."""
+    prompts = [list(range(100, 130)), list(range(200, 230)), list(range(300, 330))]
+    trajs = [traj(i, prompts[i // 2] if i < 6 else [400 + i], [7, 8 + i, 9], reward=0.0) for i in range(8)]
+    batch = pack(trajs)  # groups of two: (0, 1), (2, 3), (4, 5) share 30-token prompts; 6, 7 do not
+    rows = micro_batch_rows(batch, 70, packed=True)
+    assert sorted(r for group in rows for r in group) == list(range(8))
+    for pair in ((0, 1), (2, 3), (4, 5)):
+        assert any(set(pair) <= set(group) for group in rows), rows
+    # Counted shared, a pair is its 31 common tokens (the prompt and token 7) + 2 + 2 = 35 (66 as two
+    # rows): 3 x 35 + 2 x 4 = 113 tokens fit in 2 micro-batches of 70.
+    assert len(rows) == 2
+    split = micro_batch_rows(batch, 34, packed=True)  # a pair no longer fits: its rows go apart
+    assert not any({0, 1} <= set(group) for group in split) and len(split) > 2
 
 
 def test_padded_micro_batches_group_rows_of_similar_length():

@@ -16,8 +16,12 @@ near the model's own so that ppo_clip clips some tokens.
 Both sides compute the train node's loss (`policy_loss`, ppo_clip, seq_mean_token_mean) on one
 micro-batch of the same rows with the same weights (fp32 on the CPU, the trainer's bf16 autocast on
 a GPU for both):
-    flowrl      Trainer.forward_backward: the sequences packed end to end without padding, the LM head
-                and the logprob kernel on the loss tokens only (training/head.py, training/kernels.py)
+    flowrl      Trainer.forward_backward: each group's common prompt computed once and its samples'
+                own tokens attending to it (training/prefix.py), packed end to end without padding,
+                the LM head and the logprob kernel on the loss tokens only (training/head.py,
+                training/kernels.py)
+    unshared    the same with every sequence packed on its own (its prompt computed once per row):
+                what sharing the prefix adds
     plain HF    model(...).logits over every position, log_softmax, gather, entropy (no gradient,
                 for the metric), the same loss function
 With `--micro-batch-tokens N` flowrl splits the rows into micro-batches of at most N tokens, balanced
@@ -46,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_memory import build_model  # noqa: E402
 
 from flowrl.data.trajectory import Trajectory  # noqa: E402
+from flowrl_operators.training import head  # noqa: E402
 from flowrl_operators.training.advantages import AdvantageConfig, compute_advantages  # noqa: E402
 from flowrl_operators.training.batch import Normaliser, micro_batch_rows, pack  # noqa: E402
 from flowrl_operators.training.head import pack_rows, packing_supported  # noqa: E402
@@ -142,6 +147,21 @@ def other_split(trainer: Trainer, batch, loss_fn, packed: bool, budget: int, che
     return seconds
 
 
+def unshared(trainer: Trainer, batch, loss_fn, check: tuple | None) -> float:
+    """Seconds of flowrl's forward_backward with every sequence packed on its own, each group's
+    prompt computed once per row (training/prefix.py turned off for this side only)."""
+    sharing = head.shared_prefixes
+    head.shared_prefixes = lambda *_args: None
+    try:
+        seconds, _, metrics = measure(trainer, lambda: trainer.forward_backward(batch, loss_fn))
+    finally:
+        head.shared_prefixes = sharing
+    grads = take_grads(trainer)
+    if check is not None:
+        compare(metrics["loss"], check[0], grads, check[1], 2e-2 if trainer.bf16 else 1e-5)
+    return seconds
+
+
 def default_model() -> str:
     folder = Path(os.environ.get("FLOWRL_CACHE", Path.home() / ".cache" / "flowrl")) / "bench-smollm2-135m-shape"
     if not (folder / "config.json").exists():
@@ -167,9 +187,16 @@ def main() -> None:
     tokens, loss_tokens = int(batch.lengths.sum()), int(batch.loss_mask.sum())
     print(f"model {model} on {trainer.device} ({torch.get_num_threads()} threads): {args.rows} rows, "
           f"{tokens} tokens ({batch.input_ids.numel()} padded), {loss_tokens} loss tokens, vocabulary {vocab}")
-    packed = tuple(pack_rows(batch, attention_width=6 * trainer.model.config.hidden_size)[0].shape) if packing_supported(trainer.model) else None
-    print(f"flowrl packs them into {packed} (rows, width)" if packed else "flowrl runs the padded rows (no packing)")
-    sides = ["flowrl", "plain"] + (["rows", "one"] if args.micro_batch_tokens else [])
+    width = 6 * trainer.model.config.hidden_size
+    packed = tuple(pack_rows(batch, attention_width=width)[0].shape) if packing_supported(trainer.model) else None
+    shared = head.shared_prefixes(trainer.model, batch, width) if packed else None
+    computed = shared.computed if shared is not None else tokens
+    if shared is not None:
+        print(f"flowrl computes {computed} of the {tokens} tokens (each group's prompt once) in rows "
+              f"{tuple(shared.input_ids.shape)}; without sharing it packs them into {packed}")
+    else:
+        print(f"flowrl packs them into {packed} (rows, width)" if packed else "flowrl runs the padded rows (no packing)")
+    sides = ["flowrl", "plain", "unshared"] + (["rows", "one"] if args.micro_batch_tokens else [])
     if args.micro_batch_tokens:
         splits = {name: [len(g) for g in micro_batch_rows(batch, args.micro_batch_tokens, packed)]
                   for name, packed in (("flowrl", trainer.packed), ("rows", False))}
@@ -186,6 +213,7 @@ def main() -> None:
         memory.setdefault("plain", peak)
         grads_plain = take_grads(trainer)
         check = (float(loss), grads_plain) if repeat == 0 else None
+        times["unshared"].append(unshared(trainer, batch, loss_fn, check))
         if "rows" in sides:  # the padded rule's split, and one micro-batch, of the same packed forward
             times["rows"].append(other_split(trainer, batch, loss_fn, False, args.micro_batch_tokens, check))
             times["one"].append(other_split(trainer, batch, loss_fn, trainer.packed, 1 << 20, check))
@@ -202,7 +230,9 @@ def main() -> None:
     speedup = best["plain"] / best["flowrl"]
     print(f"speedup {speedup:.2f}x")
     print(json.dumps({"bench": "train", "rows": args.rows, "tokens": tokens, "loss_tokens": loss_tokens,
-                      "padded_tokens": batch.input_ids.numel(), "packed_shape": packed,
+                      "padded_tokens": batch.input_ids.numel(), "packed_shape": packed, "computed_tokens": computed,
+                      "unshared_s": round(best["unshared"], 4),
+                      "sharing_speedup": round(best["unshared"] / best["flowrl"], 3),
                       "flowrl_s": round(best["flowrl"], 4), "plain_s": round(best["plain"], 4),
                       "flowrl_peak_gb": round(memory["flowrl"], 3), "plain_peak_gb": round(memory["plain"], 3),
                       "grad_max_rel_diff": worst, "threads": torch.get_num_threads(),

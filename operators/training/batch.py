@@ -23,12 +23,14 @@ a loss summed over micro-batches and ranks does not depend on how the batch was 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 import msgspec
 import torch
 
 from flowrl.data.trajectory import Trajectory
+from flowrl_operators.training.prefix import units
 
 # Fields of Batch shaped (B, L - 1); `input_ids`, `attention_mask`, `position_ids` are (B, L).
 TOKEN_FIELDS = (
@@ -299,26 +301,42 @@ def micro_batch_rows(batch: Batch, token_budget: int, packed: bool = False) -> l
     `packed` (the forward lays a micro-batch's sequences end to end, training/head.py): a micro-batch
     costs its tokens, so the rows are balanced by token count over as few micro-batches as fit the
     budget (longest first onto the least loaded), and a long-tailed batch does not leave one
-    micro-batch full and the next nearly empty. Otherwise (padded rows): it costs rows x its longest
+    micro-batch full and the next nearly empty; a group's rows that share a prefix go together, at
+    the tokens they cost with the prefix computed once (training/prefix.py). Otherwise (padded rows): it costs rows x its longest
     row, so rows of similar length go together (longest first, filled up to the budget).
     """
     lengths = [int(n) for n in batch.lengths.tolist()]
     if not lengths:
         return []
-    return _balanced(lengths, token_budget) if packed else _by_width(lengths, token_budget)
+    return _balanced(_shared_items(batch, token_budget), token_budget) if packed else _by_width(lengths, token_budget)
 
 
-def _balanced(lengths: list[int], budget: int) -> list[list[int]]:
-    """Longest first onto the least loaded of `count` micro-batches, for the fewest `count` whose
-    loads all fit (a micro-batch of one row may exceed the budget)."""
-    order = sorted(range(len(lengths)), key=lambda r: (-lengths[r], r))
-    for count in range(max(1, -(-sum(lengths) // budget)), len(lengths) + 1):
-        loads, groups = [0] * count, [[] for _ in range(count)]
-        for row in order:
+def _shared_items(batch: Batch, budget: int) -> list[tuple[list[int], int]]:
+    """What a packed micro-batch is made of: a group whose rows share a prefix, at the tokens it
+    computes with the prefix once (training/prefix.py), kept whole so that the sharing survives the
+    split, unless it exceeds the budget; otherwise single rows at their length."""
+    lengths = batch.lengths.tolist()
+    items = []
+    for unit in units(batch, math.inf):
+        if len(unit.rows) > 1 and unit.width <= budget:
+            items.append((sorted(unit.rows), unit.width))
+        else:
+            items.extend(([row], lengths[row]) for row in unit.rows)
+    return items
+
+
+def _balanced(items: list[tuple[list[int], int]], budget: int) -> list[list[int]]:
+    """Items (rows, tokens), largest first onto the least loaded of `count` micro-batches, for the
+    fewest `count` whose loads all fit (a micro-batch of one item may exceed the budget)."""
+    order = sorted(items, key=lambda item: (-item[1], item[0][0]))
+    for count in range(max(1, -(-sum(n for _, n in items) // budget)), len(items) + 1):
+        loads, groups, sizes = [0] * count, [[] for _ in range(count)], [0] * count
+        for rows, tokens in order:
             k = min(range(count), key=lambda j: (loads[j], j))
-            loads[k] += lengths[row]
-            groups[k].append(row)
-        if all(load <= budget or len(group) == 1 for load, group in zip(loads, groups, strict=True)):
+            loads[k] += tokens
+            groups[k].extend(rows)
+            sizes[k] += 1
+        if all(load <= budget or size == 1 for load, size in zip(loads, sizes, strict=True)):
             break
     return sorted((sorted(g) for g in groups if g), key=lambda g: g[0])
 

@@ -38,7 +38,8 @@ from collections.abc import Iterator
 import torch
 
 from flowrl_operators.training.kernels import token_logprobs
-from flowrl_operators.training.vl_inputs import hidden_size, vl_inputs
+from flowrl_operators.training.prefix import MASKED_ATTENTION, SharedRows, shared_rows, units
+from flowrl_operators.training.vl_inputs import hidden_size, is_vl_model, vl_inputs
 
 # Packed rows aim at about this many tokens (or the longest sequence, if longer): wide enough that
 # the rows fill evenly, narrow enough that attention over a packed row (quadratic in its width, and
@@ -109,6 +110,17 @@ def _spread_rows(lengths: list[int], count: int) -> tuple[list[int], list[tuple[
     return loads, where
 
 
+def lay_out(lengths: list[int], target: float = PACK_TOKENS,
+            attention_width: float = math.inf) -> tuple[list[int], list[tuple[int, int]]]:
+    """Sequences of these lengths onto packed rows (`pack_rows`): each row's load, and each
+    sequence's (row, offset)."""
+    first = max(1, math.ceil(sum(lengths) / max(target, max(lengths))))
+    counts = {*range(first, max(first, min(len(lengths), 2 * first)) + 1), len(lengths)}
+    options = [(c, *_spread_rows(lengths, c)) for c in sorted(counts)]
+    _, loads, where = min(options, key=lambda o: (o[0] * max(o[1]) * (1 + max(o[1]) / attention_width), -o[0]))
+    return loads, where
+
+
 def pack_rows(
     mb, target: int = PACK_TOKENS, attention_width: float = math.inf
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -122,12 +134,8 @@ def pack_rows(
     (0, 1, ...), and a row's unused tail gets positions 0, 1, ... too, so the model sees every
     sequence and the tail as separate segments and attends within each.
     """
-    lengths = mb.lengths.tolist()
-    first = max(1, math.ceil(sum(lengths) / max(target, max(lengths))))
-    counts = {*range(first, max(first, min(len(lengths), 2 * first)) + 1), len(lengths)}
-    options = [(c, *_spread_rows(lengths, c)) for c in sorted(counts)]
-    count, loads, where = min(options, key=lambda o: (o[0] * max(o[1]) * (1 + max(o[1]) / attention_width), -o[0]))
-    width, device = max(loads), mb.input_ids.device
+    loads, where = lay_out(mb.lengths.tolist(), target, attention_width)
+    count, width, device = len(loads), max(loads), mb.input_ids.device
     input_ids = torch.zeros(count, width, dtype=mb.input_ids.dtype, device=device)
     position_ids = (torch.arange(width, device=device)[None, :]
                     - torch.tensor(loads, device=device)[:, None]).clamp(min=0)
@@ -149,14 +157,20 @@ def loss_token_logprobs(model: torch.nn.Module, mb, autocast=None, pack: bool | 
     rows, cols = keep.nonzero(as_tuple=True)
     if pack is None:
         pack = packing_supported(model)
-    if pack:
-        input_ids, position_ids, packed_row, offset = pack_rows(mb, attention_width=6 * hidden_size(model))
+    attention_width = 6 * hidden_size(model)
+    shared = shared_prefixes(model, mb, attention_width) if pack else None
+    if shared is not None:
+        inputs = {"input_ids": shared.input_ids, "position_ids": shared.position_ids,
+                  "attention_mask": shared.attention_mask}
+        at = (shared.place_row[rows, cols], shared.place_col[rows, cols])
+    elif pack:
+        input_ids, position_ids, packed_row, offset = pack_rows(mb, attention_width=attention_width)
         inputs = {"input_ids": input_ids, "position_ids": position_ids, "attention_mask": None}
         at = (packed_row[rows], offset[rows] + cols)
     else:
         inputs = {"input_ids": mb.input_ids, "position_ids": mb.position_ids, "attention_mask": mb.attention_mask}
         at = (rows, cols)
-    layout = (packed_row, offset) if pack else None  # VL models: images in the packed order
+    layout = (packed_row, offset) if pack and shared is None else None  # VL models: images in the packed order
     with autocast or contextlib.nullcontext(), head_rows(output_head(model), *at), \
             vl_inputs(model, mb, inputs, layout) as inputs:
         logits = model(**inputs, use_cache=False).logits
@@ -165,6 +179,20 @@ def loss_token_logprobs(model: torch.nn.Module, mb, autocast=None, pack: bool | 
     targets = mb.input_ids[rows, cols + 1]
     logprobs, entropy = token_logprobs(logits, targets, **mb.sampling_inputs(rows, cols))
     return {"logprobs": spread(logprobs, keep, rows, cols), "entropy": spread(entropy, keep, rows, cols)}
+
+
+def shared_prefixes(model: torch.nn.Module, mb, attention_width: float) -> SharedRows | None:
+    """The micro-batch with each group's common prefix computed once (training/prefix.py), or None
+    when no rows share one, the model is a vision-language one (its positions come from
+    training/vl_inputs.py), or its attention takes no explicit mask."""
+    implementation = getattr(model.config, "_attn_implementation", None)
+    if is_vl_model(model) or implementation not in MASKED_ATTENTION:
+        return None
+    found = units(mb, attention_width)
+    if all(len(u.rows) == 1 for u in found):
+        return None
+    dtype = None if implementation == "sdpa" else torch.float32  # eager adds the mask to its scores
+    return shared_rows(mb, found, lambda widths: lay_out(widths, PACK_TOKENS, attention_width), dtype)
 
 
 def spread(values: torch.Tensor, keep: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
