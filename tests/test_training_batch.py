@@ -76,7 +76,7 @@ def test_pack_rejects_missing_rewards_and_bad_lengths():
 
 def test_shard_covers_every_row_once_and_balances_tokens():
     lengths = [9, 2, 7, 3, 3, 8, 1]
-    batch = pack([traj(i, [1], list(range(2, 2 + n)), reward=float(i)) for i, n in enumerate(lengths)])
+    batch = pack([traj(i, [100 + i], list(range(2, 2 + n)), reward=float(i)) for i, n in enumerate(lengths)])
     shards = [shard(batch, r, 3) for r in range(3)]
     # Rows are told apart by their reward (= their index).
     owners = sorted(int(r) for s in shards for r in s.rewards.sum(dim=1).tolist())
@@ -85,6 +85,20 @@ def test_shard_covers_every_row_once_and_balances_tokens():
     assert max(loads) - min(loads) <= max(lengths)
     # More ranks than rows: the extra rank gets an empty batch.
     assert shard(pack([traj(0, [1], [2], reward=0.0)]), 1, 2).size == 0
+
+
+def test_shard_keeps_a_groups_shared_prefix_on_one_rank():
+    """Groups of two rows on one 30-token prompt each stay together, counted at 30 + 4 + 4 tokens;
+    one group alone is split over two ranks rather than leaving one idle."""
+    trajs = [traj(i, list(range(100 * (1 + i // 2), 100 * (1 + i // 2) + 30)), [7 + i, 8, 9, 10], reward=float(i))
+             for i in range(8)]
+    batch = pack(trajs)
+    shards = [shard(batch, r, 2) for r in range(2)]
+    owned = [sorted(int(r) for r in s.rewards.sum(dim=1).tolist()) for s in shards]
+    assert sorted(owned[0] + owned[1]) == list(range(8)) and len(owned[0]) == len(owned[1]) == 4
+    assert all({2 * g, 2 * g + 1} <= set(owned[0]) or {2 * g, 2 * g + 1} <= set(owned[1]) for g in range(4))
+    alone = [shard(pack(trajs[:2]), r, 2).size for r in range(2)]
+    assert alone == [1, 1]
 
 
 def test_micro_batches_respect_the_token_budget():

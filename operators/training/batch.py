@@ -282,15 +282,22 @@ def response_values(batch: Batch, field: str, trajectories: Sequence[Trajectory]
 def shard(batch: Batch, rank: int, world_size: int) -> Batch:
     """This rank's rows, balanced by token count (longest first onto the least loaded rank).
 
+    A group's rows that share a prefix stay on one rank (counted at the tokens they cost with the
+    prefix once, training/prefix.py) unless the group is larger than a rank's fair share.
+
     A rank may receive no rows when the batch is smaller than the world: it then gets an empty
     Batch, and the trainer still joins the collectives with a zero-weight micro-batch.
     """
+    if batch.size == 0:
+        return batch
+    whole = _shared_items(batch, math.inf)
+    items = _shared_items(batch, -(-sum(n for _, n in whole) // world_size))
     load = [0] * world_size
     owned: list[list[int]] = [[] for _ in range(world_size)]
-    for row in sorted(range(batch.size), key=lambda r: (-int(batch.lengths[r]), r)):
+    for rows, tokens in sorted(items, key=lambda item: (-item[1], item[0][0])):
         target = min(range(world_size), key=lambda k: (load[k], k))
-        owned[target].append(row)
-        load[target] += int(batch.lengths[row])
+        owned[target].extend(rows)
+        load[target] += tokens
     return batch.select(sorted(owned[rank]))
 
 
@@ -311,7 +318,7 @@ def micro_batch_rows(batch: Batch, token_budget: int, packed: bool = False) -> l
     return _balanced(_shared_items(batch, token_budget), token_budget) if packed else _by_width(lengths, token_budget)
 
 
-def _shared_items(batch: Batch, budget: int) -> list[tuple[list[int], int]]:
+def _shared_items(batch: Batch, budget: float) -> list[tuple[list[int], int]]:
     """What a packed micro-batch is made of: a group whose rows share a prefix, at the tokens it
     computes with the prefix once (training/prefix.py), kept whole so that the sharing survives the
     split, unless it exceeds the budget; otherwise single rows at their length."""
