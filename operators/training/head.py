@@ -18,7 +18,9 @@ laid end to end in a few rows (`pack_rows`), each with its own position ids 0, 1
 attention mask: transformers then masks attention to each segment (a causal block-diagonal mask),
 so every sequence sees exactly its own tokens at its own positions, as in its padded row. The
 outputs come back to the batch's (B, T) layout; the losses, which aggregate per row, see no change.
-The critic's value head still runs on the padded rows (a one-output head costs nothing).
+The critic's value head still runs on the padded rows (a one-output head costs nothing). Where rows
+of a group share a prefix (a GRPO group's prompt), `shared_prefixes` computes it once instead
+(training/prefix.py).
 
 Why a hook on the head rather than calling the decoder and the head by hand: the model's own
 forward still runs end to end, so FSDP2's root hooks (which gather the embedding, final norm and
