@@ -87,20 +87,6 @@ def test_shard_covers_every_row_once_and_balances_tokens():
     assert shard(pack([traj(0, [1], [2], reward=0.0)]), 1, 2).size == 0
 
 
-def test_shard_keeps_a_groups_shared_prefix_on_one_rank():
-    """Groups of two rows on one 30-token prompt each stay together, counted at 30 + 4 + 4 tokens;
-    one group alone is split over two ranks rather than leaving one idle."""
-    trajs = [traj(i, list(range(100 * (1 + i // 2), 100 * (1 + i // 2) + 30)), [7 + i, 8, 9, 10], reward=float(i))
-             for i in range(8)]
-    batch = pack(trajs)
-    shards = [shard(batch, r, 2) for r in range(2)]
-    owned = [sorted(int(r) for r in s.rewards.sum(dim=1).tolist()) for s in shards]
-    assert sorted(owned[0] + owned[1]) == list(range(8)) and len(owned[0]) == len(owned[1]) == 4
-    assert all({2 * g, 2 * g + 1} <= set(owned[0]) or {2 * g, 2 * g + 1} <= set(owned[1]) for g in range(4))
-    alone = [shard(pack(trajs[:2]), r, 2).size for r in range(2)]
-    assert alone == [1, 1]
-
-
 def test_micro_batches_respect_the_token_budget():
     lengths = [4, 4, 4, 10, 2, 2]
     batch = pack([traj(i, [1], list(range(2, 1 + n)), reward=0.0) for i, n in enumerate(lengths)])
@@ -158,14 +144,15 @@ def test_packed_micro_batches_keep_a_groups_shared_prefix_together():
     prompts = [list(range(100, 130)), list(range(200, 230)), list(range(300, 330))]
     trajs = [traj(i, prompts[i // 2] if i < 6 else [400 + i], [7, 8 + i, 9], reward=0.0) for i in range(8)]
     batch = pack(trajs)  # groups of two: (0, 1), (2, 3), (4, 5) share 30-token prompts; 6, 7 do not
-    rows = micro_batch_rows(batch, 70, packed=True)
+    assert len(micro_batch_rows(batch, 70, packed=True)) == 3  # not shared: 3 x 66 + 2 x 34 tokens
+    rows = micro_batch_rows(batch, 70, packed=True, shared=True)
     assert sorted(r for group in rows for r in group) == list(range(8))
     for pair in ((0, 1), (2, 3), (4, 5)):
         assert any(set(pair) <= set(group) for group in rows), rows
     # Counted shared, a pair is its 31 common tokens (the prompt and token 7) + 2 + 2 = 35 (66 as two
     # rows): 3 x 35 + 2 x 4 = 113 tokens fit in 2 micro-batches of 70.
     assert len(rows) == 2
-    split = micro_batch_rows(batch, 34, packed=True)  # a pair no longer fits: its rows go apart
+    split = micro_batch_rows(batch, 34, packed=True, shared=True)  # a pair no longer fits: its rows go apart
     assert not any({0, 1} <= set(group) for group in split) and len(split) > 2
 
 

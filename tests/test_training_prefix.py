@@ -103,3 +103,26 @@ def test_no_shared_prefix_keeps_the_packed_rows():
     assert shared_prefixes(trainer.model, alone, 6 * 64) is None
     trainer.model.config._attn_implementation = "flash_attention_2"  # takes no explicit mask
     assert shared_prefixes(trainer.model, batch, 6 * 64) is None
+
+
+def test_micro_batches_of_shared_groups_equal_one_micro_batch():
+    """The trainer's split keeps a sharing group whole (counted at its shared tokens); the loss and
+    gradients equal one micro-batch's."""
+    from flowrl_operators.training.advantages import AdvantageConfig, compute_advantages
+    from flowrl_operators.training.losses import LossConfig, policy_loss
+
+    batch = compute_advantages(grouped_batch(), AdvantageConfig(estimator="grpo"))
+    loss_fn = policy_loss(LossConfig(kind="ppo_clip"))
+    results = []
+    for budget in (1 << 20, 30):
+        trainer = Trainer("builtin:tiny-qwen2", TrainerConfig(lr=1e-3, micro_batch_tokens=budget))
+        assert trainer.shared
+        plan = trainer._plan(batch)[0]
+        metrics = trainer.forward_backward(batch, loss_fn)
+        results.append((plan, metrics["loss"], {n: p.grad.clone() for n, p in trainer.model.named_parameters()}))
+    (one, loss_one, g_one), (split, loss_split, g_split) = results
+    assert len(one) == 1 and len(split) > 1
+    assert any({4, 5, 6} <= set(rows) for rows in split)  # group b: 6 + 3 + 7 + 2 = 18 tokens shared
+    assert abs(loss_one - loss_split) < 1e-6
+    for name, grad in g_one.items():
+        torch.testing.assert_close(g_split[name], grad, atol=1e-6, rtol=1e-5)

@@ -217,8 +217,8 @@ def main() -> None:
         print(f"flowrl packs them into {packed} (rows, width)" if packed else "flowrl runs the padded rows (no packing)")
     sides = ["flowrl", "plain", "unshared"] + (["rows", "one"] if args.micro_batch_tokens else [])
     if args.micro_batch_tokens:
-        splits = {name: [len(g) for g in micro_batch_rows(batch, args.micro_batch_tokens, packed)]
-                  for name, packed in (("flowrl", trainer.packed), ("rows", False))}
+        splits = {name: [len(g) for g in micro_batch_rows(batch, args.micro_batch_tokens, packed, shared)]
+                  for name, packed, shared in (("flowrl", trainer.packed, trainer.shared), ("rows", False, False))}
         print("rows per micro-batch: " + "; ".join(f"{k} {v}" for k, v in splits.items()))
     times: dict[str, list[float]] = {side: [] for side in sides}
     memory: dict[str, float] = {}

@@ -282,43 +282,40 @@ def response_values(batch: Batch, field: str, trajectories: Sequence[Trajectory]
 def shard(batch: Batch, rank: int, world_size: int) -> Batch:
     """This rank's rows, balanced by token count (longest first onto the least loaded rank).
 
-    A group's rows that share a prefix stay on one rank (counted at the tokens they cost with the
-    prefix once, training/prefix.py) unless the group is larger than a rank's fair share.
-
     A rank may receive no rows when the batch is smaller than the world: it then gets an empty
-    Batch, and the trainer still joins the collectives with a zero-weight micro-batch.
+    Batch, and the trainer still joins the collectives with a zero-weight micro-batch. (A group's
+    rows may go to several ranks: each rank still computes their shared prefix once, training/prefix.py.)
     """
-    if batch.size == 0:
-        return batch
-    whole = _shared_items(batch, math.inf)
-    items = _shared_items(batch, -(-sum(n for _, n in whole) // world_size))
     load = [0] * world_size
     owned: list[list[int]] = [[] for _ in range(world_size)]
-    for rows, tokens in sorted(items, key=lambda item: (-item[1], item[0][0])):
+    for row in sorted(range(batch.size), key=lambda r: (-int(batch.lengths[r]), r)):
         target = min(range(world_size), key=lambda k: (load[k], k))
-        owned[target].extend(rows)
-        load[target] += tokens
+        owned[target].append(row)
+        load[target] += int(batch.lengths[row])
     return batch.select(sorted(owned[rank]))
 
 
-def micro_batch_rows(batch: Batch, token_budget: int, packed: bool = False) -> list[list[int]]:
+def micro_batch_rows(batch: Batch, token_budget: int, packed: bool = False, shared: bool = False) -> list[list[int]]:
     """The batch's rows in micro-batches of at most `token_budget` tokens each; a row longer than the
     budget runs alone. Each micro-batch lists its rows in ascending order.
 
     `packed` (the forward lays a micro-batch's sequences end to end, training/head.py): a micro-batch
     costs its tokens, so the rows are balanced by token count over as few micro-batches as fit the
     budget (longest first onto the least loaded), and a long-tailed batch does not leave one
-    micro-batch full and the next nearly empty; a group's rows that share a prefix go together, at
-    the tokens they cost with the prefix computed once (training/prefix.py). Otherwise (padded rows): it costs rows x its longest
+    micro-batch full and the next nearly empty. With `shared` (the forward computes a shared prefix
+    once, training/prefix.py) a group's rows that share one go together, at the tokens they cost so. Otherwise (padded rows): it costs rows x its longest
     row, so rows of similar length go together (longest first, filled up to the budget).
     """
     lengths = [int(n) for n in batch.lengths.tolist()]
     if not lengths:
         return []
-    return _balanced(_shared_items(batch, token_budget), token_budget) if packed else _by_width(lengths, token_budget)
+    if not packed:
+        return _by_width(lengths, token_budget)
+    items = _shared_items(batch, token_budget) if shared else [([row], n) for row, n in enumerate(lengths)]
+    return _balanced(items, token_budget)
 
 
-def _shared_items(batch: Batch, budget: float) -> list[tuple[list[int], int]]:
+def _shared_items(batch: Batch, budget: int) -> list[tuple[list[int], int]]:
     """What a packed micro-batch is made of: a group whose rows share a prefix, at the tokens it
     computes with the prefix once (training/prefix.py), kept whole so that the sharing survives the
     split, unless it exceeds the budget; otherwise single rows at their length."""
@@ -363,5 +360,5 @@ def _by_width(lengths: list[int], budget: int) -> list[list[int]]:
     return groups
 
 
-def micro_batches(batch: Batch, token_budget: int, packed: bool = False) -> list[Batch]:
-    return [batch.select(rows) for rows in micro_batch_rows(batch, token_budget, packed)]
+def micro_batches(batch: Batch, token_budget: int, packed: bool = False, shared: bool = False) -> list[Batch]:
+    return [batch.select(rows) for rows in micro_batch_rows(batch, token_budget, packed, shared)]

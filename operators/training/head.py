@@ -183,17 +183,24 @@ def loss_token_logprobs(model: torch.nn.Module, mb, autocast=None, pack: bool | 
     return {"logprobs": spread(logprobs, keep, rows, cols), "entropy": spread(entropy, keep, rows, cols)}
 
 
+def shares_prefixes(model: torch.nn.Module) -> bool:
+    """Whether the packed forward computes a group's shared prefix once (`shared_prefixes`): not for a
+    vision-language model (its positions come from training/vl_inputs.py), nor for an attention
+    implementation that takes no explicit mask (flash attention)."""
+    implementation = getattr(model.config, "_attn_implementation", None)
+    return packing_supported(model) and not is_vl_model(model) and implementation in MASKED_ATTENTION
+
+
 def shared_prefixes(model: torch.nn.Module, mb, attention_width: float) -> SharedRows | None:
     """The micro-batch with each group's common prefix computed once (training/prefix.py), or None
-    when no rows share one, the model is a vision-language one (its positions come from
-    training/vl_inputs.py), or its attention takes no explicit mask."""
-    implementation = getattr(model.config, "_attn_implementation", None)
-    if is_vl_model(model) or implementation not in MASKED_ATTENTION:
+    when no rows share one or the model does not (`shares_prefixes`)."""
+    if not shares_prefixes(model):
         return None
     found = units(mb, attention_width)
     if all(len(u.rows) == 1 for u in found):
         return None
-    dtype = None if implementation == "sdpa" else torch.float32  # eager adds the mask to its scores
+    eager = model.config._attn_implementation == "eager"
+    dtype = torch.float32 if eager else None  # eager adds the mask to its scores; sdpa takes a bool one
     return shared_rows(mb, found, lambda widths: lay_out(widths, PACK_TOKENS, attention_width), dtype)
 
 

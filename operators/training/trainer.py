@@ -43,7 +43,7 @@ from flowrl_operators.training.batch import (
     micro_batch_rows,
 )
 from flowrl_operators.training.engine import EngineEntry
-from flowrl_operators.training.head import loss_token_logprobs, packing_supported
+from flowrl_operators.training.head import loss_token_logprobs, packing_supported, shares_prefixes
 from flowrl_operators.training.losses import LossFn
 from flowrl_operators.training.vl_inputs import shard_units, vl_inputs, vl_value_model
 from flowrl_operators.vision import is_vl
@@ -163,6 +163,7 @@ class Trainer:
             self.model = tuning.prepare(self.model, self.config.freeze, self.config.lora)
         # Whether the forward packs sequences (training/head.py): micro-batches are then balanced by tokens.
         self.packed = self.head == "policy" and packing_supported(self.model)
+        self.shared = self.packed and shares_prefixes(self.model)  # micro-batches keep such a group whole
         self.sharded = self.world_size > 1
         if self.sharded:
             self._shard()
@@ -238,7 +239,7 @@ class Trainer:
 
     def _plan(self, batch: Batch) -> tuple[list[list[int]], int]:
         """This rank's micro-batch rows and the number of micro-batches every rank will run."""
-        rows = micro_batch_rows(batch, self.config.micro_batch_tokens, self.packed)
+        rows = micro_batch_rows(batch, self.config.micro_batch_tokens, self.packed, self.shared)
         return rows, int(self._all_reduce([float(len(rows))], dist.ReduceOp.MAX)[0])
 
     def forward_backward(self, batch: Batch, loss_fn: LossFn) -> dict[str, float]:
