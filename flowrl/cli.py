@@ -143,7 +143,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     except (FileExistsError, FileNotFoundError, DiskSpaceError, PlacementError) as e:  # the run directory; the cluster
         raise UserError(str(e)) from e
     for result in results:
-        print(f"{result.run_dir}: {result.status} after {result.steps} steps in {result.seconds:.1f}s")
+        lost = result.lost()
+        print(f"{result.run_dir}: {result.status} after {result.steps} steps in {result.seconds:.1f}s"
+              + (f"; {lost}" if lost else ""))
     return 0 if results and results[-1].status == "done" else 1
 
 

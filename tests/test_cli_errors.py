@@ -106,3 +106,18 @@ def test_a_spec_that_is_no_regular_file_is_refused_unread(tmp_path: Path) -> Non
     os.mkfifo(fifo)  # opened for reading, it would wait for a writer forever
     for target in ("/dev/zero", str(fifo), str(tmp_path)):
         explained(flowrl("validate", target), "not a regular file")
+
+
+async def no_trajectory(ctx, sample):
+    """A workflow that rejects every sample (returns no trajectory)."""
+    return None
+
+
+def test_a_run_that_lost_its_samples_says_so(tmp_path: Path) -> None:
+    # Every step ends with nothing to train on; the summary line says where the samples went.
+    proc = flowrl("run", str(BASE), "nodes.rollout.workflow=test_cli_errors:no_trajectory", *TINY_RUN,
+                  "--run-dir", str(tmp_path / "run"), env={"PYTHONPATH": str(ROOT / "tests")})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "samples lost on the way: 2 rejected" in proc.stdout, proc.stdout
+    done = flowrl("run", str(BASE), *TINY_RUN, "--run-dir", str(tmp_path / "ok"))
+    assert "samples lost" not in done.stdout, done.stdout

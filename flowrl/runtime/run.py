@@ -45,6 +45,14 @@ class RunResult:
     reached: str | None = None  # with stopped_by stop_when: which target, e.g. "eval_reward 0.94 >= 0.9"
     restarts: int = 0  # times the run restarted from its last checkpoint after losing a train actor
 
+    def lost(self) -> str:
+        """The samples that never reached a train node, in words ("" when none was lost)."""
+        counts = [f"{self.counters[k]} {k}" for k in ("rejected", "filtered", "dropped") if self.counters.get(k)]
+        if not counts:
+            return ""
+        return (f"samples lost on the way: {', '.join(counts)} (rejected: a generate workflow returned no "
+                "trajectory or all its episodes failed; filtered: by a filter node; dropped: too stale)")
+
 
 def run(plan: Plan, run_dir: Path | str | None = None, executor: str | None = None, resume: bool = False,
         progress: bool = True, max_steps: int | None = None) -> RunResult:
