@@ -77,3 +77,13 @@ def test_a_spec_without_phases_rejects_a_phase_reference(tmp_path: Path) -> None
 def test_a_phase_that_exported_nothing_is_refused_while_running(tmp_path: Path) -> None:
     with pytest.raises(SpecError, match="phase big exported no policy"):
         expand(load(str(spec(tmp_path))), "x", 2, {"big": None, "small": "y"})
+
+
+def test_a_command_line_override_of_a_phase_set_sets_one_dotted_key(tmp_path: Path) -> None:
+    # `phases.2.set.nodes.rollout.group_size=2` is the phase's key `nodes.rollout.group_size`, not a
+    # `nodes` table replacing every node of the phase.
+    loaded = load(str(spec(tmp_path)), ["phases.2.set.nodes.rollout.group_size=2"])
+    assert loaded.data["phases"][2]["set"]["nodes.rollout.group_size"] == 2
+    exports = {"big": "/b", "small": "/s"}
+    [(_, after)] = expand(loaded, "/s", 2, exports)
+    assert after.data["nodes"]["rollout"]["group_size"] == 2 and "learner" in after.data["nodes"]

@@ -291,6 +291,9 @@ def _apply_overrides(raw: dict[str, Any], overrides: list[str], loc: Locator) ->
         if not eq or not key:
             raise SpecError([Diagnostic(where, 0, 0, "", "expected key=value")])
         path = tuple(int(p) if p.isdigit() else p for p in key.split("."))
+        if len(path) > 3 and path[0] == "phases" and path[2] == "set":
+            # A phase's `set` takes dotted keys: `phases.1.set.nodes.a.b=v` sets its key `nodes.a.b`.
+            path = (*path[:3], ".".join(map(str, path[3:])))
         value = _override_value(text, where)
         node: Any = raw
         try:
