@@ -154,7 +154,8 @@ def pack_rows(
 def loss_token_logprobs(model: torch.nn.Module, mb, autocast=None, pack: bool | None = None) -> dict[str, torch.Tensor]:
     """Logprobs (under each token's sampling distribution) and entropies of the loss-mask tokens of
     micro-batch `mb` (a training.batch.Batch on the model's device), as (B, T) fp32, 0 off the mask.
-    With `pack` (default: when transformers supports it) the model runs on `pack_rows`."""
+    With `pack` (default: when transformers supports it) the model runs on `pack_rows`, or on
+    `shared_prefixes` where rows share a prefix."""
     keep = mb.loss_mask > 0
     rows, cols = keep.nonzero(as_tuple=True)
     if pack is None:
