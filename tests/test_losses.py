@@ -143,6 +143,24 @@ def test_decoupled_ppo_weights_by_the_behaviour_ratio():
     assert "behaviour_weight" in metrics
 
 
+def test_decoupled_ppo_one_update_is_the_importance_weighted_policy_gradient():
+    """With one update per batch the policy is the proximal one (logp = prox): r = 1, nothing is
+    clipped, and the gradient per token is -w A / N, w = min(exp(prox - behav), 2) (tis) without
+    gradient through w. So decoupled PPO learns from stale samples as an importance-weighted policy
+    gradient; the sign and the weight are the behaviour-to-proximal ratio, not its inverse."""
+    config = L(decoupled=True, correction={"kind": "tis", "threshold": 2.0})
+    batch = make_batch(old=BEHAV, proximal=LOGP)
+    loss, metrics, logp = run(config, batch, grad=True)
+    loss.backward()
+    assert metrics["clip_fraction"] == 0.0
+    for i, t in TOKENS:
+        w = min(math.exp(LOGP[i][t] - BEHAV[i][t]), 2.0)
+        assert logp.grad[i][t].item() == pytest.approx(-w * ADV[i][t] / len(TOKENS), abs=1e-6)
+    # The data covers a truncated weight and weights on both sides of 1.
+    ws = [math.exp(LOGP[i][t] - BEHAV[i][t]) for i, t in TOKENS]
+    assert max(ws) > 2.0 and min(ws) < 1.0
+
+
 @pytest.mark.parametrize("kind,level", [("tis", "token"), ("mis", "token"), ("tis", "sequence"), ("mis", "sequence")])
 def test_tis_and_mis(kind, level):
     """w = exp(prox - behav) per token, or exp(sum_t m (prox - behav)) per sequence;

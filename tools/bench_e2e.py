@@ -2,6 +2,7 @@
 
     python tools/bench_e2e.py [--seeds 0,1,2] [--warmup-steps 650] [--grpo-seconds 250] [--target 0.9]
                               [--also 0.7,0.8] [--only hand,sync,async] [--full] [--threads N]
+                              [--warmups DIR] [--async-set KEY=VALUE ...]
 
 For each seed, runs `tools/hand_grpo.py`, `pipelines/quickstart.yaml` and
 `pipelines/quickstart_async.yaml` one after the other (never together: they would share the two
@@ -13,7 +14,12 @@ seconds of a GRPO step and the best eval reward. A run is stopped once it reache
 seed plus the median over seeds, a run that missed the target counting as slower than any that
 reached it. `--threads N` gives the plain loop and the
 pipelines' engines N torch threads each (default: each one's own setting, 2), e.g. 1 on a machine
-other work keeps busy, where two threads per process spend their time waiting for each other. The last line is one JSON object: sync_s_to_target, async_s_to_target (medians; null
+other work keeps busy, where two threads per process spend their time waiting for each other.
+`--warmups DIR` starts both pipelines' GRPO phase from the same per-seed warm-up (DIR/seed-N, made
+once by the sync pipeline's warm-up phase and reused by later runs): the pipelines' own warm-ups
+differ in length and, async, in which samples they train on, so this compares the GRPO phases alone
+(times then count from the GRPO phase's start; the plain loop is not run). `--async-set KEY=VALUE`
+(repeatable) overrides the async pipeline, to compare a variant against sync. The last line is one JSON object: sync_s_to_target, async_s_to_target (medians; null
 where the median run missed), async_over_sync (their ratio), async_wins (seeds where async
 reached the target first), hand_s_to_target, sync_over_hand, and per contender the per-seed figures
 (`<name>_<figure>_by_seed`).
@@ -76,15 +82,39 @@ def summary(evals: list[dict], warmup: float, wall: float, args: argparse.Namesp
             "s_to": {t: round(warmup + e["time"], 1) if e else None for t, e in hits.items() if t != args.target}}
 
 
-def run_flowrl(pipeline: str, run_dir: Path, seed: int, args: argparse.Namespace) -> dict:
-    overrides = [f"run.seed={seed}", f"phases.0.steps={args.warmup_steps}",
-                 f"phases.1.seconds={args.grpo_seconds}", f"data.eval.every={args.eval_every}"]
+def warmup_policy(seed: int, args: argparse.Namespace) -> Path:
+    """The seed's warm-up policy under `--warmups` (an HF folder), made by the sync pipeline's warm-up
+    phase (and one GRPO step) the first time."""
+    run_dir = Path(args.warmups) / f"seed-{seed}"
+    export = run_dir / "phases/0-warmup/export/learner"
+    if not (export / "config.json").exists():
+        subprocess.run([sys.executable, "-m", "flowrl.cli", "run", str(ROOT / PIPELINES["sync"]), f"run.seed={seed}",
+                        f"phases.0.steps={args.warmup_steps}", "phases.1.steps=1", "--run-dir", str(run_dir),
+                        "--quiet"], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+    return export
+
+
+def grpo_phase(pipeline: str, seconds: float) -> str:
+    """The pipeline's last (GRPO) phase alone, its length set to `seconds`, as a `phases=` value."""
+    import yaml
+
+    phase = yaml.safe_load((ROOT / pipeline).read_text())["phases"][-1]
+    phase.pop("steps", None)
+    return json.dumps([phase | {"seconds": seconds}])
+
+
+def run_flowrl(pipeline: str, run_dir: Path, seed: int, args: argparse.Namespace, extra: list[str]) -> dict:
+    overrides = [f"run.seed={seed}", f"data.eval.every={args.eval_every}", *extra]
+    if args.warmups:
+        overrides += [f"model.path={warmup_policy(seed, args)}", f"phases={grpo_phase(pipeline, args.grpo_seconds)}"]
+    else:
+        overrides += [f"phases.0.steps={args.warmup_steps}", f"phases.1.seconds={args.grpo_seconds}"]
     if args.threads:
         overrides.append(f"nodes.rollout.engine.threads={args.threads}")
-    grpo = run_dir / "phases/1-grpo"
+    grpo = run_dir / ("phases/0-grpo" if args.warmups else "phases/1-grpo")
     wall = supervise([sys.executable, "-m", "flowrl.cli", "run", str(ROOT / pipeline), *overrides,
                       "--run-dir", str(run_dir), "--quiet"], grpo / "eval.jsonl", args, signal.SIGINT)
-    warmup = json.loads((run_dir / "phases/0-warmup/phase.json").read_text())["seconds"]
+    warmup = 0.0 if args.warmups else json.loads((run_dir / "phases/0-warmup/phase.json").read_text())["seconds"]
     evals, rows = read_jsonl(grpo / "eval.jsonl"), read_jsonl(grpo / "metrics.jsonl")
     out = summary(evals, warmup, wall, args) | {"warmup_s": round(warmup, 1), "steps": len(rows)}
     # The median step: the first one also sets up the phase (engine, trainer, its process).
@@ -92,6 +122,7 @@ def run_flowrl(pipeline: str, run_dir: Path, seed: int, args: argparse.Namespace
     hit = first_hit(evals, args.target)
     # Version v was trained on the groups of steps 0 .. v-1.
     out["samples_to_target"] = sum(r["groups"] for r in rows if r["step"] < hit["version"]) if hit else None
+    out["steps_to_target"] = hit["version"] if hit else None  # version v: v GRPO steps taken
     return out
 
 
@@ -130,18 +161,24 @@ def main() -> None:
     parser.add_argument("--only", default="hand,sync,async", help="comma-separated subset to run")
     parser.add_argument("--full", action="store_true", help="run every budget out instead of stopping at the target")
     parser.add_argument("--threads", type=int, help="torch threads of the plain loop and of the pipelines' engines")
+    parser.add_argument("--warmups", help="folder of per-seed warm-ups (made once): run the GRPO phases alone from them")
+    parser.add_argument("--async-set", action="append", default=[], metavar="KEY=VALUE",
+                        help="an override of the async pipeline (repeatable)")
     args = parser.parse_args()
     names = args.only.split(",")
+    if args.warmups and "hand" in names:
+        parser.error("--warmups compares the pipelines' GRPO phases: use --only sync,async")
     results: dict[str, list[dict]] = {n: [] for n in names}
     with tempfile.TemporaryDirectory() as tmp:
         for seed in args.seeds:
             for name in names:
                 run_dir = Path(tmp) / f"{name}-{seed}"
-                r = run_hand(run_dir, seed, args) if name == "hand" else run_flowrl(PIPELINES[name], run_dir, seed, args)
+                extra = args.async_set if name == "async" else []
+                r = run_hand(run_dir, seed, args) if name == "hand" else run_flowrl(PIPELINES[name], run_dir, seed, args, extra)
                 results[name].append(r)
                 print(f"seed {seed} {name:>5}: to eval >= {args.target}: {r['s_to_target']} s, "
-                      f"{r['samples_to_target']} samples; {r['steps']} GRPO steps ({r['s_per_step']} s each), "
-                      f"best eval {r['best_eval']:.3f}" + (f", warm-up {r['warmup_s']} s" if "warmup_s" in r else "")
+                      f"{r.get('steps_to_target')} steps, {r['samples_to_target']} samples; {r['steps']} GRPO steps ({r['s_per_step']} s each), "
+                      f"best eval {r['best_eval']:.3f}" + (f", warm-up {r['warmup_s']} s" if r.get("warmup_s") else "")
                       + "; " + ", ".join(f"to {t}: {v} s" for t, v in r["s_to"].items()), flush=True)
 
     def times(name: str) -> list[float | None]:
@@ -162,7 +199,7 @@ def main() -> None:
                       "async_over_sync": ratio("async", "sync"), "async_wins": wins,
                       "hand_s_to_target": medians.get("hand"), "sync_over_hand": ratio("sync", "hand"),
                       **{f"{n}_{k}_by_seed": [r[k] for r in rs] for n, rs in results.items()
-                         for k in ("s_to_target", "samples_to_target", "s_per_step", "best_eval", "warmup_s")
+                         for k in ("s_to_target", "steps_to_target", "samples_to_target", "s_per_step", "best_eval", "warmup_s")
                          if all(k in r for r in rs)},
                       **{f"{n}_s_to_{t}_by_seed": [r["s_to"][t] for r in rs] for n, rs in results.items()
                          for t in args.also},

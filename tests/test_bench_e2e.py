@@ -1,0 +1,29 @@
+"""tools/bench_e2e.py's `--warmups` override: both quickstart pipelines reduced to their GRPO phase."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from flowrl.spec.load import load
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_e2e", ROOT / "tools/bench_e2e.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("name", ["sync", "async"])
+def test_grpo_phase_alone(name):
+    """The override leaves one phase, the pipeline's GRPO phase with its seconds replaced: a run
+    from the warm-up's export then trains GRPO only, as long as both contenders are allowed."""
+    b = bench()
+    pipeline = b.PIPELINES[name]
+    loaded = load(ROOT / pipeline, [f"phases={b.grpo_phase(pipeline, 42.0)}", "model.path=builtin:tiny-qwen2"])
+    [phase] = loaded.spec.phases
+    assert (phase.name, phase.seconds, phase.steps) == ("grpo", 42.0, None)
+    assert len(load(ROOT / pipeline).spec.phases) == 2  # the file itself keeps its warm-up
