@@ -302,9 +302,11 @@ def micro_batch_rows(batch: Batch, token_budget: int, packed: bool = False, shar
     `packed` (the forward lays a micro-batch's sequences end to end, training/head.py): a micro-batch
     costs its tokens, so the rows are balanced by token count over as few micro-batches as fit the
     budget (longest first onto the least loaded), and a long-tailed batch does not leave one
-    micro-batch full and the next nearly empty. With `shared` (the forward computes a shared prefix
-    once, training/prefix.py) a group's rows that share one go together, at the tokens they cost so. Otherwise (padded rows): it costs rows x its longest
+    micro-batch full and the next nearly empty. Otherwise (padded rows): it costs rows x its longest
     row, so rows of similar length go together (longest first, filled up to the budget).
+
+    `shared` (with `packed`: the forward computes a group's shared prefix once, training/prefix.py):
+    a group's rows that share one go together, counted at the tokens they cost so.
     """
     lengths = [int(n) for n in batch.lengths.tolist()]
     if not lengths:
