@@ -108,11 +108,10 @@ def _run_phases(loaded: LoadedSpec, run_dir: Path, executor: str | None, progres
         export = next((str(p) for p in exports if (p / "config.json").exists()), None)
         if exports and export is None and index + 1 < len(loaded.spec.phases):
             # The next phase would silently start from an older model.
+            lost = result.lost()
             raise StageFailed(f"phase {phase.name} finished without exporting its policy "
-                              f"({', '.join(map(str, exports))} holds no config.json)"
-                              + (f"; {result.lost()}" if result.lost() else ""))
+                              f"({', '.join(map(str, exports))} holds no config.json)" + (f"; {lost}" if lost else ""))
         marker.write_text(json.dumps({"status": "done", "export": export, "seconds": result.seconds}))
         exported[phase.name] = export
         model_path = export or model_path
     return results
-

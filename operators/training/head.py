@@ -40,7 +40,7 @@ from collections.abc import Iterator
 import torch
 
 from flowrl_operators.training.kernels import token_logprobs
-from flowrl_operators.training.prefix import MASKED_ATTENTION, SharedRows, shared_rows, units
+from flowrl_operators.training.prefix import MASKED_ATTENTION, SharedRows, row_cost, shared_rows, units
 from flowrl_operators.training.vl_inputs import hidden_size, is_vl_model, vl_inputs
 
 # Packed rows aim at about this many tokens (or the longest sequence, if longer): wide enough that
@@ -119,7 +119,7 @@ def lay_out(lengths: list[int], target: float = PACK_TOKENS,
     first = max(1, math.ceil(sum(lengths) / max(target, max(lengths))))
     counts = {*range(first, max(first, min(len(lengths), 2 * first)) + 1), len(lengths)}
     options = [(c, *_spread_rows(lengths, c)) for c in sorted(counts)]
-    _, loads, where = min(options, key=lambda o: (o[0] * max(o[1]) * (1 + max(o[1]) / attention_width), -o[0]))
+    _, loads, where = min(options, key=lambda o: (o[0] * row_cost(max(o[1]), attention_width), -o[0]))
     return loads, where
 
 

@@ -96,9 +96,12 @@ def _branch(rows: list[int], lengths: list[int], prefix: int, attention_width: f
     mine: list[Unit] = []
     for row in sorted(rows, key=lambda r: (-lengths[r], r)):
         branch = lengths[row] - prefix
-        added = {id(u): row_cost(u.width + branch, attention_width) - row_cost(u.width, attention_width) for u in mine}
-        best = min(mine, key=lambda u: added[id(u)], default=None)
-        if best is not None and added[id(best)] <= row_cost(prefix + branch, attention_width):
+
+        def added(unit: Unit, branch: int = branch) -> float:
+            return row_cost(unit.width + branch, attention_width) - row_cost(unit.width, attention_width)
+
+        best = min(mine, key=added, default=None)
+        if best is not None and added(best) <= row_cost(prefix + branch, attention_width):
             best.rows.append(row)
             best.width += branch
         else:
