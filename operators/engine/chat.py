@@ -5,12 +5,18 @@ Honoured request keys: `messages`, `temperature`, `top_p`, `max_tokens` / `max_c
 `top_logprobs` above 0 (the engine returns the sampled token's logprob only), and a `stop` string
 that is not exactly one token.
 
+- `messages`: a message's content is a string or a list of OpenAI parts, `{"type": "text", "text"}`
+  and `{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}`. Images are put in
+  this process's image store and generated with, as on `/generate` with `image_data` and in the
+  agent proxy: the prompt is the chat template's, each image's placeholder expanded to the image's
+  token count (workflows/base.py `chat_ids`), and the request carries the `ImageRef`s. A 400: an
+  image for a text-only model, an image URL that is not a data URL (the server fetches nothing), or
+  any other part type (also flowrl's own `{"type": "image"}`, which may name a file on this host).
 - `stop`: a string or a list of strings and/or token ids (vLLM's `stop_token_ids` is read too).
   Generation stops at any of them, or at the model's end-of-sequence tokens; as in OpenAI, the
   stop token is not part of the returned content and `finish_reason` is "stop".
 - `logprobs: true`: each choice gets OpenAI's `{"content": [{"token", "logprob", "bytes",
-  "top_logprobs": []}]}`, one entry per token of the returned content.
-"""
+  "top_logprobs": []}]}`, one entry per token of the returned content."""
 
 from __future__ import annotations
 
@@ -21,7 +27,11 @@ from typing import Any
 
 import msgspec
 
+from flowrl.data.images import ImageRef
 from flowrl_operators.engine.base import GenerateRequest, GenerateResult, SamplingParams
+from flowrl_operators.workflows.base import EpisodeError, chat_ids
+from flowrl_operators.workflows.vision_messages import ImageContentError, store_images
+from flowrl_operators.workflows.vision_prompt import require_vision
 
 
 def stop_ids(body: dict[str, Any], tokenizer: Any, bad_request: type[Exception]) -> list[int]:
@@ -43,6 +53,33 @@ def stop_ids(body: dict[str, Any], tokenizer: Any, bad_request: type[Exception])
                               "single tokens: give strings of one token (e.g. '<|im_end|>') or token ids")
         ids.append(encoded[0])
     return ids
+
+
+def prompt(tokenizer: Any, messages: list[Any], bad_request: type[Exception]) -> tuple[list[int], list[ImageRef]]:
+    """The prompt's token ids and its images in placeholder order (module docs: `messages`)."""
+    images = False
+    for m, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise bad_request(f"messages[{m}] must be an object {{role, content}}, got {message!r}")
+        content = message.get("content")
+        if content is not None and not isinstance(content, str | list):
+            raise bad_request(f"messages[{m}].content must be a string or a list of parts, got {content!r}")
+        for p, part in enumerate(content if isinstance(content, list) else []):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in ("text", "image_url"):  # {type: image} may name a path: not from a client
+                raise bad_request(f"messages[{m}].content[{p}]: part type {kind!r} is not read; use "
+                                  "{type: text} or {type: image_url, image_url: {url: data:...}}")
+            images = images or kind == "image_url"
+    if images:  # before anything is stored, and before a text template meets image parts
+        try:
+            require_vision(tokenizer)
+        except ImageContentError as e:
+            raise bad_request(f"this model takes no images: {e}") from None
+    try:
+        stored, refs = store_images(messages)
+        return chat_ids(tokenizer, stored, images=refs), refs
+    except (ImageContentError, EpisodeError) as e:
+        raise bad_request(str(e)) from None
 
 
 def sampling(body: dict[str, Any], stops: list[int]) -> SamplingParams:
@@ -83,13 +120,11 @@ async def complete(engine: Any, tokenizer: Any, body: dict[str, Any], model_name
     logprobs = body.get("logprobs") or False
     if not isinstance(logprobs, bool):
         raise bad_request(f"logprobs must be true or false, got {logprobs!r}")
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if not isinstance(ids, list):
-        ids = ids["input_ids"]
+    ids, images = prompt(tokenizer, messages, bad_request)
     params = sampling(body, stop_ids(body, tokenizer, bad_request))
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     results = await asyncio.gather(*[engine.generate(GenerateRequest(
-        request_id=f"{rid}-{i}", input_ids=ids,
+        request_id=f"{rid}-{i}", input_ids=ids, images=images,
         sampling=msgspec.structs.replace(params, seed=None if params.seed is None else params.seed + i)))
         for i in range(int(body.get("n", 1)))])
     for result in results:
