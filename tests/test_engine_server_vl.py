@@ -13,6 +13,8 @@ from test_engine_vl import noisy_checkpoint, picture
 from flowrl.data import images
 from flowrl_operators.models import load_tokenizer
 from flowrl_operators.vision import vision
+from flowrl_operators.workflows.proxy import Proxy
+from flowrl_operators.workflows.vision_messages import store_images
 
 torch.set_num_threads(1)
 CHAT = "/v1/chat/completions"
@@ -60,6 +62,8 @@ def test_chat_with_an_image_generates_as_generate_with_its_ids_and_image_data(vl
     assert ids.count(facts.image_token_id) == facts.image_tokens(ref) > 1  # the placeholder expanded
 
     async def test(session, url, engine):
+        messages, refs = store_images(look(store.data_url(ref)))
+        proxied = Proxy(engine, load_tokenizer(vl)).render(messages, None, None, refs)
         seen = tap(engine)
         chat = {"model": "tiny", "max_tokens": 8, "temperature": 0, "logprobs": True}
         answer = await post(session, url + CHAT, {**chat, "messages": look(store.data_url(ref))})
@@ -67,9 +71,10 @@ def test_chat_with_an_image_generates_as_generate_with_its_ids_and_image_data(vl
             "input_ids": ids, "image_data": [store.data_url(ref)], "return_logprob": True,
             "sampling_params": {"temperature": 0, "max_new_tokens": 8}})
         elsewhere = await post(session, url + CHAT, {**chat, "messages": look(store.data_url(other))})
-        return answer, generated, elsewhere, seen
+        return answer, generated, elsewhere, seen, proxied
 
-    answer, generated, elsewhere, seen = serve(vl, test)
+    answer, generated, elsewhere, seen, proxied = serve(vl, test)
+    assert proxied == ids  # the agent proxy builds the same prompt for the same messages
     (chat_request, chat_result), (generate_request, generate_result), (other_request, other_result) = seen
     assert chat_request.input_ids == generate_request.input_ids == other_request.input_ids == ids
     assert chat_request.images == generate_request.images == [ref] and other_request.images == [other]
