@@ -2,8 +2,8 @@
 
 Honoured request keys: `messages`, `temperature`, `top_p`, `max_tokens` / `max_completion_tokens`
 (default 128), `n`, `seed`, `stop` and `logprobs`. Refused with a 400, never ignored: `stream`,
-`top_logprobs` above 0 (the engine returns the sampled token's logprob only), and a `stop` string
-that is not exactly one token.
+`top_logprobs` above 0 (the engine returns the sampled token's logprob only), a `stop` string
+that is not exactly one token, and content parts it cannot read (below).
 
 - `messages`: a message's content is a string or a list of OpenAI parts, `{"type": "text", "text"}`
   and `{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}`. Images are put in
@@ -16,7 +16,8 @@ that is not exactly one token.
   Generation stops at any of them, or at the model's end-of-sequence tokens; as in OpenAI, the
   stop token is not part of the returned content and `finish_reason` is "stop".
 - `logprobs: true`: each choice gets OpenAI's `{"content": [{"token", "logprob", "bytes",
-  "top_logprobs": []}]}`, one entry per token of the returned content."""
+  "top_logprobs": []}]}`, one entry per token of the returned content.
+"""
 
 from __future__ import annotations
 
