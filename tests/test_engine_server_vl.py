@@ -86,8 +86,8 @@ def test_chat_with_an_image_generates_as_generate_with_its_ids_and_image_data(vl
         [lp for lp, _, _ in generated["meta_info"]["output_token_logprobs"][:len(tokens)]], abs=1e-5)
     assert answer["usage"]["prompt_tokens"] == len(ids)
     # The image is read: another picture in the same placeholders changes the first token's logprob.
-    assert abs(other_result.logprobs[0] - chat_result.logprobs[0]) > 1e-4
-    assert other_result.output_ids != chat_result.output_ids or other_result.logprobs != chat_result.logprobs
+    assert abs(other_result.logprobs[0] - chat_result.logprobs[0]) > 1e-2  # measured: 0.48
+    assert elsewhere["usage"]["prompt_tokens"] == len(ids)
 
 
 def test_images_the_server_cannot_read_are_a_400(vl, store):
