@@ -191,9 +191,14 @@ def chat_ids(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prom
     `images` (the messages' `{"type": "image"}` parts, in order: `store_images`), each image
     placeholder is expanded to its image's tokens."""
     _check_vision(tokenizer, images)
-    text = tokenizer.apply_chat_template(
+    return _encode(tokenizer, chat_text(tokenizer, messages, add_generation_prompt, tools), images)
+
+
+def chat_text(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+              tools: list[dict] | None = None) -> str:
+    """The chat template's text for `messages` (and `tools`), as `chat_ids` tokenises it."""
+    return tokenizer.apply_chat_template(
         [_plain(m) for m in messages], tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False)
-    return _encode(tokenizer, text, images)
 
 
 def _check_vision(tokenizer: Any, images: list[ImageRef] | None) -> None:

@@ -20,7 +20,6 @@ engine server does), unless `allow_remote` (the generate node's `proxy_allow_rem
 from __future__ import annotations
 
 import json
-import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -41,11 +40,11 @@ from flowrl_operators.workflows.base import (
     generate_complete,
     is_async_callable,
 )
+from flowrl_operators.workflows.tool_calls import parse_tool_calls
 from flowrl_operators.workflows.vision_messages import ImageContentError, store_images
 from flowrl_operators.workflows.vision_prompt import encode_with_images, require_vision
 
 _MARK = "\u0002"  # brackets spliced-reply indices in a rendered template
-_TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
 
 
 @dataclass
@@ -262,21 +261,6 @@ class Proxy:
                 "model": body.get("model") or self.model_name, "choices": [choice],
                 "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(result.output_ids),
                           "total_tokens": len(prompt_ids) + len(result.output_ids)}}
-
-
-def parse_tool_calls(text: str) -> list[dict[str, Any]]:
-    """Qwen-style `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks as OpenAI tool calls."""
-    calls = []
-    for i, block in enumerate(_TOOL_CALL.findall(text)):
-        try:
-            call = json.loads(block)
-        except json.JSONDecodeError:
-            continue
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            continue
-        calls.append({"id": f"call_{i}", "type": "function", "function": {
-            "name": call["name"], "arguments": json.dumps(call.get("arguments", {}))}})
-    return calls
 
 
 def assemble(calls: list[Call], version: int) -> list[Trajectory]:
