@@ -111,7 +111,8 @@ def _read(body: dict[str, Any], key: str, default: Any, bad_request: type[Except
         return default
     if not _is_number(value) or integer and not isinstance(value, int) or \
             low is not None and value < low or high is not None and value > high:
-        bounds = "".join([f" >= {low}" if low is not None else "", f" <= {high}" if high is not None else ""])
+        bounds = f" in [{low}, {high}]" if low is not None and high is not None else \
+            f" >= {low}" if low is not None else ""
         raise bad_request(f"{key} must be {'an integer' if integer else 'a number'}{bounds}, got {value!r}")
     return value
 
