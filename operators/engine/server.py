@@ -20,8 +20,8 @@ names and bodies; weight versions are strings on the wire, as in SGLang, holding
   POST /update_weight_version    {"new_version"}
   GET|POST /flush_cache          400 while requests run (nothing else is cached)
   GET  /get_weight_version, /get_model_info, /get_server_info, /health, /health_generate, /v1/models
-  POST /v1/chat/completions      OpenAI chat through the tokenizer's chat template, with `stop`,
-                                 `logprobs` and image_url parts (data URLs, VL models; see chat.py)
+  POST /v1/chat/completions      OpenAI chat through the tokenizer's chat template: `stop`, `logprobs`,
+                                 image_url parts (VL models), `tools`; the rest a 400 (see chat.py)
 """
 
 from __future__ import annotations
