@@ -16,7 +16,7 @@ from flowrl_operators.engine.base import GenerateResult
 from flowrl_operators.engine.chat import choice
 from flowrl_operators.models import load_tokenizer
 from flowrl_operators.workflows.proxy import Proxy
-from flowrl_operators.workflows.tool_calls import parse_tool_calls
+from flowrl_operators.workflows.tool_calls import parse_tool_calls, split_tool_calls
 
 torch.set_num_threads(1)
 CHAT = "/v1/chat/completions"
@@ -95,6 +95,8 @@ def test_a_tool_call_answer_becomes_tool_calls():
     assert only_call["message"]["content"] is None and only_call["message"]["tool_calls"]
     cut = choice(0, msgspec.structs.replace(result, finish_reason="length"), tok, logprobs=False, read_calls=True)
     assert cut["finish_reason"] == "length" and cut["message"]["tool_calls"]
+    broken = 'a <tool_call>{"name": "calc", "arguments": {</tool_call> b'  # not JSON: left as text, not dropped
+    assert split_tool_calls(broken) == (broken, [])
     unread = choice(0, result, tok, logprobs=False, read_calls=False)  # tool_choice none, or no tools
     assert unread["message"] == {"role": "assistant", "content": text} and unread["finish_reason"] == "stop"
 

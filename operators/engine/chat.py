@@ -30,9 +30,10 @@ Every request key is honoured or refused with a 400 that names it; none is ignor
   request's `tools`, or without a message's `tool_calls`, would ignore them: that is a 400. With
   `tool_choice` "auto" (or absent), each answer is read for `<tool_call>{"name", "arguments"}
   </tool_call>` blocks (workflows/tool_calls.py, the proxy's reading): when it holds some, the
-  message has `tool_calls`, its `content` is the text outside them (null if none) and
-  `finish_reason` is "tool_calls". With "none", the tools are rendered as with "auto" (the model
-  sees the same prompt, as in vLLM) and the answer is returned as text, never read for calls.
+  message has `tool_calls`, its `content` is the text outside them (null if none: a client that
+  sends the message back must not have the calls rendered twice, once in content and once from
+  `tool_calls`) and `finish_reason` is "tool_calls" ("length" if generation was cut after them). With "none", the tools are rendered as with "auto" (the model
+  sees the same prompt) and the answer is returned as text, never read for calls.
 - `stop`: a string or a list of strings and/or token ids (vLLM's `stop_token_ids` is read too).
   Generation stops at any of them, or at the model's end-of-sequence tokens; as in OpenAI, the
   stop token is not part of the returned content and `finish_reason` is "stop". A stop string
@@ -208,16 +209,17 @@ def _check_rendered(tokenizer: Any, messages: list[dict], tools: list[dict] | No
                     bad_request: type[Exception]) -> None:
     """A 400 where the chat template renders the same text without the request's tools or without a
     message's tool_calls: the model would answer as if they had not been sent."""
+    calls = [m for m, message in enumerate(messages) if message.get("tool_calls")]
+    if not tools and not calls:  # nothing to check: no extra rendering for plain chat
+        return
     full = chat_text(tokenizer, messages, tools=tools)
     if tools and chat_text(tokenizer, messages) == full:
         raise bad_request("tools: this model's chat template does not render tools, so the model would never "
                           "see them; use a model whose template takes tools, or send none")
-    for m, message in enumerate(messages):
-        if message.get("tool_calls"):
-            bare = {k: v for k, v in message.items() if k != "tool_calls"}
-            if chat_text(tokenizer, [*messages[:m], bare, *messages[m + 1:]], tools=tools) == full:
-                raise bad_request(f"messages[{m}].tool_calls: this model's chat template does not render tool "
-                                  "calls; send the call as the message's content instead")
+    bare = [{k: v for k, v in message.items() if k != "tool_calls"} for message in messages]
+    if calls and chat_text(tokenizer, bare, tools=tools) == full:  # one render for all: templates treat calls alike
+        raise bad_request(f"messages[{calls[0]}].tool_calls: this model's chat template does not render tool "
+                          "calls; send the call as the message's content instead")
 
 
 def prompt(tokenizer: Any, messages: list[Any], bad_request: type[Exception],
