@@ -118,11 +118,16 @@ def _read(body: dict[str, Any], key: str, default: Any, bad_request: type[Except
     return value
 
 
+def flag(body: dict[str, Any], key: str, bad_request: type[Exception]) -> bool:
+    """`body[key]`: true or false (false when absent or null)."""
+    value = body.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise bad_request(f"{key} must be true or false, got {value!r}")
+    return bool(value)
+
+
 def sampling(body: dict[str, Any], stops: list[int], bad_request: type[Exception]) -> SamplingParams:
     """The request's sampling parameters (module docs: honoured keys), each checked."""
-    ignore_eos = body.get("ignore_eos") or False
-    if not isinstance(ignore_eos, bool):
-        raise bad_request(f"ignore_eos must be true or false, got {ignore_eos!r}")
     limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     return SamplingParams(
         temperature=float(_read(body, "temperature", 1.0, bad_request, low=0)),
@@ -130,7 +135,7 @@ def sampling(body: dict[str, Any], stops: list[int], bad_request: type[Exception
         top_k=_read(body, "top_k", -1, bad_request, integer=True),
         max_new_tokens=_read(body, limit, 128, bad_request, integer=True, low=1),
         seed=_read(body, "seed", None, bad_request, integer=True),
-        stop_token_ids=stops, ignore_eos=ignore_eos,
+        stop_token_ids=stops, ignore_eos=flag(body, "ignore_eos", bad_request),
     )
 
 
@@ -271,9 +276,7 @@ async def complete(engine: Any, tokenizer: Any, body: dict[str, Any], model_name
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages must be a non-empty list of {role, content}")
-    logprobs = body.get("logprobs") or False
-    if not isinstance(logprobs, bool):
-        raise bad_request(f"logprobs must be true or false, got {logprobs!r}")
+    logprobs = flag(body, "logprobs", bad_request)
     n = _read(body, "n", 1, bad_request, integer=True, low=1)
     tools, read_calls = tools_of(body, bad_request)
     ids, images = prompt(tokenizer, messages, bad_request, tools)
