@@ -27,3 +27,21 @@ def test_grpo_phase_alone(name):
     [phase] = loaded.spec.phases
     assert (phase.name, phase.seconds, phase.steps) == ("grpo", 42.0, None)
     assert len(load(ROOT / pipeline).spec.phases) == 2  # the file itself keeps its warm-up
+
+
+def test_grpo_phase_of_fixed_steps():
+    """`--grpo-steps N`: the GRPO phase runs N steps, with no seconds budget left over from the file."""
+    b = bench()
+    pipeline = b.PIPELINES["async"]
+    loaded = load(ROOT / pipeline, [f"phases={b.grpo_phase(pipeline, 42.0, steps=30)}", "model.path=builtin:tiny-qwen2"])
+    [phase] = loaded.spec.phases
+    assert (phase.name, phase.seconds, phase.steps) == ("grpo", None, 30)
+
+
+def test_mean_eval_is_the_learning_curve_area():
+    b = bench()
+    args = type("Args", (), {"also": [0.7], "target": 0.9})()
+    evals = [{"eval_reward": r, "time": t, "version": 5 * t} for t, r in enumerate([0.2, 0.6, 0.95, 0.85])]
+    out = b.summary(evals, 0.0, 10.0, args)
+    assert out["mean_eval"] == 0.65 and out["best_eval"] == 0.95 and out["s_to_target"] == 2.0
+    assert b.summary([], 0.0, 1.0, args)["mean_eval"] is None

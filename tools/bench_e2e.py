@@ -2,7 +2,7 @@
 
     python tools/bench_e2e.py [--seeds 0,1,2] [--warmup-steps 650] [--grpo-seconds 250] [--target 0.9]
                               [--also 0.7,0.8] [--only hand,sync,async] [--full] [--threads N]
-                              [--warmups DIR] [--async-set KEY=VALUE ...]
+                              [--warmups DIR [--grpo-steps N]] [--async-set KEY=VALUE ...] [--sync-set ...]
 
 For each seed, runs `tools/hand_grpo.py`, `pipelines/quickstart.yaml` and
 `pipelines/quickstart_async.yaml` one after the other (never together: they would share the two
@@ -19,7 +19,11 @@ other work keeps busy, where two threads per process spend their time waiting fo
 once by the sync pipeline's warm-up phase and reused by later runs): the pipelines' own warm-ups
 differ in length and, async, in which samples they train on, so this compares the GRPO phases alone
 (times then count from the GRPO phase's start; the plain loop is not run). `--async-set KEY=VALUE`
-(repeatable) overrides the async pipeline, to compare a variant against sync. The last line is one JSON object: sync_s_to_target, async_s_to_target (medians; null
+(repeatable) overrides the async pipeline, to compare a variant against sync (`--sync-set` the sync
+one). `--grpo-steps N` (with `--warmups`) runs each GRPO phase for N steps instead of seconds, run
+out in full: the per-step view, `mean_eval` (the mean of a run's greedy evals, every `--eval-every`
+steps: the area under its learning curve) compares variants with less noise than the first step at
+the target. The last line is one JSON object: sync_s_to_target, async_s_to_target (medians; null
 where the median run missed), async_over_sync (their ratio), async_wins (seeds where async
 reached the target first), hand_s_to_target, sync_over_hand, and per contender the per-seed figures
 (`<name>_<figure>_by_seed`).
@@ -79,6 +83,7 @@ def summary(evals: list[dict], warmup: float, wall: float, args: argparse.Namesp
     hit = hits[args.target]
     return {"wall_s": round(wall, 1), "best_eval": round(max((e["eval_reward"] for e in evals), default=0.0), 4),
             "s_to_target": round(warmup + hit["time"], 1) if hit else None,
+            "mean_eval": round(statistics.mean(e["eval_reward"] for e in evals), 4) if evals else None,
             "s_to": {t: round(warmup + e["time"], 1) if e else None for t, e in hits.items() if t != args.target}}
 
 
@@ -94,19 +99,21 @@ def warmup_policy(seed: int, args: argparse.Namespace) -> Path:
     return export
 
 
-def grpo_phase(pipeline: str, seconds: float) -> str:
-    """The pipeline's last (GRPO) phase alone, its length set to `seconds`, as a `phases=` value."""
+def grpo_phase(pipeline: str, seconds: float, steps: int | None = None) -> str:
+    """The pipeline's last (GRPO) phase alone, its length set to `steps` if given, else `seconds`, as
+    a `phases=` value."""
     import yaml
 
     phase = yaml.safe_load((ROOT / pipeline).read_text())["phases"][-1]
     phase.pop("steps", None)
-    return json.dumps([phase | {"seconds": seconds}])
+    phase.pop("seconds", None)
+    return json.dumps([phase | ({"steps": steps} if steps else {"seconds": seconds})])
 
 
 def run_flowrl(pipeline: str, run_dir: Path, seed: int, args: argparse.Namespace, extra: list[str]) -> dict:
     overrides = [f"run.seed={seed}", f"data.eval.every={args.eval_every}", *extra]
     if args.warmups:
-        overrides += [f"model.path={warmup_policy(seed, args)}", f"phases={grpo_phase(pipeline, args.grpo_seconds)}"]
+        overrides += [f"model.path={warmup_policy(seed, args)}", f"phases={grpo_phase(pipeline, args.grpo_seconds, args.grpo_steps)}"]
     else:
         overrides += [f"phases.0.steps={args.warmup_steps}", f"phases.1.seconds={args.grpo_seconds}"]
     if args.threads:
@@ -162,24 +169,35 @@ def main() -> None:
     parser.add_argument("--full", action="store_true", help="run every budget out instead of stopping at the target")
     parser.add_argument("--threads", type=int, help="torch threads of the plain loop and of the pipelines' engines")
     parser.add_argument("--warmups", help="folder of per-seed warm-ups (made once): run the GRPO phases alone from them")
+    parser.add_argument("--grpo-steps", type=int, help="with --warmups: GRPO phases of this many steps, run out in full")
     parser.add_argument("--async-set", action="append", default=[], metavar="KEY=VALUE",
                         help="an override of the async pipeline (repeatable)")
+    parser.add_argument("--sync-set", action="append", default=[], metavar="KEY=VALUE",
+                        help="an override of the sync pipeline (repeatable)")
     args = parser.parse_args()
     names = args.only.split(",")
     if args.warmups and "hand" in names:
         parser.error("--warmups compares the pipelines' GRPO phases: use --only sync,async")
+    if args.grpo_steps and not args.warmups:
+        parser.error("--grpo-steps sets the length of the GRPO phases alone: give --warmups DIR too")
+    args.full = args.full or bool(args.grpo_steps)  # a fixed number of steps is run out
     results: dict[str, list[dict]] = {n: [] for n in names}
     with tempfile.TemporaryDirectory() as tmp:
         for seed in args.seeds:
             for name in names:
                 run_dir = Path(tmp) / f"{name}-{seed}"
-                extra = args.async_set if name == "async" else []
+                extra = {"async": args.async_set, "sync": args.sync_set}.get(name, [])
                 r = run_hand(run_dir, seed, args) if name == "hand" else run_flowrl(PIPELINES[name], run_dir, seed, args, extra)
                 results[name].append(r)
                 print(f"seed {seed} {name:>5}: to eval >= {args.target}: {r['s_to_target']} s, "
                       f"{r.get('steps_to_target')} steps, {r['samples_to_target']} samples; {r['steps']} GRPO steps ({r['s_per_step']} s each), "
-                      f"best eval {r['best_eval']:.3f}" + (f", warm-up {r['warmup_s']} s" if r.get("warmup_s") else "")
+                      f"best eval {r['best_eval']:.3f}, mean eval {r['mean_eval']}" + (f", warm-up {r['warmup_s']} s" if r.get("warmup_s") else "")
                       + "; " + ", ".join(f"to {t}: {v} s" for t, v in r["s_to"].items()), flush=True)
+    report(results, names, args)
+
+
+def report(results: dict[str, list[dict]], names: list[str], args: argparse.Namespace) -> None:
+    """The summary over seeds, and the last line's JSON object (module docs)."""
 
     def times(name: str) -> list[float | None]:
         return [r["s_to_target"] for r in results.get(name, [])]
@@ -195,11 +213,15 @@ def main() -> None:
     print(f"median over seeds {args.seeds}: " + ", ".join(f"{n} {medians[n]} s" for n in names)
           + f"; async / sync {ratio('async', 'sync')} (async first on {wins} of {len(args.seeds)} seeds), "
           f"sync / hand {ratio('sync', 'hand')}")
-    print(json.dumps({"sync_s_to_target": medians.get("sync"), "async_s_to_target": medians.get("async"),
+    mean_evals = {f"{n}_mean_eval": round(statistics.mean(r["mean_eval"] or 0.0 for r in rs), 4)
+                  for n, rs in results.items() if rs}
+    print("mean eval over seeds (learning-curve area): " + ", ".join(f"{k[:-10]} {v}" for k, v in mean_evals.items()))
+    print(json.dumps({**mean_evals, "sync_s_to_target": medians.get("sync"), "async_s_to_target": medians.get("async"),
                       "async_over_sync": ratio("async", "sync"), "async_wins": wins,
                       "hand_s_to_target": medians.get("hand"), "sync_over_hand": ratio("sync", "hand"),
                       **{f"{n}_{k}_by_seed": [r[k] for r in rs] for n, rs in results.items()
-                         for k in ("s_to_target", "steps_to_target", "samples_to_target", "s_per_step", "best_eval", "warmup_s")
+                         for k in ("s_to_target", "steps_to_target", "samples_to_target", "s_per_step", "best_eval",
+                                   "mean_eval", "warmup_s")
                          if all(k in r for r in rs)},
                       **{f"{n}_s_to_{t}_by_seed": [r["s_to"][t] for r in rs] for n, rs in results.items()
                          for t in args.also},
