@@ -53,7 +53,7 @@ from jinja2 import TemplateError
 from flowrl_operators.engine.base import GenerateResult, SamplingParams
 from flowrl_operators.workflows.base import chat_text
 from flowrl_operators.workflows.tool_calls import split_tool_calls
-from flowrl_operators.workflows.vision_messages import ImageContentError
+from flowrl_operators.workflows.vision_messages import ImageContentError, data_url
 from flowrl_operators.workflows.vision_prompt import require_vision
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -199,7 +199,12 @@ def check_message(m: int, message: Any, bad_request: type[Exception]) -> bool:
         if kind not in ("text", "image_url"):  # {type: image} may name a path: not from a client
             raise bad_request(f"messages[{m}].content[{p}]: part type {kind!r} is not read; use "
                               "{type: text} or {type: image_url, image_url: {url: data:...}}")
-        images = images or kind == "image_url"
+        if kind == "image_url":  # a remote URL is refused whatever the model, before any is stored
+            try:
+                data_url(part)
+            except ImageContentError as e:
+                raise bad_request(f"messages[{m}].content[{p}]: {e}") from None
+            images = True
     calls = message.get("tool_calls")
     if calls is not None and (role != "assistant" or not isinstance(calls, list)):
         raise bad_request(f"messages[{m}].tool_calls: only an assistant message has tool_calls, a list of "
