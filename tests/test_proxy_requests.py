@@ -159,3 +159,26 @@ def test_a_template_that_drops_tools_refuses_them(caller):
     (message, plain), calls = with_proxy(loop, engine, load_tokenizer("builtin:tiny-qwen2"), test)
     assert "tools: this model's chat template does not render tools" in message
     assert len(calls) == 1 and plain.choices[0].message.content is not None  # only the plain call was made
+
+
+def test_sampling_keys_are_honoured_over_the_sessions_own(caller):
+    loop, engine, tok = caller
+    end, comma = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids(",")
+
+    async def test(proxy, client):
+        return [await client.chat.completions.create(model="p", messages=ASK, tools=[CALC], **extra) for extra in (
+            {"temperature": 0},  # the session's 4 new tokens
+            {"temperature": 0, "max_tokens": 70, "extra_body": {"ignore_eos": True}},  # runs past its end
+            {"temperature": 0, "max_tokens": 70, "stop": [","]},  # a one-token stop string
+            {"temperature": 0.7, "max_tokens": 3, "seed": 11, "extra_body": {"top_k": 1}})]  # top_k 1: greedy
+
+    (short, past, stopped, top_one), calls = with_proxy(loop, engine, tok, test)
+    taught = tok.encode(ANSWER, add_special_tokens=False) + [end]
+    assert calls[0].output_ids == taught[:4] and short.choices[0].finish_reason == "length"
+    assert calls[1].sampling.ignore_eos and end not in calls[1].sampling.stop_token_ids
+    assert calls[1].output_ids[:len(taught)] == taught and len(calls[1].output_ids) == 70
+    assert past.choices[0].finish_reason == "length"
+    assert calls[2].output_ids == taught[:taught.index(comma) + 1] and stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].message.content == ANSWER[:ANSWER.index(",")]  # the stop token is not content
+    assert calls[3].sampling.top_k == 1 and calls[3].sampling.seed == 11 and calls[3].output_ids == taught[:3]
+    assert all(end in c.sampling.stop_token_ids for c in (calls[0], calls[2], calls[3]))

@@ -21,9 +21,10 @@ it back does not get the calls rendered twice. A refused request reaches no engi
 nothing. The proxy's own rules:
 - `n` must be 1: each request is one recorded call (ask for more with more requests).
 - A sampling key the request leaves out takes the session's value (the generate node's
-  `sampling`), not the engine route's defaults (128 tokens, temperature 1); the end-of-turn token
-  always stops; a sampled call without a `seed` gets one derived from the episode's seed and the
-  call's index, so an episode replays.
+  `sampling`), not the engine route's defaults (128 tokens, temperature 1). The end-of-turn token
+  stops (also where the node's `sampling` omits it) unless the request sets `ignore_eos`. A
+  sampled call without a `seed` gets one derived from the episode's seed and the call's index, so
+  an episode replays.
 - Each call is recorded with the sampling it was generated with (for the trainer).
 
 It is plain HTTP on a socket, so agents may run in other processes or Ray actors. It has no
@@ -297,8 +298,10 @@ class Proxy:
     def _sampling(self, body: dict[str, Any], session: Session | None) -> SamplingParams:
         """The request's sampling keys over the session's parameters (module docs: the proxy's own rules)."""
         base = session.sampling if session else self.sampling
-        stops = rules.stop_ids(body, self.tokenizer, BadRequest) + self.stop_ids
-        sampling = rules.sampling(body, stops, BadRequest, base)
+        sampling = rules.sampling(body, rules.stop_ids(body, self.tokenizer, BadRequest), BadRequest, base)
+        if not sampling.ignore_eos:  # the end-of-turn token ends an answer, unless the request runs past it
+            sampling = msgspec.structs.replace(
+                sampling, stop_token_ids=list(dict.fromkeys([*sampling.stop_token_ids, *self.stop_ids])))
         if sampling.temperature > 0 and sampling.seed is None and session is not None:
             sampling = msgspec.structs.replace(sampling, seed=derive_seed(session.seed, session.id,
                                                                           len(session.calls)))
