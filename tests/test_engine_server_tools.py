@@ -13,8 +13,8 @@ from test_engine_server import post, serve
 from test_engine_server_vl import tap
 
 from flowrl_operators.engine.base import GenerateResult
-from flowrl_operators.engine.chat import choice
 from flowrl_operators.models import load_tokenizer
+from flowrl_operators.workflows.chat_request import choice
 from flowrl_operators.workflows.proxy import Proxy
 from flowrl_operators.workflows.tool_calls import parse_tool_calls, split_tool_calls
 
@@ -112,11 +112,11 @@ REFUSED = {
     "the chat template cannot render these messages: a system message must come first":
         {"messages": [{"role": "user", "content": "hi"}, {"role": "system", "content": "late"}]},
     "tools[0] must be {type: function, function: {name, description, parameters}}": {"tools": [{"name": "calc"}]},
-    "tool_choice 'required' is not supported: the embedded engine cannot force a tool call":
+    "tool_choice 'required' is not supported: flowrl cannot force a tool call":
         {"tools": [CALC], "tool_choice": "required"},
     "tool_choice {'type': 'function', 'function': {'name': 'calc'}} is not supported":
         {"tools": [CALC], "tool_choice": {"type": "function", "function": {"name": "calc"}}},
-    "parallel_tool_calls is not supported: the engine cannot hold the model to one tool call":
+    "parallel_tool_calls is not supported: flowrl cannot hold the model to one tool call":
         {"tools": [CALC], "parallel_tool_calls": False},
     "frequency_penalty is not supported: the engine applies no penalties": {"frequency_penalty": 0.5},
     "presence_penalty is not supported: the engine applies no penalties": {"presence_penalty": -1},

@@ -145,11 +145,13 @@ def test_sync_agent_and_http_errors(loop):
             msgs = [{"role": "user", "content": "hi"}]
             with pytest.raises(openai.BadRequestError, match="n must be 1"):
                 await client.chat.completions.create(model="m", messages=msgs, n=2)
-            with pytest.raises(openai.BadRequestError, match="stop strings"):
-                await client.chat.completions.create(model="m", messages=msgs, stop=["x"])
+            with pytest.raises(openai.BadRequestError, match="stop string 'hi there' is"):
+                await client.chat.completions.create(model="m", messages=msgs, stop=["hi there"])
             reply = await client.chat.completions.create(model="m", messages=msgs, logprobs=True, max_tokens=3)
             calls = proxy.close_session("s1")
-            assert [c.logprob for c in reply.choices[0].logprobs.content] == pytest.approx(calls[0].logprobs)
+            assert len(calls) == 1  # the refused requests were not recorded
+            kept = len(calls[0].output_ids) - (reply.choices[0].finish_reason == "stop")  # the stop token is not content
+            assert [c.logprob for c in reply.choices[0].logprobs.content] == pytest.approx(calls[0].logprobs[:kept])
             with pytest.raises(openai.NotFoundError, match="no open session"):
                 await client.chat.completions.create(model="m", messages=msgs)
             models = await client.models.list()
@@ -174,7 +176,7 @@ def test_assemble_chains_calls_that_extend_each_other():
 
 
 def test_tool_calls_are_parsed_into_openai_shape():
-    from flowrl_operators.workflows.proxy import parse_tool_calls
+    from flowrl_operators.workflows.tool_calls import parse_tool_calls
 
     text = 'ok <tool_call>{"name": "calc", "arguments": {"expression": "2*3"}}</tool_call> and ' \
            '<tool_call>not json</tool_call><tool_call>{"arguments": {}}</tool_call>'
@@ -199,7 +201,7 @@ def test_render_splices_the_engines_ids_for_replies_it_sent():
     session = Session("s", SamplingParams(), 0)
     for output in ([tok.convert_tokens_to_ids("7"), unk, eot], [tok.convert_tokens_to_ids("9"), unk]):
         text = tok.decode(output, skip_special_tokens=True)
-        session.replies[text] = output
+        session.remember({"role": "assistant", "content": text}, output)
         conversation = first + [{"role": "assistant", "content": text}, {"role": "user", "content": "higher"}]
         follow = proxy.render(conversation, None, session)
         assert chat_ids(tok, conversation) != follow  # the text round trip would have lost the ids

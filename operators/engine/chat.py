@@ -1,45 +1,16 @@
 """The engine server's `POST /v1/chat/completions`: OpenAI chat through the tokenizer's chat template.
 
-Every request key is honoured or refused with a 400 that names it; none is ignored.
-- Honoured: `messages`, `max_tokens` / `max_completion_tokens` (default 128), `temperature`,
-  `top_p`, `top_k` (<= 0: off), `n`, `seed` (choice i samples with seed + i), `stop`,
-  `stop_token_ids`, `ignore_eos`, `logprobs`, `tools`, `tool_choice` ("auto" or "none").
-- Accepted as metadata (nothing to do for a local engine): `model` (echoed back), `user`,
-  `metadata`, `store`, `service_tier`, `prompt_cache_key`, `safety_identifier`.
-- Accepted only at the value that changes nothing (`NEUTRAL`), a 400 otherwise: `stream` false,
-  `stream_options` absent, `top_logprobs` 0 (the engine returns the sampled token's logprob
-  only), `frequency_penalty` / `presence_penalty` 0 and `repetition_penalty` 1 (no penalties),
-  `min_p` 0, `logit_bias` empty, `response_format` {"type": "text"} (no constrained decoding),
-  `modalities` ["text"], `parallel_tool_calls` true (the engine cannot hold the model to one call).
-- Any other key is a 400 (e.g. `functions` / `function_call`: send `tools`; `tool_choice`
-  "required" or a named function: the engine cannot force a call). A null value is an absent key.
-
-- `messages`: each an object with `role` system, user, assistant or tool (anything else is a 400
-  naming `messages[i].role`, before a template could drop it). Content is a string or a list of
-  OpenAI parts, `{"type": "text", "text"}` and `{"type": "image_url", "image_url": {"url":
-  "data:image/png;base64,..."}}`. Images are put in this process's image store and generated with,
-  as on `/generate` with `image_data` and in the agent proxy: the prompt is the chat template's,
-  each image's placeholder expanded to the image's token count (workflows/base.py `chat_ids`), and
-  the request carries the `ImageRef`s. A 400: an image for a text-only model, an image URL that is
-  not a data URL (the server fetches nothing), or any other part type (also flowrl's own
-  `{"type": "image"}`, which may name a file on this host). An assistant message's `tool_calls`
-  (`[{type: function, function: {name, arguments}}]`, content may be null) and `tool` messages go
-  to the chat template as they are, as in the agent proxy.
-- `tools` (`[{type: function, function: {name, description, parameters}}]`) go to the chat
-  template, as the agent proxy passes them. A template that renders the same text without the
-  request's `tools`, or without a message's `tool_calls`, would ignore them: that is a 400. With
-  `tool_choice` "auto" (or absent), each answer is read for `<tool_call>{"name", "arguments"}
-  </tool_call>` blocks (workflows/tool_calls.py, the proxy's reading): when it holds some, the
-  message has `tool_calls`, its `content` is the text outside them (null if none: a client that
-  sends the message back must not have the calls rendered twice, once in content and once from
-  `tool_calls`) and `finish_reason` is "tool_calls" ("length" if generation was cut after them). With "none", the tools are rendered as with "auto" (the model
-  sees the same prompt) and the answer is returned as text, never read for calls.
-- `stop`: a string or a list of strings and/or token ids (vLLM's `stop_token_ids` is read too).
-  Generation stops at any of them, or at the model's end-of-sequence tokens; as in OpenAI, the
-  stop token is not part of the returned content and `finish_reason` is "stop". A stop string
-  must be exactly one token (the engine stops on tokens).
-- `logprobs: true`: each choice gets OpenAI's `{"content": [{"token", "logprob", "bytes",
-  "top_logprobs": []}]}`, one entry per token of the returned content.
+The request rules (every key honoured or refused with a 400 that names it; messages, images,
+tools and tool calls, stop, logprobs) are workflows/chat_request.py's, shared with the agent proxy,
+so a request reads alike on both. What is this route's own:
+- `max_tokens` defaults to 128 and sampling to temperature 1 (SamplingParams' defaults); the proxy
+  takes its defaults from the generate node's `sampling` instead.
+- `n` choices, choice i sampled with `seed` + i when a seed is given (the proxy records one call
+  per request: `n` 1 only).
+- Images are put in this process's image store and generated with, as on `/generate` with
+  `image_data`: the prompt is the chat template's, each image's placeholder expanded to the
+  image's token count (workflows/base.py `chat_ids`), and the request carries the `ImageRef`s.
+- Nothing is recorded: the answer is for the caller only.
 """
 
 from __future__ import annotations
@@ -53,231 +24,43 @@ import msgspec
 from jinja2 import TemplateError
 
 from flowrl.data.images import ImageRef
-from flowrl_operators.engine.base import GenerateRequest, GenerateResult, SamplingParams
-from flowrl_operators.workflows.base import EpisodeError, chat_ids, chat_text
-from flowrl_operators.workflows.tool_calls import split_tool_calls
+from flowrl_operators.engine.base import GenerateRequest
+from flowrl_operators.workflows.base import EpisodeError, chat_ids
+from flowrl_operators.workflows.chat_request import (
+    check_keys,
+    check_messages,
+    check_rendered,
+    choice,
+    flag,
+    number,
+    sampling,
+    stop_ids,
+    template_error,
+    tools_of,
+)
 from flowrl_operators.workflows.vision_messages import ImageContentError, store_images
-from flowrl_operators.workflows.vision_prompt import require_vision
-
-ROLES = ("system", "user", "assistant", "tool")
-READ = {"messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n", "seed",
-        "stop", "stop_token_ids", "ignore_eos", "logprobs", "tools", "tool_choice"}
-METADATA = {"model", "user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"}
-# key -> (the values that change nothing, why any other value cannot be honoured)
-NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
-    "stream": ((False,), "the embedded engine does not stream; call without stream"),
-    "stream_options": ((), "the embedded engine does not stream"),
-    "top_logprobs": ((0,), "the engine returns the sampled token's logprob only (logprobs: true)"),
-    "frequency_penalty": ((0,), "the engine applies no penalties"),
-    "presence_penalty": ((0,), "the engine applies no penalties"),
-    "repetition_penalty": ((1,), "the engine applies no penalties"),
-    "min_p": ((0,), "the engine samples with temperature, top_k and top_p only"),
-    "logit_bias": (({},), "the engine has no logit bias"),
-    "response_format": (({"type": "text"},), "the engine has no constrained decoding (JSON mode, schemas)"),
-    "modalities": ((["text"],), "the engine answers in text only"),
-    "parallel_tool_calls": ((True,), "the engine cannot hold the model to one tool call"),
-}
-_TOOL_SHAPE = "{type: function, function: {name, description, parameters}}"
-
-
-def check_keys(body: dict[str, Any], bad_request: type[Exception]) -> None:
-    """A 400 for a key the route does not read, or a `NEUTRAL` key at a value it cannot honour."""
-    unknown = sorted(k for k, v in body.items() if v is not None and k not in READ | METADATA | set(NEUTRAL))
-    if unknown:
-        hint = "; send tools instead of functions / function_call" if {"functions", "function_call"} & set(unknown) else ""
-        raise bad_request(f"unsupported request keys {unknown}: the embedded engine does not implement them{hint}; "
-                          f"accepted: {sorted(READ | METADATA | set(NEUTRAL))} (see the engine server's chat docs)")
-    for key, (neutral, why) in NEUTRAL.items():
-        value = body.get(key)
-        if value is not None and not any(_same(value, n) for n in neutral):
-            raise bad_request(f"{key} is not supported: {why} (got {key}={value!r})")
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def _same(value: Any, neutral: Any) -> bool:
-    """JSON equality: 0 and 0.0 are the same number, but true is not 1."""
-    if _is_number(neutral):
-        return _is_number(value) and value == neutral
-    return type(value) is type(neutral) and value == neutral
-
-
-def _read(body: dict[str, Any], key: str, default: Any, bad_request: type[Exception], integer: bool = False,
-          low: float | None = None, high: float | None = None) -> Any:
-    """`body[key]` (`default` when absent or null): a number (an integer if `integer`) in [low, high]."""
-    value = body.get(key)
-    if value is None:
-        return default
-    if not _is_number(value) or integer and not isinstance(value, int) or \
-            low is not None and value < low or high is not None and value > high:
-        bounds = f" in [{low}, {high}]" if low is not None and high is not None else \
-            f" >= {low}" if low is not None else ""
-        raise bad_request(f"{key} must be {'an integer' if integer else 'a number'}{bounds}, got {value!r}")
-    return value
-
-
-def flag(body: dict[str, Any], key: str, bad_request: type[Exception]) -> bool:
-    """`body[key]`: true or false (false when absent or null)."""
-    value = body.get(key)
-    if value is not None and not isinstance(value, bool):
-        raise bad_request(f"{key} must be true or false, got {value!r}")
-    return bool(value)
-
-
-def sampling(body: dict[str, Any], stops: list[int], bad_request: type[Exception]) -> SamplingParams:
-    """The request's sampling parameters (module docs: honoured keys), each checked."""
-    limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    return SamplingParams(
-        temperature=float(_read(body, "temperature", 1.0, bad_request, low=0)),
-        top_p=float(_read(body, "top_p", 1.0, bad_request, low=0, high=1)),
-        top_k=_read(body, "top_k", -1, bad_request, integer=True),
-        max_new_tokens=_read(body, limit, 128, bad_request, integer=True, low=1),
-        seed=_read(body, "seed", None, bad_request, integer=True),
-        stop_token_ids=stops, ignore_eos=flag(body, "ignore_eos", bad_request),
-    )
-
-
-def stop_ids(body: dict[str, Any], tokenizer: Any, bad_request: type[Exception]) -> list[int]:
-    """The request's `stop` (strings of one token, or token ids) and `stop_token_ids`, as ids."""
-    stop = body.get("stop")
-    items = [] if stop is None else [stop] if isinstance(stop, str | int) else stop
-    if not isinstance(items, list):
-        raise bad_request(f"stop must be a string or a list of strings / token ids, got {stop!r}")
-    extra = body.get("stop_token_ids") or []
-    if not isinstance(extra, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in extra):
-        raise bad_request(f"stop_token_ids must be a list of token ids, got {extra!r}")
-    ids = list(extra)
-    for item in items:
-        if isinstance(item, bool) or not isinstance(item, str | int):
-            raise bad_request(f"stop entries are strings or token ids, got {item!r}")
-        if isinstance(item, int):
-            ids.append(item)
-            continue
-        encoded = tokenizer.encode(item, add_special_tokens=False)
-        if len(encoded) != 1:
-            raise bad_request(f"stop string {item!r} is {len(encoded)} tokens; the embedded engine stops on "
-                              "single tokens: give strings of one token (e.g. '<|im_end|>') or token ids")
-        ids.append(encoded[0])
-    return ids
-
-
-def tools_of(body: dict[str, Any], bad_request: type[Exception]) -> tuple[list[dict] | None, bool]:
-    """The request's tools for the chat template (None for none), and whether answers are read for calls."""
-    tools, choice_ = body.get("tools"), body.get("tool_choice")
-    if choice_ is not None and choice_ not in ("auto", "none"):
-        raise bad_request(f"tool_choice {choice_!r} is not supported: the embedded engine cannot force a tool "
-                          "call (no constrained decoding); use 'auto' or 'none'")
-    if not tools:
-        return None, False
-    if not isinstance(tools, list):
-        raise bad_request(f"tools must be a list of {_TOOL_SHAPE}, got {tools!r}")
-    for t, tool in enumerate(tools):
-        function = tool.get("function") if isinstance(tool, dict) else None
-        if tool.get("type") != "function" or not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise bad_request(f"tools[{t}] must be {_TOOL_SHAPE}, got {tool!r}")
-    return tools, choice_ != "none"
-
-
-def _check_message(m: int, message: Any, bad_request: type[Exception]) -> bool:
-    """A 400 for a message the template cannot be given; True when it has image parts."""
-    if not isinstance(message, dict):
-        raise bad_request(f"messages[{m}] must be an object {{role, content}}, got {message!r}")
-    role = message.get("role")
-    if not isinstance(role, str) or role not in ROLES:
-        raise bad_request(f"messages[{m}].role must be one of {', '.join(ROLES)}, got {role!r}")
-    content = message.get("content")
-    if content is not None and not isinstance(content, str | list):
-        raise bad_request(f"messages[{m}].content must be a string or a list of parts, got {content!r}")
-    images = False
-    for p, part in enumerate(content if isinstance(content, list) else []):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in ("text", "image_url"):  # {type: image} may name a path: not from a client
-            raise bad_request(f"messages[{m}].content[{p}]: part type {kind!r} is not read; use "
-                              "{type: text} or {type: image_url, image_url: {url: data:...}}")
-        images = images or kind == "image_url"
-    calls = message.get("tool_calls")
-    if calls is not None and (role != "assistant" or not isinstance(calls, list)):
-        raise bad_request(f"messages[{m}].tool_calls: only an assistant message has tool_calls, a list of "
-                          "{type: function, function: {name, arguments}}")
-    for c, call in enumerate(calls or []):
-        function = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str) \
-                or not isinstance(function.get("arguments"), str | dict) or call.get("type", "function") != "function":
-            raise bad_request(f"messages[{m}].tool_calls[{c}] must be {{type: function, function: {{name, "
-                              f"arguments}}}}, got {call!r}")
-    return images
-
-
-def _check_rendered(tokenizer: Any, messages: list[dict], tools: list[dict] | None,
-                    bad_request: type[Exception]) -> None:
-    """A 400 where the chat template renders the same text without the request's tools or without a
-    message's tool_calls: the model would answer as if they had not been sent."""
-    calls = [m for m, message in enumerate(messages) if message.get("tool_calls")]
-    if not tools and not calls:  # nothing to check: no extra rendering for plain chat
-        return
-    full = chat_text(tokenizer, messages, tools=tools)
-    if tools and chat_text(tokenizer, messages) == full:
-        raise bad_request("tools: this model's chat template does not render tools, so the model would never "
-                          "see them; use a model whose template takes tools, or send none")
-    bare = [{k: v for k, v in message.items() if k != "tool_calls"} for message in messages]
-    if calls and chat_text(tokenizer, bare, tools=tools) == full:  # one render for all: templates treat calls alike
-        raise bad_request(f"messages[{calls[0]}].tool_calls: this model's chat template does not render tool "
-                          "calls; send the call as the message's content instead")
 
 
 def prompt(tokenizer: Any, messages: list[Any], bad_request: type[Exception],
            tools: list[dict] | None = None) -> tuple[list[int], list[ImageRef]]:
-    """The prompt's token ids and its images in placeholder order (module docs: `messages`, `tools`)."""
-    images = False
-    for m, message in enumerate(messages):
-        images = _check_message(m, message, bad_request) or images
-    if images:  # before anything is stored, and before a text template meets image parts
-        try:
-            require_vision(tokenizer)
-        except ImageContentError as e:
-            raise bad_request(f"this model takes no images: {e}") from None
+    """The prompt's token ids and its images in placeholder order, for messages `check_messages` read."""
     try:
         stored, refs = store_images(messages)
-        _check_rendered(tokenizer, stored, tools, bad_request)
+        check_rendered(tokenizer, stored, tools, bad_request)
         return chat_ids(tokenizer, stored, images=refs, tools=tools), refs
     except (ImageContentError, EpisodeError) as e:
         raise bad_request(str(e)) from None
-    except TemplateError as e:  # the template's own raise_exception, e.g. a role order it refuses
-        raise bad_request(f"the chat template cannot render these messages: {e}") from None
-
-
-def choice(index: int, result: GenerateResult, tokenizer: Any, logprobs: bool,
-           read_calls: bool = False) -> dict[str, Any]:
-    """One OpenAI choice; with `read_calls`, tool-call blocks in the answer become `tool_calls`."""
-    ids, lps = list(result.output_ids), list(result.logprobs)
-    if result.finish_reason == "stop" and ids:  # the stop token (an end token or a requested stop)
-        ids, lps = ids[:-1], lps[:-1]
-    content = tokenizer.decode(ids, skip_special_tokens=True)
-    finish = "stop" if result.finish_reason == "stop" else "length"
-    message: dict[str, Any] = {"role": "assistant", "content": content}
-    text, calls = split_tool_calls(content) if read_calls else (content, [])
-    if calls:
-        message = {"role": "assistant", "content": text or None, "tool_calls": calls}
-        finish = "tool_calls" if finish == "stop" else finish
-    entries = None
-    if logprobs:
-        entries = {"content": [
-            {"token": (token := tokenizer.decode([t], skip_special_tokens=False)), "logprob": lp,
-             "bytes": list(token.encode("utf-8")), "top_logprobs": []} for t, lp in zip(ids, lps, strict=True)]}
-    return {"index": index, "message": message, "finish_reason": finish, "logprobs": entries}
+    except TemplateError as e:
+        raise template_error(e, bad_request) from None
 
 
 async def complete(engine: Any, tokenizer: Any, body: dict[str, Any], model_name: str,
                    bad_request: type[Exception]) -> dict[str, Any]:
     """The answer to one chat completions request (module docs); `bad_request` is raised for a 400."""
     check_keys(body, bad_request)
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise bad_request("messages must be a non-empty list of {role, content}")
+    messages = check_messages(tokenizer, body.get("messages"), bad_request)
     logprobs = flag(body, "logprobs", bad_request)
-    n = _read(body, "n", 1, bad_request, integer=True, low=1)
+    n = number(body, "n", 1, bad_request, integer=True, low=1)
     tools, read_calls = tools_of(body, bad_request)
     ids, images = prompt(tokenizer, messages, bad_request, tools)
     params = sampling(body, stop_ids(body, tokenizer, bad_request), bad_request)

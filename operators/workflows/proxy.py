@@ -8,8 +8,24 @@ the agent's own `temperature` / `top_p` override the node's, and each trajectory
 call for the trainer). When the episode ends, `assemble` turns its calls into trajectories: a call whose prompt starts with an earlier call's prompt + output extends
 that trajectory (the new prompt tokens are environment tokens, loss mask 0); any other call starts
 a new trajectory. The model's tokens are always the engine's ids, never the re-rendered text: when
-an agent sends back a reply the proxy gave it, the prompt is built with that reply's original ids
-spliced in (see `Proxy.render`), so multi-turn conversations chain even when decoding is lossy.
+an agent sends back a reply the proxy gave it (the same text content and tool calls), the prompt
+is built with that reply's original ids spliced in (see `Proxy.render`), so multi-turn
+conversations chain even when decoding is lossy, and a tool-call turn is the model's own tokens,
+not the template's rendering of the calls.
+
+Requests are read by workflows/chat_request.py, as the engine server's chat route reads them:
+every key honoured or a 400 naming it (unknown keys, penalties, forced tool choices, ...), `tools`
+refused where the chat template does not render them, `tool_choice` "auto" / "none", and a
+tool-call answer's `content` is the text outside its blocks (null if none), so a client that sends
+it back does not get the calls rendered twice. A refused request reaches no engine and records
+nothing. The proxy's own rules:
+- `n` must be 1: each request is one recorded call (ask for more with more requests).
+- A sampling key the request leaves out takes the session's value (the generate node's
+  `sampling`), not the engine route's defaults (128 tokens, temperature 1). The end-of-turn token
+  stops (also where the node's `sampling` omits it) unless the request sets `ignore_eos`. A
+  sampled call without a `seed` gets one derived from the episode's seed and the call's index, so
+  an episode replays.
+- Each call is recorded with the sampling it was generated with (for the trainer).
 
 It is plain HTTP on a socket, so agents may run in other processes or Ray actors. It has no
 authentication: anyone who reaches it drives the policy's engine. It binds loopback only (as the
@@ -27,22 +43,24 @@ from typing import Any
 
 import msgspec
 from aiohttp import web
+from jinja2 import TemplateError
 
 from flowrl.data.images import ImageRef
 from flowrl.data.trajectory import Trajectory
 from flowrl_operators.checks import is_loopback
 from flowrl_operators.engine.base import GenerateResult, InferenceEngine, SamplingParams
 from flowrl_operators.threads import DaemonExecutor, call_in_thread
+from flowrl_operators.workflows import chat_request as rules
 from flowrl_operators.workflows.base import (
     TrajectoryBuilder,
     chat_ids,
+    chat_text,
     derive_seed,
     generate_complete,
     is_async_callable,
 )
-from flowrl_operators.workflows.tool_calls import parse_tool_calls
 from flowrl_operators.workflows.vision_messages import ImageContentError, store_images
-from flowrl_operators.workflows.vision_prompt import encode_with_images, require_vision
+from flowrl_operators.workflows.vision_prompt import encode_with_images
 
 _MARK = "\u0002"  # brackets spliced-reply indices in a rendered template
 
@@ -64,14 +82,52 @@ class Session:
     sampling: SamplingParams
     seed: int
     calls: list[Call] = field(default_factory=list)
-    replies: dict[str, list[int]] = field(default_factory=dict)  # reply text -> the engine's ids
+    replies: dict[str, list[int]] = field(default_factory=dict)  # reply_key(answer) -> the engine's ids
     open: bool = True
+
+    def remember(self, message: dict[str, Any], output_ids: list[int]) -> None:
+        """`message` (an answer this session sent) was generated as `output_ids`."""
+        key = reply_key(message)
+        if key is not None:
+            self.replies[key] = list(output_ids)
+
+    def reply_ids(self, message: dict[str, Any]) -> list[int] | None:
+        """The engine's ids of an assistant message that is an answer this session sent, else None."""
+        key = reply_key(message) if message.get("role") == "assistant" else None
+        return self.replies.get(key) if key is not None else None
+
+
+def reply_key(message: dict[str, Any]) -> str | None:
+    """An answer as a client sends it back: its text content (null: "") and its tool calls' names and
+    arguments (a JSON string or object alike), not the call ids or the client's other keys. None for
+    content that is not text (an answer never has parts)."""
+    content = message.get("content")
+    if content is not None and not isinstance(content, str):
+        return None
+    calls = []
+    for call in message.get("tool_calls") or []:
+        function = call.get("function") or {}  # its shape was checked (chat_request.check_message)
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                pass  # compared as the string it is
+        calls.append([function.get("name"), arguments])
+    return json.dumps([content or "", calls], sort_keys=True)
 
 
 class ProxyError(Exception):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status = status
+
+
+class BadRequest(ProxyError):
+    """A 400; chat_request's checks raise it with the message alone."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(400, message)
 
 
 class Proxy:
@@ -152,60 +208,71 @@ class Proxy:
 
     async def complete(self, body: dict[str, Any], session: Session | None) -> dict[str, Any]:
         """One chat completion (OpenAI request body -> response body), recorded in `session`."""
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise ProxyError(400, "messages must be a non-empty list")
-        if body.get("n", 1) != 1:
-            raise ProxyError(400, "n must be 1: ask for several completions with several requests")
-        if body.get("stream"):
-            raise ProxyError(400, "stream is not supported by the flowrl proxy; call without stream=True")
+        rules.check_keys(body, BadRequest)
+        messages = rules.check_messages(self.tokenizer, body.get("messages"), BadRequest)
+        logprobs = rules.flag(body, "logprobs", BadRequest)
+        if rules.number(body, "n", 1, BadRequest, integer=True, low=1) != 1:
+            raise BadRequest("n must be 1: each request is one recorded call; ask for several completions "
+                             "with several requests")
+        tools, read_calls = rules.tools_of(body, BadRequest)
         sampling = self._sampling(body, session)
         try:  # image_url parts: data URLs stored in the run's image store, refused otherwise
             messages, images = store_images(messages)
-            if images:
-                require_vision(self.tokenizer)
         except ImageContentError as e:
-            raise ProxyError(400, str(e)) from None
-        prompt_ids = self.render(messages, body.get("tools"), session, images)
+            raise BadRequest(str(e)) from None
+        prompt_ids = self.render(messages, tools, session, images)
         calls = len(session.calls) if session else 0
         request_id = f"{session.id if session else 'open'}/{calls}/{uuid.uuid4().hex[:8]}"
         result = await generate_complete(self.engine, request_id, prompt_ids, sampling, images=images)
         if result.error:
-            raise ProxyError(400, f"the engine rejected the request: {result.error}")
-        response = self._response(result, prompt_ids, body)
+            raise BadRequest(f"the engine rejected the request: {result.error}")
+        # generate_complete resubmits aborted requests: what did not stop ran out of tokens ("length").
+        answer = rules.choice(0, result, self.tokenizer, logprobs, read_calls)
         if session is not None:
             if not session.open:
                 raise ProxyError(404, f"session {session.id!r} ended while the call was running")
             session.calls.append(Call(prompt_ids, list(result.output_ids), list(result.logprobs),
                                       list(result.versions), result.finish_reason, sampling, images))
-            session.replies[response["choices"][0]["message"]["content"]] = list(result.output_ids)
-        return response
+            session.remember(answer["message"], result.output_ids)
+        completion = len(result.output_ids)
+        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+                "model": body.get("model") or self.model_name, "choices": [answer],
+                "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": completion,
+                          "total_tokens": len(prompt_ids) + completion}}
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict] | None, session: Session | None,
                images: list[ImageRef] | None = None) -> list[int]:
-        """The prompt's token ids. An assistant message whose content is a reply this session sent is
-        spliced in as the engine's own output ids (stop token included), not re-tokenised, so a
-        conversation's prompt extends the previous call's prompt + output token for token. Each
-        image placeholder the template renders is expanded for its image (`encode_with_images`)."""
-        replies = session.replies if session else {}
+        """The prompt's token ids. An assistant message that is an answer this session sent (its text
+        and tool calls: `reply_key`) is spliced in as the engine's own output ids (stop token
+        included), not re-rendered, so a conversation's prompt extends the previous call's prompt +
+        output token for token, tool-call turns included. Each image placeholder the template
+        renders is expanded for its image (`encode_with_images`). A 400 where the template drops the
+        tools or a (not spliced) message's tool calls, or refuses the messages."""
         spliced: list[list[int]] = []
         rendered = []
         for m in messages:
-            if m.get("role") == "assistant" and m.get("content") in replies and not m.get("tool_calls"):
-                rendered.append({**m, "content": f"{_MARK}{len(spliced)}{_MARK}"})
-                spliced.append(replies[m["content"]])
-            else:
+            ids = session.reply_ids(m) if session else None
+            if ids is None:
                 rendered.append(m)
-        pending = list(images or [])
+                continue
+            rendered.append({**{k: v for k, v in m.items() if k != "tool_calls"},
+                             "content": f"{_MARK}{len(spliced)}{_MARK}"})
+            spliced.append(ids)
+        try:
+            rules.check_rendered(self.tokenizer, rendered, tools, BadRequest)
+            return self._spliced_ids(messages, rendered, spliced, tools, images or [])
+        except TemplateError as e:
+            raise rules.template_error(e, BadRequest) from None
+
+    def _spliced_ids(self, messages: list[dict[str, Any]], rendered: list[dict[str, Any]],
+                     spliced: list[list[int]], tools: list[dict] | None, images: list[ImageRef]) -> list[int]:
+        """`rendered`'s template text, tokenised, each spliced marker replaced by its ids (`render`)."""
+        pending = list(images)
         if not spliced and not pending:
             return chat_ids(self.tokenizer, messages, add_generation_prompt=True, tools=tools)
-        text = self.tokenizer.apply_chat_template([{**m, "content": m.get("content") or ""} for m in rendered],
-                                                  tools=tools, add_generation_prompt=True, tokenize=False)
-        parts = text.split(_MARK)
+        parts = chat_text(self.tokenizer, rendered, tools=tools).split(_MARK)
         if len(parts) != 2 * len(spliced) + 1:  # the template altered the content: no splicing
-            parts, spliced = [self.tokenizer.apply_chat_template(
-                [{**m, "content": m.get("content") or ""} for m in messages], tools=tools,
-                add_generation_prompt=True, tokenize=False)], []
+            parts, spliced = [chat_text(self.tokenizer, messages, tools=tools)], []
         ids = self._encode(parts[0], pending)
         for k in range(len(spliced)):
             output, tail = spliced[int(parts[2 * k + 1])], parts[2 * k + 2]
@@ -215,8 +282,8 @@ class Proxy:
                 tail = tail.removeprefix(end)  # the model already closed its turn
             ids += self._encode(tail, pending)
         if pending:
-            raise ProxyError(400, f"the chat template placed {len(images or []) - len(pending)} of the "
-                                  f"{len(images or [])} images; is the model a vision-language one?")
+            raise BadRequest(f"the chat template placed {len(images) - len(pending)} of the {len(images)} "
+                             "images; is the model a vision-language one?")
         return ids
 
     def _encode(self, text: str, pending: list[ImageRef]) -> list[int]:
@@ -226,41 +293,19 @@ class Proxy:
         try:
             return encode_with_images(self.tokenizer, text, pending)
         except ImageContentError as e:
-            raise ProxyError(400, str(e)) from None
+            raise BadRequest(str(e)) from None
 
     def _sampling(self, body: dict[str, Any], session: Session | None) -> SamplingParams:
+        """The request's sampling keys over the session's parameters (module docs: the proxy's own rules)."""
         base = session.sampling if session else self.sampling
-        changes: dict[str, Any] = {"stop_token_ids": sorted(set(base.stop_token_ids) | set(self.stop_ids))}
-        for key, name in (("temperature", "temperature"), ("top_p", "top_p"), ("max_tokens", "max_new_tokens"),
-                          ("max_completion_tokens", "max_new_tokens"), ("seed", "seed")):
-            if body.get(key) is not None:
-                changes[name] = body[key]
-        if body.get("stop"):
-            raise ProxyError(400, "stop strings are not supported; the model stops at its end-of-turn token")
-        sampling = msgspec.structs.replace(base, **changes)
+        sampling = rules.sampling(body, rules.stop_ids(body, self.tokenizer, BadRequest), BadRequest, base)
+        if not sampling.ignore_eos:  # the end-of-turn token ends an answer, unless the request runs past it
+            sampling = msgspec.structs.replace(
+                sampling, stop_token_ids=list(dict.fromkeys([*sampling.stop_token_ids, *self.stop_ids])))
         if sampling.temperature > 0 and sampling.seed is None and session is not None:
             sampling = msgspec.structs.replace(sampling, seed=derive_seed(session.seed, session.id,
                                                                           len(session.calls)))
         return sampling
-
-    def _response(self, result: Any, prompt_ids: list[int], body: dict[str, Any]) -> dict[str, Any]:
-        text = self.tokenizer.decode(result.output_ids, skip_special_tokens=True)
-        message: dict[str, Any] = {"role": "assistant", "content": text}
-        tool_calls = parse_tool_calls(text)
-        if tool_calls:
-            message["tool_calls"] = tool_calls
-        choice: dict[str, Any] = {"index": 0, "message": message,
-                                  # generate_complete resubmits aborted requests: what did not stop ran out of tokens.
-                                  "finish_reason": "tool_calls" if tool_calls else
-                                  "stop" if result.finish_reason == "stop" else "length"}
-        if body.get("logprobs"):
-            tokens = self.tokenizer.convert_ids_to_tokens(result.output_ids)
-            choice["logprobs"] = {"content": [{"token": t, "logprob": lp, "bytes": None, "top_logprobs": []}
-                                              for t, lp in zip(tokens, result.logprobs, strict=True)]}
-        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-                "model": body.get("model") or self.model_name, "choices": [choice],
-                "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(result.output_ids),
-                          "total_tokens": len(prompt_ids) + len(result.output_ids)}}
 
 
 def assemble(calls: list[Call], version: int) -> list[Trajectory]:

@@ -35,7 +35,8 @@ def as_ref(value: Any) -> ImageRef | None:
     return None
 
 
-def _image_url(part: dict[str, Any]) -> str:
+def data_url(part: dict[str, Any]) -> str:
+    """An image_url part's URL; an ImageContentError unless it is a data URL (flowrl fetches nothing)."""
     spec = part.get("image_url")
     url = spec.get("url") if isinstance(spec, dict) else spec
     if not isinstance(url, str):
@@ -50,7 +51,7 @@ def _stored(part: dict[str, Any], given: list[ImageRef], used: int) -> ImageRef:
     kind = part.get("type")
     if kind == "image_url":
         try:
-            return images.store().put(_image_url(part))
+            return images.store().put(data_url(part))
         except (ValueError, OSError) as e:
             raise ImageContentError(f"cannot read the image: {e}") from None
     value = part.get("image")
