@@ -13,3 +13,18 @@ def embedded_engine(loop, model: str, slots: int):
     engine = EmbeddedEngine(model, max_slots=slots, threads=1, seed=0)
     yield engine
     loop.run_until_complete(engine.close())
+
+
+def tap(engine) -> list:
+    """Every (request, result) the engine is given from now on, in call order (`del
+    engine.generate` stops it)."""
+    seen: list = []
+    generate = engine.generate
+
+    async def tapped(request):
+        result = await generate(request)
+        seen.append((request, result))
+        return result
+
+    engine.generate = tapped
+    return seen

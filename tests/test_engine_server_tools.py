@@ -8,9 +8,9 @@ from __future__ import annotations
 import msgspec
 import pytest
 import torch
+from engines import tap
 from test_engine import make_checkpoint
 from test_engine_server import post, serve
-from test_engine_server_vl import tap
 
 from flowrl_operators.engine.base import GenerateResult
 from flowrl_operators.models import load_tokenizer

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engines import tap
 from test_engine_server import post, serve
 from test_engine_vl import noisy_checkpoint, picture
 
@@ -38,20 +39,6 @@ def vl(tmp_path_factory):
     folder = tmp_path_factory.mktemp("qwen2-vl")
     noisy_checkpoint("builtin:tiny-qwen2-vl", folder)
     return folder
-
-
-def tap(engine) -> list:
-    """Every (request, result) the engine is given, in call order."""
-    seen: list = []
-    generate = engine.generate
-
-    async def tapped(request):
-        result = await generate(request)
-        seen.append((request, result))
-        return result
-
-    engine.generate = tapped
-    return seen
 
 
 def test_chat_with_an_image_generates_as_generate_with_its_ids_and_image_data(vl, store):

@@ -10,7 +10,7 @@ import io
 import os
 
 import pytest
-from engines import embedded_engine
+from engines import embedded_engine, tap
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -42,20 +42,6 @@ def facts():
     from flowrl_operators.vision import vision
 
     return vision(MODEL)
-
-
-def tap(engine) -> list[GenerateRequest]:
-    """Every request the engine is given, with its result's ids attached (in call order)."""
-    seen: list = []
-    generate = engine.generate
-
-    async def tapped(request):
-        result = await generate(request)
-        seen.append((request, result))
-        return result
-
-    engine.generate = tapped
-    return seen
 
 
 def untap(engine) -> None:
