@@ -138,7 +138,7 @@ class Learner:
             apply_kl_penalty(batch, self.loss)
             compute_advantages(batch, self.advantage)
         # Every rank of a replicated train node gets the same groups and trains on its share of rows.
-        batch = shard(batch, self.trainer.rank, self.trainer.world_size)
+        batch = shard(batch, self.trainer.rank, self.trainer.world_size, self.trainer.shared)
         if needs_proximal(self.loss):
             batch.proximal_logprobs = self.trainer.compute_logprobs(batch)
             set_behaviour_weights(batch, self.loss, self.trainer.all_reduce)

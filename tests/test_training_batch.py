@@ -1,5 +1,7 @@
 """Packing, sharding and micro-batching: alignment, coverage, and split-invariant normalisation."""
 
+import math
+
 import pytest
 import torch
 
@@ -13,6 +15,7 @@ from flowrl_operators.training.batch import (
     shard,
 )
 from flowrl_operators.training.losses import LossConfig, policy_loss
+from flowrl_operators.training.prefix import units
 
 
 def traj(i, prompt, response, **kw):
@@ -154,6 +157,32 @@ def test_packed_micro_batches_keep_a_groups_shared_prefix_together():
     assert len(rows) == 2
     split = micro_batch_rows(batch, 34, packed=True, shared=True)  # a pair no longer fits: its rows go apart
     assert not any({0, 1} <= set(group) for group in split) and len(split) > 2
+
+
+def test_shard_keeps_a_groups_shared_prefix_on_one_rank():
+    """With sharing, the rows of a group that share a prompt go to one rank (the prompt computed once
+    in all), ranks balanced by the tokens they cost; a group over a rank's even share is split."""
+    prompts = [list(range(100, 130)), list(range(200, 230)), list(range(300, 330)), list(range(400, 430))]
+    trajs = [traj(i, prompts[i // 2], [7, 8 + i, 9], reward=float(i)) for i in range(8)]
+    batch = pack(trajs)  # four groups of two rows sharing a 30-token prompt (+ token 7): 35 tokens each
+
+    def owners(shards):
+        return [sorted(int(r) for r in s.rewards.sum(dim=1).tolist()) for s in shards]
+
+    by_rows = owners(shard(batch, r, 2) for r in range(2))  # rows by tokens: pairs split across ranks
+    assert any(not ({2 * k, 2 * k + 1} <= set(rows)) for rows in by_rows for k in range(4) if 2 * k in rows)
+    kept = owners(shard(batch, r, 2, shared=True) for r in range(2))
+    assert sorted(r for rows in kept for r in rows) == list(range(8))
+    assert all({2 * k, 2 * k + 1} <= set(rows) for rows in kept for k in range(4) if 2 * k in rows), kept
+    assert [len(rows) for rows in kept] == [4, 4]  # two groups a rank: 70 tokens each
+    # One group and two ranks: keeping it whole would idle a rank, so its rows are split.
+    one = pack([traj(i, prompts[0], [7, 8 + i, 9], reward=float(i)) for i in range(4)])
+    assert [shard(one, r, 2, shared=True).size for r in range(2)] == [2, 2]
+    # Four groups of two over three ranks: no rank computes more than with rows dealt by length, and
+    # all ranks together compute fewer tokens (fewer copies of each prompt): 70 / 35 / 35 against 99 / 99 / 66.
+    dealt, kept = ([sum(u.width for u in units(shard(batch, r, 3, sharing), math.inf)) for r in range(3)]
+                   for sharing in (False, True))
+    assert max(kept) <= max(dealt) and sum(kept) < sum(dealt), (kept, dealt)
 
 
 def test_padded_micro_batches_group_rows_of_similar_length():

@@ -27,15 +27,17 @@ LOSS = loss_config({"clip_high": 0.28})
 
 
 def step_batch(step: int):
-    """Seven trajectories of uneven lengths in three groups, different for every step."""
+    """Seven trajectories of uneven lengths in three groups, each group's rows sharing its prompt (so
+    the trainer's forward and the ranks' shards keep them together), different for every step."""
     g = torch.Generator().manual_seed(100 + step)
+    prompts = [torch.randint(5, 60, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(3)]
     trajectories = []
     for i in range(7):
         n = int(torch.randint(2, 9, (1,), generator=g))
-        p = int(torch.randint(2, 6, (1,), generator=g))
         trajectories.append(Trajectory(
             id=f"{step}-{i}", group_id=f"g{i % 3}", sample_id="s",
-            prompt_ids=torch.randint(5, 60, (p,), generator=g).tolist(),
+            prompt_ids=prompts[i % 3],
             response_ids=torch.randint(5, 60, (n,), generator=g).tolist(),
             loss_mask=[1] * n, versions=[0] * n,
             behaviour_logprobs=(-4 + torch.rand(n, generator=g)).tolist(),
@@ -45,7 +47,7 @@ def step_batch(step: int):
 
 
 def train_step(trainer: Trainer, step: int) -> dict:
-    batch = shard(step_batch(step), trainer.rank, trainer.world_size)
+    batch = shard(step_batch(step), trainer.rank, trainer.world_size, trainer.shared)
     metrics = trainer.forward_backward(batch, policy_loss(LOSS))
     return metrics | trainer.step()
 

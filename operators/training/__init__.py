@@ -15,7 +15,7 @@ One training step, as the train node runs it on each rank (all calls are collect
     batch = pack(trajectories)                        # the whole step's batch, same on every rank
     apply_kl_penalty(batch, loss)                     # only with kl apply_as: reward
     compute_advantages(batch, advantage)              # needs batch.values for gae (Critic.compute_values)
-    mine = shard(batch, trainer.rank, trainer.world_size)
+    mine = shard(batch, trainer.rank, trainer.world_size, trainer.shared)
     if needs_proximal(loss):
         mine.proximal_logprobs = trainer.compute_logprobs(mine)
         set_behaviour_weights(mine, loss, trainer.all_reduce)

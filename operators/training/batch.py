@@ -30,7 +30,7 @@ import msgspec
 import torch
 
 from flowrl.data.trajectory import Trajectory
-from flowrl_operators.training.prefix import units
+from flowrl_operators.training.prefix import Unit, units
 
 # Fields of Batch shaped (B, L - 1); `input_ids`, `attention_mask`, `position_ids` are (B, L).
 TOKEN_FIELDS = (
@@ -279,20 +279,44 @@ def response_values(batch: Batch, field: str, trajectories: Sequence[Trajectory]
     return out
 
 
-def shard(batch: Batch, rank: int, world_size: int) -> Batch:
-    """This rank's rows, balanced by token count (longest first onto the least loaded rank).
+def shard(batch: Batch, rank: int, world_size: int, shared: bool = False) -> Batch:
+    """This rank's rows, balanced by the tokens they cost (largest first onto the least loaded rank).
 
     A rank may receive no rows when the batch is smaller than the world: it then gets an empty
-    Batch, and the trainer still joins the collectives with a zero-weight micro-batch. (A group's
-    rows may go to several ranks: each rank still computes their shared prefix once, training/prefix.py.)
+    Batch, and the trainer still joins the collectives with a zero-weight micro-batch.
+
+    `shared` (the trainer's forward computes a group's shared prefix once, training/prefix.py): the
+    rows of a group that share a prefix go to one rank, at the tokens they cost so, so that the
+    prefix is computed once in all instead of once on every rank holding some of them. A group
+    costing more than a rank's even share is spread instead, after the whole groups, each row onto
+    the rank where it adds the least load: its branch where that rank holds the group's prefix
+    already, the prefix too where not; so few large groups still keep the ranks balanced.
     """
+    lengths = [int(n) for n in batch.lengths.tolist()]
     load = [0] * world_size
     owned: list[list[int]] = [[] for _ in range(world_size)]
-    for row in sorted(range(batch.size), key=lambda r: (-int(batch.lengths[r]), r)):
+    groups = units(batch, math.inf) if shared and world_size > 1 else [Unit(n, [r], n) for r, n in enumerate(lengths)]
+    even = sum(unit.width for unit in groups) / world_size
+    whole = [unit for unit in groups if len(unit.rows) == 1 or unit.width <= even]
+    for unit in sorted(whole, key=lambda u: (-u.width, min(u.rows))):
         target = min(range(world_size), key=lambda k: (load[k], k))
-        owned[target].append(row)
-        load[target] += int(batch.lengths[row])
+        owned[target].extend(unit.rows)
+        load[target] += unit.width
+    for unit in sorted((u for u in groups if len(u.rows) > 1 and u.width > even), key=lambda u: (-u.width, min(u.rows))):
+        _spread(unit, lengths, load, owned)
     return batch.select(sorted(owned[rank]))
+
+
+def _spread(unit: Unit, lengths: list[int], load: list[int], owned: list[list[int]]) -> None:
+    """A sharing group's rows, longest first, each onto the rank where it adds the least load: its
+    branch on a rank that holds the group's prefix already, its whole length elsewhere."""
+    holding: set[int] = set()
+    for row in sorted(unit.rows, key=lambda r: (-lengths[r], r)):
+        added = [lengths[row] - (unit.prefix if k in holding else 0) for k in range(len(load))]
+        target = min(range(len(load)), key=lambda k: (load[k] + added[k], k))
+        load[target] += added[target]
+        owned[target].append(row)
+        holding.add(target)
 
 
 def micro_batch_rows(batch: Batch, token_budget: int, packed: bool = False, shared: bool = False) -> list[list[int]]:

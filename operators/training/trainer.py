@@ -1,7 +1,7 @@
 """The trainer: one per rank, holding a Hugging Face model sharded with FSDP2.
 
     trainer = Trainer(model_path, TrainerConfig(lr=1e-5))    # inside each rank's process
-    batch = shard(pack(trajectories), trainer.rank, trainer.world_size)
+    batch = shard(pack(trajectories), trainer.rank, trainer.world_size, trainer.shared)
     batch.proximal_logprobs = trainer.compute_logprobs(batch)  # when the loss needs them
     metrics = trainer.forward_backward(batch, policy_loss(loss_config))
     metrics |= trainer.step()
