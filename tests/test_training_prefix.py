@@ -1,7 +1,7 @@
 """A group's shared prefix computed once (training/prefix.py) gives each row's own logprobs,
 entropies and gradients: against the full-logits path on padded rows, with groups whose rows share
-a prompt, a first response token, all of a row, or nothing; LoRA; eager attention; and units split
-when one would be too wide."""
+a prompt, a first response token, all of a row, or nothing; groups sharing a system prompt; LoRA;
+eager attention; and units split when one would be too wide."""
 
 import pytest
 import torch
@@ -12,7 +12,7 @@ from flowrl_operators.config import LoraSpec
 from flowrl_operators.training.batch import pack
 from flowrl_operators.training.head import PACK_TOKENS, lay_out, loss_token_logprobs, shared_prefixes
 from flowrl_operators.training.kernels import token_logprobs
-from flowrl_operators.training.prefix import row_cost, saving, shared_rows, units
+from flowrl_operators.training.prefix import MIN_SYSTEM, row_cost, saving, shared_rows, trees, units
 from flowrl_operators.training.trainer import Trainer, TrainerConfig
 
 torch.set_num_threads(1)
@@ -126,3 +126,63 @@ def test_micro_batches_of_shared_groups_equal_one_micro_batch():
     assert abs(loss_one - loss_split) < 1e-6
     for name, grad in g_one.items():
         torch.testing.assert_close(g_split[name], grad, atol=1e-6, rtol=1e-5)
+
+
+def system_batch(seed: int = 0):
+    """Three groups opening with one 20-token system prompt (three rows, two rows, one row), and a
+    group of two rows on a prompt of its own."""
+    g = torch.Generator().manual_seed(seed)
+
+    def tokens(n: int) -> list[int]:
+        return torch.randint(5, 60, (n,), generator=g).tolist()
+
+    system = tokens(20)
+    prompts = {"a": system + [61] + tokens(4), "b": system + [62] + tokens(3), "c": system + [63] + tokens(5),
+               "d": tokens(8)}
+    rows = []
+    for i, group in enumerate("aaabbcdd"):
+        response = tokens(2 + i % 4)
+        rows.append(Trajectory(id=str(i), group_id=group, sample_id=group, prompt_ids=prompts[group],
+                               response_ids=response, loss_mask=[1] * len(response),
+                               behaviour_logprobs=[-1.0] * len(response), versions=[0] * len(response),
+                               reward=float(i % 2)))
+    return pack(rows)
+
+
+def test_groups_sharing_a_system_prompt_form_one_tree():
+    batch = system_batch()
+    found = trees(batch, units(batch, float("inf")), float("inf"))
+    [tree] = [t for t in found if len(t.units) > 1]
+    assert tree.system == 20 >= MIN_SYSTEM
+    assert sorted(r for u in tree.units for r in u.rows) == [0, 1, 2, 3, 4, 5]
+    # The three groups' units hold the system prompt three times, the tree once.
+    assert sum(t.width for t in found) == sum(u.width for u in units(batch, float("inf"))) - 2 * 20
+    # Attention dear (width 1): a group joins while one row holding it costs less than a row of its own.
+    narrow = trees(batch, units(batch, 1.0), 1.0)
+    [tree] = [t for t in narrow if len(t.units) > 1]
+    alone = next(t for t in narrow if t.units[0].rows == [5])
+    assert len(tree.units) == 2 and alone.system == 0
+    grown = tree.width + alone.width - 20
+    assert row_cost(grown, 1.0) > row_cost(tree.width, 1.0) + row_cost(alone.width, 1.0)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_a_shared_system_prompt_equals_each_rows_own_forward(attention):
+    trainer = Trainer("builtin:tiny-qwen2", TrainerConfig(lr=1e-3))
+    trainer.model.config._attn_implementation = attention
+    batch = system_batch()
+    shared = shared_prefixes(trainer.model, batch, attention_width=6 * 64)
+    per_group = sum(u.width for u in units(batch, 6 * 64))
+    assert shared is not None and shared.computed < per_group  # the system prompt once, not three times
+    weights = torch.randn(batch.loss_mask.shape, generator=torch.Generator().manual_seed(1)) * batch.loss_mask
+    new, old = trainer._forward(batch), full_logits(trainer.model, batch)
+    for key in ("logprobs", "entropy"):
+        torch.testing.assert_close(new[key], old[key], atol=1e-5, rtol=1e-5)
+    g_new, g_old = gradients(trainer.model, new, weights), gradients(trainer.model, old, weights)
+    worst = max(float((g_new[n] - g_old[n]).abs().max() / g_old[n].abs().max().clamp(min=1e-12)) for n in g_new)
+    assert worst <= 2e-5, worst
+    # Single rows sharing only the system prompt (group c alone, one row of a) are shared too.
+    pair = batch.select([0, 5])
+    assert shared_prefixes(trainer.model, pair, 6 * 64) is not None
+    torch.testing.assert_close(trainer._forward(pair)["logprobs"], full_logits(trainer.model, pair)["logprobs"],
+                               atol=1e-5, rtol=1e-5)

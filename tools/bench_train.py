@@ -228,7 +228,7 @@ def main() -> None:
     shared = head.shared_prefixes(trainer.model, batch, width) if packed else None
     computed = shared.computed if shared is not None else tokens
     if shared is not None:
-        print(f"flowrl computes {computed} of the {tokens} tokens (each group's prompt once) in rows "
+        print(f"flowrl computes {computed} of the {tokens} tokens (each group's prompt, and the system prompt groups share, once) in rows "
               f"{tuple(shared.input_ids.shape)}; without sharing it packs them into {packed}")
     else:
         print(f"flowrl packs them into {packed} (rows, width)" if packed else "flowrl runs the padded rows (no packing)")

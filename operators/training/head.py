@@ -40,7 +40,7 @@ from collections.abc import Iterator
 import torch
 
 from flowrl_operators.training.kernels import token_logprobs
-from flowrl_operators.training.prefix import MASKED_ATTENTION, SharedRows, row_cost, shared_rows, units
+from flowrl_operators.training.prefix import MASKED_ATTENTION, SharedRows, row_cost, shared_rows, trees, units
 from flowrl_operators.training.vl_inputs import hidden_size, is_vl_model, vl_inputs
 
 # Packed rows aim at about this many tokens (or the longest sequence, if longer): wide enough that
@@ -193,12 +193,13 @@ def shares_prefixes(model: torch.nn.Module) -> bool:
 
 
 def shared_prefixes(model: torch.nn.Module, mb, attention_width: float) -> SharedRows | None:
-    """The micro-batch with each group's common prefix computed once (training/prefix.py), or None
-    when no rows share one or the model does not (`shares_prefixes`)."""
+    """The micro-batch with each group's common prefix, and a common start of several groups (a
+    system prompt), computed once (training/prefix.py), or None when no rows share one or the model
+    does not (`shares_prefixes`)."""
     if not shares_prefixes(model):
         return None
-    found = units(mb, attention_width)
-    if all(len(u.rows) == 1 for u in found):
+    found = trees(mb, units(mb, attention_width), attention_width)
+    if all(len(t.units) == 1 and len(t.units[0].rows) == 1 for t in found):
         return None
     eager = model.config._attn_implementation == "eager"
     dtype = torch.float32 if eager else None  # eager adds the mask to its scores; sdpa takes a bool one

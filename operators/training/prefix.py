@@ -17,11 +17,23 @@ the sum over the rows that read it, as it is when each row computes it). A loss 
 the prefix (the last prompt token, predicting each sample's first token; a first response token
 several samples share) is read once per row from the same hidden state.
 
-Units are laid into packed rows as `pack_rows` lays sequences. A unit's width is bounded by the
-same cost model (`row_cost`: linear layers plus attention computed densely under the mask): a
-branch joins a unit of its group while that costs less than opening another unit with its own
-copy of the prefix. The mask is explicit (4-D), so this needs an attention implementation that
-takes one (sdpa, eager); flash attention and the vision-language families keep `pack_rows`.
+Groups often open with the same tokens too (a system prompt, a few-shot preamble): units whose
+prefixes start alike for at least `MIN_SYSTEM` tokens form a *tree*, that common start once, then
+each unit's rest of its prefix and its branches,
+
+    [ common start | unit a's prefix rest | a's branches | unit b's prefix rest | b's branches | ... ]
+
+where a token sees the common start, and within its own unit what it sees in a unit alone. (Rows
+of different groups that share only such a start, a group of one row each, share it too.)
+
+Units and trees are laid into packed rows as `pack_rows` lays sequences. Their widths are bounded
+by the same cost model (`row_cost`: linear layers plus attention computed densely under the mask):
+a branch joins a unit of its group while that costs less than opening another unit with its own
+copy of the prefix, and a unit joins a tree while one row holding both costs less than two. The
+micro-batch split and the ranks' shards (training/batch.py) keep a group's units together; trees
+form within each micro-batch. The mask is explicit (4-D), so this needs an attention
+implementation that takes one (sdpa, eager); flash attention and the vision-language families keep
+`pack_rows`.
 """
 
 from __future__ import annotations
@@ -33,6 +45,8 @@ import torch
 
 # Attention implementations that take an explicit 4-D mask (bool for sdpa, additive for eager).
 MASKED_ATTENTION = frozenset({"sdpa", "eager"})
+# Units of different groups share their common start (a system prompt) when it is this long at least.
+MIN_SYSTEM = 16
 
 
 def row_cost(width: int, attention_width: float) -> float:
@@ -47,6 +61,17 @@ class Unit:
 
     prefix: int
     rows: list[int]
+    width: int
+
+
+@dataclasses.dataclass
+class Tree:
+    """Units (of different groups) that open with the same tokens, a system prompt: that common
+    start (`system` tokens) computed once, then each unit's rest (its prefix after the start, then
+    its branches). A tree of one unit has no common start (`system` 0)."""
+
+    system: int
+    units: list[Unit]
     width: int
 
 
@@ -109,56 +134,92 @@ def _branch(rows: list[int], lengths: list[int], prefix: int, attention_width: f
     return mine
 
 
-def shared_rows(mb, groups: list[Unit], lay_out, attention_mask_dtype: torch.dtype | None = None) -> SharedRows:
-    """Micro-batch `mb`'s `units` packed into rows by `lay_out(widths) -> (loads, where)` (the same
-    row choice as `pack_rows`). `attention_mask_dtype` None gives a bool mask (sdpa), a float dtype
-    an additive one (eager)."""
-    loads, where = lay_out([u.width for u in groups])
+def trees(mb, found: list[Unit], attention_width: float) -> list[Tree]:
+    """`found` units grouped into trees (module docs), largest first: in the order of their prefixes'
+    tokens, each unit joins the tree before it while their common start is at least `MIN_SYSTEM`
+    tokens and one row holding both costs less than two."""
+    ids, pos = mb.input_ids.tolist(), mb.position_ids.tolist()
+
+    def start(unit: Unit) -> list[tuple[int, int]]:
+        row = unit.rows[0]
+        return list(zip(ids[row][: unit.prefix], pos[row][: unit.prefix], strict=True))
+
+    out: list[Tree] = []
+    first: list[tuple[int, int]] = []
+    for unit, tokens in sorted(((u, start(u)) for u in found), key=lambda pair: pair[1]):
+        tree = out[-1] if out else None
+        if tree is not None:
+            common = min(tree.system, _common_prefix([first, tokens]))
+            width = common + sum(u.width - common for u in tree.units) + unit.width - common
+            if common >= MIN_SYSTEM and row_cost(width, attention_width) <= \
+                    row_cost(tree.width, attention_width) + row_cost(unit.width, attention_width):
+                tree.system, tree.width = common, width
+                tree.units.append(unit)
+                continue
+        out.append(Tree(unit.prefix, [unit], unit.width))
+        first = tokens
+    for tree in out:
+        tree.system = tree.system if len(tree.units) > 1 else 0
+    return sorted(out, key=lambda t: (-t.width, min(t.units[0].rows)))
+
+
+def shared_rows(mb, groups: list[Tree], lay_out, attention_mask_dtype: torch.dtype | None = None) -> SharedRows:
+    """Micro-batch `mb`'s `trees` (or units, each a tree of its own) packed into rows by
+    `lay_out(widths) -> (loads, where)` (the same row choice as `pack_rows`).
+    `attention_mask_dtype` None gives a bool mask (sdpa), a float dtype an additive one (eager)."""
+    groups = [g if isinstance(g, Tree) else Tree(0, [g], g.width) for g in groups]
+    loads, where = lay_out([t.width for t in groups])
     count, width, device = len(loads), max(loads), mb.input_ids.device
     size, lengths = mb.input_ids.shape, mb.lengths.tolist()
-    # Per row: its packed row and unit; per token: its packed column and branch (0: the prefix).
-    row_of, unit_of = [0] * size[0], [0] * size[0]
-    cols, branches = [[0] * size[1] for _ in lengths], [[0] * size[1] for _ in lengths]
-    for k, (unit, (row, offset)) in enumerate(zip(groups, where, strict=True)):
-        at = offset + unit.prefix
-        for b, member in enumerate(unit.rows, start=1):
-            n = lengths[member] - unit.prefix
-            row_of[member], unit_of[member] = row, k
-            cols[member][: lengths[member]] = [*range(offset, offset + unit.prefix), *range(at, at + n)]
-            branches[member][unit.prefix : lengths[member]] = [b] * n
-            at += n
+    # Per row: its packed row and tree; per token: its packed column, its part of the tree (0: the
+    # common start, u: unit u) and its branch there (0: the unit's prefix).
+    row_of, tree_of = [0] * size[0], [0] * size[0]
+    cols, parts, branches = ([[0] * size[1] for _ in lengths] for _ in range(3))
+    for k, (tree, (row, offset)) in enumerate(zip(groups, where, strict=True)):
+        at = offset + tree.system
+        for u, unit in enumerate(tree.units, start=1):
+            rest = range(at, at + unit.prefix - tree.system)  # the unit's prefix after the common start
+            at = rest.stop
+            for b, member in enumerate(unit.rows, start=1):
+                n = lengths[member] - unit.prefix
+                row_of[member], tree_of[member] = row, k
+                cols[member][: lengths[member]] = [*range(offset, offset + tree.system), *rest, *range(at, at + n)]
+                parts[member][tree.system : lengths[member]] = [u] * (lengths[member] - tree.system)
+                branches[member][unit.prefix : lengths[member]] = [b] * n
+                at += n
     place_row = torch.tensor(row_of)[:, None].expand(size)
-    place_col, branch_of = torch.tensor(cols), torch.tensor(branches)
+    place_col, part_of, branch_of = torch.tensor(cols), torch.tensor(parts), torch.tensor(branches)
     # Every token of every row in one copy (a prefix token written once per row, the same value).
     src = (torch.arange(size[1])[None, :] < mb.lengths[:, None].cpu()).nonzero(as_tuple=True)
     dst = (place_row[src], place_col[src])
     input_ids = torch.zeros(count, width, dtype=torch.long)
     position_ids = (torch.arange(width)[None, :] - torch.tensor(loads)[:, None]).clamp(min=0)
-    unit_id = (-1 - torch.arange(count))[:, None].repeat(1, width)  # a row's unused tail: its own unit
-    branch = torch.zeros(count, width, dtype=torch.long)
+    tree_id = (-1 - torch.arange(count))[:, None].repeat(1, width)  # a row's unused tail: its own tree
+    part, branch = torch.zeros(count, width, dtype=torch.long), torch.zeros(count, width, dtype=torch.long)
     input_ids[dst] = mb.input_ids.cpu()[src]
     position_ids[dst] = mb.position_ids.cpu()[src]
-    unit_id[dst] = torch.tensor(unit_of)[src[0]]
-    branch[dst] = branch_of[src]
-    mask = _mask(unit_id, branch)
+    tree_id[dst] = torch.tensor(tree_of)[src[0]]
+    part[dst], branch[dst] = part_of[src], branch_of[src]
+    mask = _mask(tree_id, part, branch)
     if attention_mask_dtype is not None:
         mask = torch.zeros(mask.shape, dtype=attention_mask_dtype).masked_fill(
             ~mask, torch.finfo(attention_mask_dtype).min)
     return SharedRows(input_ids.to(device), position_ids.to(device), mask.to(device), place_row.contiguous().to(device),
-                      place_col.to(device), computed=sum(u.width for u in groups))
+                      place_col.to(device), computed=sum(t.width for t in groups))
 
 
-def _mask(unit_id: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
-    """(P, 1, W, W) bool: query i attends key j when j <= i in the same unit, and j is in the prefix
-    (branch 0) or in i's own branch."""
-    width = unit_id.shape[1]
+def _mask(tree_id: torch.Tensor, part: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
+    """(P, 1, W, W) bool: query i attends key j when j <= i in the same tree, and j is in the
+    common start (part 0), or in i's unit and there in the unit's prefix (branch 0) or i's branch."""
+    width = tree_id.shape[1]
     causal = torch.ones(width, width, dtype=torch.bool).tril()
-    same_unit = unit_id[:, :, None] == unit_id[:, None, :]
-    visible = (branch[:, None, :] == 0) | (branch[:, :, None] == branch[:, None, :])
-    return (causal & same_unit & visible)[:, None]
+    same_tree = tree_id[:, :, None] == tree_id[:, None, :]
+    same_branch = (branch[:, None, :] == 0) | (branch[:, :, None] == branch[:, None, :])
+    visible = (part[:, None, :] == 0) | ((part[:, :, None] == part[:, None, :]) & same_branch)
+    return (causal & same_tree & visible)[:, None]
 
 
 def saving(mb, attention_width: float = math.inf) -> float:
     """The fraction of the rows' tokens sharing leaves uncomputed (0 when no group shares a prefix)."""
     total = int(mb.lengths.sum())
-    return 1 - sum(u.width for u in units(mb, attention_width)) / max(total, 1)
+    return 1 - sum(t.width for t in trees(mb, units(mb, attention_width), attention_width)) / max(total, 1)
