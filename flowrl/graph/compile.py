@@ -282,7 +282,12 @@ def _check_operators(edges, ops, configs, executor: str, loc, problems) -> None:
         provided = frozenset(field for u in upstream for field in ops[u].provides)
         facts = GraphFacts(async_upstream=async_in, partial_rollout_upstream=partial, executor=executor,
                            upstream_provides=provided)
-        for key_path, message in op.check_graph(configs[name], facts):
+        try:
+            found = list(op.check_graph(configs[name], facts))
+        except Exception as e:  # noqa: BLE001 - a plugin's own check failing is its author's to fix: say whose
+            found = [(("op",), f"operator {op.__module__}:{op.__qualname__}: its check_graph failed: "
+                               f"{type(e).__name__}: {e}")]
+        for key_path, message in found:
             problems.append(loc.diagnostic(("nodes", name, *key_path), message))
 
 

@@ -8,6 +8,7 @@ A key such as a reward's `fn` (`module:attr`) or `model.path` (a folder) is decl
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,13 +29,28 @@ def check_with(fn: Check) -> Meta:
     return Meta(extra={"check": fn})
 
 
-def callable_path(value: str) -> str | None:
-    """`module:attr` imports and names something callable."""
+def callable_path(value: str, arguments: int | None = None) -> str | None:
+    """`module:attr` imports and names something callable (with `arguments` positional arguments,
+    when given: a reward that takes none would fail on every call, counted but never reported)."""
     try:
         target = import_path(value)
     except OperatorError as e:
         return str(e)
-    return None if callable(target) else f"'{value}' is a {type(target).__name__}, not something callable"
+    if not callable(target):
+        return f"'{value}' is a {type(target).__name__}, not something callable"
+    return None if arguments is None else _binds(value, target, arguments)
+
+
+def _binds(value: str, target: Any, arguments: int) -> str | None:
+    try:
+        signature = inspect.signature(target)
+    except (TypeError, ValueError):  # a builtin or C callable without a signature: cannot tell
+        return None
+    try:
+        signature.bind(*[None] * arguments)
+    except TypeError as e:
+        return f"'{value}' cannot be called with {arguments} argument{'s' if arguments > 1 else ''}: {e}"
+    return None
 
 
 def model_folder(value: str, section: Any = None) -> str | None:
