@@ -190,7 +190,7 @@ def load(file: str | FsPath, overrides: list[str] | None = None) -> LoadedSpec:
         spec = msgspec.convert(data, PipelineSpec)
     except msgspec.ValidationError as e:
         raise SpecError([validation_diagnostic(e, data, (), loc, PipelineSpec)]) from None
-    _check_names(spec, loc)
+    check_names(spec, loc)
     return LoadedSpec(spec, data, loc, file, _environment(raw))
 
 
@@ -209,7 +209,7 @@ def _environment(raw: Any) -> list[str]:
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 
 
-def _check_names(spec: PipelineSpec, loc: Locator) -> None:
+def check_names(spec: PipelineSpec, loc: Locator) -> None:
     """The run's and phases' names become folder names (runs/<name>-<time>, phases/<i>-<name>):
     nothing that could leave the runs folder or name a special file."""
     named = [(("name",), spec.name)] + [(("phases", i, "name"), p.name) for i, p in enumerate(spec.phases)]
