@@ -26,6 +26,7 @@ from flowrl.spec.errors import Diagnostic, SpecError, did_you_mean
 from flowrl.spec.load import LoadedSpec, load, validation_diagnostic
 from flowrl.spec.schema import EdgeSpec
 
+DEFAULT_CAPACITY = 64  # records an async edge holds before its producer waits
 _EDGE = re.compile(r"^\s*([\w-]+)(?:\.([\w-]+))?\s*->\s*([\w-]+)(?:\.([\w-]+))?\s*$")
 
 
@@ -187,7 +188,8 @@ def _resolve_ports(src, src_port, dst, dst_port, spec: EdgeSpec, ops, path, loc,
         if len(dst_choices) == 1 and ins[dst_choices[0]] == t:
             return EdgePlan(
                 src=src, src_port=sp, dst=dst, dst_port=dst_choices[0], port_type=t, kind=spec.kind,
-                mode=spec.mode, max_staleness=spec.max_staleness or 0, capacity=spec.capacity, on_stale=spec.on_stale,
+                mode=spec.mode, max_staleness=spec.max_staleness or 0, capacity=spec.capacity or DEFAULT_CAPACITY,
+                on_stale=spec.on_stale or "drop",
             )
     out_types = ", ".join(f"{p}: {t}" for p, t in outs.items()) or "none"
     in_types = ", ".join(f"{p}: {t}" for p, t in ins.items()) or "none"
@@ -197,13 +199,16 @@ def _resolve_ports(src, src_port, dst, dst_port, spec: EdgeSpec, ops, path, loc,
 
 
 def _check_edge_options(edge: EdgePlan, spec: EdgeSpec, ops, path, loc, problems) -> None:
-    if spec.mode == "sync" and spec.max_staleness is not None:
-        problems.append(loc.diagnostic((*path, "max_staleness"), "max_staleness applies only to async edges; set mode: async or remove it"))
+    # A sync edge is bounded by its step and never stale, so these are read on async edges only.
+    for key in ("max_staleness", "capacity", "on_stale"):
+        if spec.mode == "sync" and getattr(spec, key) is not None:
+            fix = "remove it" if spec.kind == "weights" else "set mode: async or remove it"
+            problems.append(loc.diagnostic((*path, key), f"{key} applies only to async edges; {fix}"))
     if spec.max_staleness is not None and spec.max_staleness < 0:
         problems.append(loc.diagnostic((*path, "max_staleness"), "max_staleness must be >= 0"))
     if spec.mode == "async" and spec.max_staleness is None:
         edge.max_staleness = 1  # one-step-off unless said otherwise
-    if spec.capacity < 1:
+    if spec.capacity is not None and spec.capacity < 1:
         problems.append(loc.diagnostic((*path, "capacity"), f"capacity must be >= 1, got {spec.capacity}"))
     if edge.port_type == WEIGHTS and spec.kind != "weights":
         problems.append(loc.diagnostic(path, "an edge carrying weights must be marked kind: weights", at_key=True))

@@ -126,9 +126,11 @@ class RunSpec(Strict):
 
 class EdgeSpec(Strict):
     mode: Literal["sync", "async"] = "sync"
+    # Async only (None: unset; the compiler refuses them on a sync or weights edge, where nothing
+    # reads them): defaults 1, 64 and drop.
     max_staleness: int | None = None
-    capacity: int = 64
-    on_stale: Literal["drop", "keep"] = "drop"
+    capacity: int | None = None
+    on_stale: Literal["drop", "keep"] | None = None
     kind: Literal["data", "weights"] = "data"
 
 
