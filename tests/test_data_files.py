@@ -213,8 +213,8 @@ def test_the_spec_checks_a_file_source_before_anything_runs(tmp_path):
                     "data:\n  source: {file: t.parquet, messages: chat, eval_rows: 4}\n  eval: {samples: 4}\n")
     loaded = load(spec)
     assert loaded.spec.data.source.messages == "chat" and loaded.spec.data.source.shuffle is True
-    for override, message in (("data.eval.samples=5", "data: eval.samples (5) is more than source.eval_rows (4)"),
-                              ("data.options.x=1", "data: options apply to a module:attr source"),
+    for override, message in (("data.eval.samples=5", "data.eval.samples: eval.samples (5) is more than source.eval_rows (4)"),
+                              ("data.options.x=1", "data.options: options apply to a module:attr source"),
                               ("data.source.shuffle=maybe", "data.source.shuffle: expected bool")):
         with pytest.raises(SpecError, match=re.escape(message)):
             load(spec, [override])

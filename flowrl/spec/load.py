@@ -110,7 +110,13 @@ def validation_problem(err: msgspec.ValidationError, data: Any, schema: type | N
     message, whether the path names a key rather than a value)."""
     text = str(err)
     message, _, where = text.partition(" - at `")
-    path = parse_msgspec_path(where.rstrip("`"))
+    where, in_mapping, _ = where.rstrip("`").partition("[...]")  # msgspec's mark: a value of this mapping
+    path = parse_msgspec_path(where)
+    if in_mapping and isinstance(value := _get(data, path), dict):
+        path = (*path, *_mapping_key(value, message))
+    own = re.match(r"([\w.]+): (.+)", message, re.S)  # a Struct's own check names its key: "key: what"
+    if own and schema and own.group(1).split(".")[0] in _fields_at(schema, path):
+        return (*path, *own.group(1).split(".")), own.group(2), False
     unknown = re.match(r"Object contains unknown field `(.+)`", message)
     if unknown:
         key = unknown.group(1)
@@ -128,6 +134,26 @@ def validation_problem(err: msgspec.ValidationError, data: Any, schema: type | N
         except (KeyError, IndexError, TypeError):
             pass
     return path, message[0].lower() + message[1:], False
+
+
+def _get(data: Any, path: Path) -> Any:
+    try:
+        return get_path(data, path)
+    except (KeyError, IndexError, TypeError):
+        return None
+
+
+_JSON_TYPES = {"str": str, "int": int, "float": float, "bool": bool, "null": type(None), "array": list, "object": dict}
+
+
+def _mapping_key(mapping: dict[str, Any], message: str) -> Path:
+    """The key of `mapping` whose value a msgspec type error is about (the first of that type)."""
+    got = re.search(r"got `(\w+)`", message)
+    kind = _JSON_TYPES.get(got.group(1)) if got else None
+    for key, value in mapping.items():
+        if kind is not None and type(value) is kind:
+            return (key,)
+    return ()
 
 
 def _fields_at(schema: type, path: Path) -> list[str]:

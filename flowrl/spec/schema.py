@@ -67,13 +67,14 @@ class DataSpec(Strict):
         if not isinstance(source, FileSourceSpec):
             return
         if self.options:
-            raise ValueError("options apply to a module:attr source; a file source takes its keys under source")
+            raise ValueError("options: options apply to a module:attr source; a file source takes its keys under source")
         held = (source.eval_file, source.eval_split, source.eval_rows, source.eval_fraction)
         if self.eval is not None and self.eval.source is None and all(h is None for h in held):
-            raise ValueError("eval needs held-out rows of the file source: set source.eval_file, eval_split, "
+            raise ValueError("eval: eval needs held-out rows of the file source: set source.eval_file, eval_split, "
                              "eval_rows or eval_fraction")
         if self.eval is not None and source.eval_rows is not None and self.eval.samples > source.eval_rows:
-            raise ValueError(f"eval.samples ({self.eval.samples}) is more than source.eval_rows ({source.eval_rows})")
+            raise ValueError(f"eval.samples: eval.samples ({self.eval.samples}) is more than source.eval_rows "
+                             f"({source.eval_rows})")
 
 
 class ClusterSpec(Strict):
@@ -118,7 +119,7 @@ class RunSpec(Strict):
 
         check_names(self.stop_when)
         if self.ray_address is not None and self.executor != "ray":
-            raise ValueError("ray_address is where the Ray executor runs: set executor: ray, or remove ray_address")
+            raise ValueError("ray_address: ray_address is where the Ray executor runs: set executor: ray, or remove it")
         twice = sorted({t for t in self.trackers if self.trackers.count(t) > 1})
         if twice:
             raise ValueError(f"trackers: {', '.join(twice)} is listed twice")
@@ -165,4 +166,4 @@ class PipelineSpec(Strict):
 
     def __post_init__(self) -> None:
         if "eval_reward" in self.run.stop_when and self.data.eval is None:
-            raise ValueError("run.stop_when.eval_reward needs data.eval (the periodic evaluation it reads)")
+            raise ValueError("run.stop_when.eval_reward: eval_reward needs data.eval (the periodic evaluation it reads)")
