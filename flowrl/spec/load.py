@@ -14,24 +14,12 @@ from typing import Any
 
 import msgspec
 import yaml
-from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
 from flowrl.spec import guard
 from flowrl.spec.errors import Diagnostic, Path, SpecError, did_you_mean, format_path
+from flowrl.spec.guard import Loader as _Loader
+from flowrl.spec.overrides import apply_overrides
 from flowrl.spec.schema import PipelineSpec
-
-
-class _Loader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # libyaml's parser where built: 5-10x faster
-    """SafeLoader that also reads `1e-3` as a float (YAML 1.1 wants `1.0e-3`)."""
-
-
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:\d[\d_]*)?(?:\.\d*)?[eE][-+]?\d+$"),
-    list("-+0123456789."),
-)
-
 
 _TEXT_KEYS = ("tag:yaml.org,2002:str", "tag:yaml.org,2002:merge")  # `<<: *base` merges a mapping
 
@@ -208,7 +196,7 @@ def load(file: str | FsPath, overrides: list[str] | None = None) -> LoadedSpec:
     text = guard.read_text(file)
     loc = Locator(file)
     raw = _compose(text, file, loc)
-    data = _apply_overrides(raw, overrides or [], loc)
+    data = apply_overrides(raw, overrides or [], loc)
     bad = guard.bad_numbers(data)
     if bad:
         raise SpecError([loc.diagnostic(path, problem) for path, problem in bad])
@@ -274,20 +262,6 @@ def _compose(text: str, file: str, loc: Locator) -> dict[str, Any]:
     return raw
 
 
-def _override_value(text: str, where: str) -> Any:
-    """The YAML value of a `key=value` override (the text itself if it is not YAML)."""
-    if not text:
-        return ""
-    loader = _Loader(text)
-    try:
-        guard.check_events(loader, where)
-        return yaml.load(text, Loader=_Loader)
-    except yaml.YAMLError:
-        return text
-    finally:
-        loader.dispose()
-
-
 def _yaml_diagnostic(file: str, e: yaml.MarkedYAMLError) -> Diagnostic:
     # A quote or bracket left open is found only at the end of the file: point at where it opens.
     at_end = "end of stream" in (e.problem or "") or "end of stream" in (e.context or "")
@@ -298,48 +272,3 @@ def _yaml_diagnostic(file: str, e: yaml.MarkedYAMLError) -> Diagnostic:
         opened = e.context_mark
         context = f" ({e.context} here)" if at_end else f" ({e.context} at {opened.line + 1}:{opened.column + 1})"
     return Diagnostic(file, line, col, "", f"invalid YAML: {e.problem}{context}")
-
-
-def _interpolates(raw: Any) -> bool:
-    if isinstance(raw, dict):
-        return any(_interpolates(k) or _interpolates(v) for k, v in raw.items())
-    if isinstance(raw, list):
-        return any(_interpolates(v) for v in raw)
-    return isinstance(raw, str) and "${" in raw
-
-
-def _apply_overrides(raw: dict[str, Any], overrides: list[str], loc: Locator) -> dict[str, Any]:
-    """Set each `dotted.key=value` (list items by index: `phases.0.seconds=10`), then interpolate."""
-    for item in overrides:
-        key, eq, text = item.partition("=")
-        shown = item if len(item) <= 80 else item[:77] + "..."
-        where = f"command-line override '{shown}'"
-        if not eq or not key:
-            raise SpecError([Diagnostic(where, 0, 0, "", "expected key=value")])
-        path = tuple(int(p) if p.isdigit() else p for p in key.split("."))
-        if len(path) > 3 and path[0] == "phases" and path[2] == "set":
-            # A phase's `set` takes dotted keys: `phases.1.set.nodes.a.b=v` sets its key `nodes.a.b`.
-            path = (*path[:3], ".".join(map(str, path[3:])))
-        value = _override_value(text, where)
-        node: Any = raw
-        try:
-            for part in path[:-1]:
-                node = node.setdefault(part, {}) if isinstance(node, dict) else node[part]
-            if isinstance(node, list) and not isinstance(path[-1], int):
-                raise TypeError("a list")
-            node[path[-1]] = value
-        except (IndexError, KeyError, TypeError, AttributeError):
-            raise SpecError([Diagnostic(where, 0, 0, format_path(path), "no such key or list item to set")]) from None
-        loc.overrides[path] = shown
-    if not _interpolates(raw):  # omegaconf takes seconds on a large spec; skip it when it has nothing to do
-        return raw
-    guard.check_interpolation(raw, lambda path, message: SpecError([loc.diagnostic(path, message)]))
-    try:
-        # Interpolation only: omegaconf's built-in resolvers read config and environment values;
-        # we register none that evaluates code.
-        return OmegaConf.to_container(OmegaConf.create(raw), resolve=True)  # type: ignore[return-value]
-    except (OmegaConfBaseException, RecursionError) as e:
-        key = getattr(e, "full_key", "") or ""
-        path = tuple(int(p) if p.isdigit() else p for p in re.split(r"\.|\[|\]", str(key)) if p)
-        message = str(e).splitlines()[0]
-        raise SpecError([loc.diagnostic(path, f"interpolation failed: {message}")]) from None
