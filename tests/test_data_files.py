@@ -90,6 +90,17 @@ def test_bad_columns_are_named(tmp_path):
         source(file=str(bare))
 
 
+def test_every_row_is_checked_not_the_first_alone(tmp_path):
+    """A bad prompt deep in the file is found before the run, not when its step comes."""
+    rows = [{"prompt": "a"}, {"prompt": "b"}, {"prompt": 5}]
+    with pytest.raises(SourceError, match=r"data.source.prompt: .*late.jsonl: row 3: column 'prompt' must hold text"):
+        source(file=str(write(tmp_path / "late.jsonl", "jsonl", rows)))
+    with pytest.raises(SourceError, match=r"data.source.eval_file: .*late.jsonl: row 3: column 'prompt'"):
+        source(file=str(write(tmp_path / "ok.jsonl", "jsonl", rows[:2])), eval_file=str(tmp_path / "late.jsonl"))
+    with pytest.raises(SourceError, match=r"data.source.prompt: .*gap.parquet: column 'prompt' has no value in 1 row"):
+        source(file=str(write(tmp_path / "gap.parquet", "parquet", [{"prompt": "a"}, {"prompt": None}])))
+
+
 def test_missing_empty_and_malformed_files_are_located(tmp_path):
     with pytest.raises(SourceError, match="data.source.file: no such file or folder .*missing.jsonl") as error:
         source(file=str(tmp_path / "missing.jsonl"))
