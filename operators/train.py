@@ -209,10 +209,17 @@ class Train(Operator):
         if found:
             return out
         loss, advantage = objective.loss_config(config.loss), objective.advantage_config(config.advantage)
+        where = ("advantage", "estimator") if isinstance(config.advantage, dict) else ("advantage",)
         if objective.needs_values(advantage) and "values" not in facts.upstream_provides:
-            where = ("advantage", "estimator") if isinstance(config.advantage, dict) else ("advantage",)
             out.append((where, f"advantage {advantage.estimator} needs value estimates: add a critic "
                         "node (op: critic) between the reward and this node"))
+        needs, has = objective.needs_baseline(advantage), "baseline" in facts.upstream_provides
+        if needs and not has:
+            out.append((where, f"advantage {advantage.estimator} needs a greedy baseline per group: set "
+                        "greedy_baseline: true on the generate node"))
+        elif has and not needs:
+            out.append((where, f"the generate node's greedy_baseline: true adds greedy rows that advantage "
+                        f"{advantage.estimator} would count as samples; use advantage remax, or drop the option"))
         # With lora the train node scores the reference itself: its base, adapters disabled.
         if objective.needs_reference(loss) and "reference_logprobs" not in facts.upstream_provides \
                 and config.lora is None:

@@ -284,7 +284,8 @@ def _check_operators(edges, ops, configs, executor: str, loc, problems) -> None:
         upstream = nx.ancestors(data, name)
         async_in = any(d["mode"] == "async" for _, v, d in data.edges(data=True) if v == name or v in upstream)
         partial = any(ops[u].knobs(configs[u]).partial_rollout for u in upstream if u in configs)
-        provided = frozenset(field for u in upstream for field in ops[u].provides)
+        provided = frozenset(field for u in upstream if u in configs
+                             for field in ops[u].provides | ops[u].knobs(configs[u]).provides)
         facts = GraphFacts(async_upstream=async_in, partial_rollout_upstream=partial, executor=executor,
                            upstream_provides=provided)
         try:
