@@ -52,6 +52,8 @@ def workflow(value: str, section: Any) -> str | None:
             return f"workflow '{value}' needs workflow_args.{key}: module:attr"
         problem = callable_path(args[key])
         return f"workflow_args.{key}: {problem}" if problem else None
+    if value in ("single_turn", "supervised") and args:  # they read none: an argument would be ignored
+        return f"workflow_args: workflow '{value}' takes none (it got {', '.join(map(str, args))})"
     if value in WORKFLOW_NAMES:
         return None
     if ":" not in value:

@@ -114,6 +114,11 @@ class OptimConfig(Strict):
     total_steps: PositiveInt | None = None
     grad_clip: Annotated[float, Meta(gt=0)] | None = 1.0
 
+    def __post_init__(self) -> None:
+        if self.total_steps is not None and self.schedule == "constant":
+            raise ValueError("total_steps: total_steps is the horizon of a linear or cosine schedule, and schedule "
+                             "is constant: set schedule: linear or cosine, or remove total_steps")
+
 
 # The concepts of a training objective. Each is a registry (flowrl_operators.training.registry) whose
 # entries (built-in or a plugin's) subclass the concept's config class below with their own keys;

@@ -9,6 +9,7 @@ A key such as a reward's `fn` (`module:attr`) or `model.path` (a folder) is decl
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -96,8 +97,17 @@ def problems(section: msgspec.Struct, path: tuple[str | int, ...] = ()) -> list[
                 except Exception as e:  # noqa: BLE001 - a checker's own failure is reported, not raised
                     problem = f"cannot check '{item}': {type(e).__name__}: {e}"
                 if problem:
-                    out.append((where, problem))
+                    out.append(_at_sibling(section, path, where, problem))
     return out
+
+
+def _at_sibling(section: msgspec.Struct, path: tuple[str | int, ...], where: tuple[str | int, ...],
+                problem: str) -> tuple[tuple[str | int, ...], str]:
+    """A problem a check words as `other_key: what` (a workflow's `workflow_args`) is located at that key."""
+    named = re.match(r"([\w.]+): (.+)", problem, re.S)
+    if named and named.group(1).split(".")[0] in section.__struct_fields__:
+        return (*path, *named.group(1).split(".")), named.group(2)
+    return where, problem
 
 
 def _checks(hint: Any) -> list[Check]:
