@@ -216,3 +216,23 @@ def test_a_broken_plugin_is_found_by_validate_at_its_key(name: str, tmp_path: Pa
     err = capsys.readouterr().err
     assert "Traceback" not in err and "internal error" not in err, err
     assert f" {key}: " in err and words in err, err
+
+
+@pytest.mark.parametrize(("config", "words"), [
+    ("{not json", "config.json cannot be read as JSON"),
+    ('{"hidden_size": 8}', "config.json names no model_type"),
+    ('{"model_type": "bananaformer"}', "model_type 'bananaformer' is unknown to transformers"),
+])
+def test_a_model_folder_whose_config_cannot_load_is_found_by_validate(config: str, words: str, tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    from flowrl.cli import main
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(config)
+    (model / "tokenizer.json").write_text("{}")
+    spec = tmp_path / "pipeline.yaml"
+    spec.write_text(BASE.replace("path: builtin:tiny-qwen2", f"path: {model}"))
+    assert main(["validate", str(spec)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"{spec}:3:15 model.path: the model folder") and words in err, err

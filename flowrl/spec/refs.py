@@ -9,6 +9,7 @@ A key such as a reward's `fn` (`module:attr`) or `model.path` (a folder) is decl
 from __future__ import annotations
 
 import inspect
+import json
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -71,9 +72,26 @@ def model_folder(value: str, section: Any = None) -> str | None:
         return f"no model folder '{value}' ({'not a folder' if folder.exists() else 'it does not exist'})"
     if not (folder / "config.json").is_file():
         return f"'{value}' is not a Hugging Face model folder: it has no config.json"
+    if (problem := _config_problem(folder / "config.json")) is not None:
+        return f"the model folder '{value}': {problem}"
     if not any((folder / name).is_file() for name in TOKENIZER_FILES):
         return f"the model folder '{value}' has no tokenizer (one of {', '.join(TOKENIZER_FILES)})"
     return None
+
+
+def _config_problem(config: Path) -> str | None:
+    """A config.json that would fail only once the weights load: not JSON, or no model type that
+    transformers knows."""
+    try:
+        data = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        return f"config.json cannot be read as JSON: {e}"
+    kind = data.get("model_type") if isinstance(data, dict) else None
+    if not isinstance(kind, str):
+        return "config.json names no model_type"
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    return None if kind in CONFIG_MAPPING_NAMES else f"config.json's model_type '{kind}' is unknown to transformers"
 
 
 def problems(section: msgspec.Struct, path: tuple[str | int, ...] = ()) -> list[tuple[tuple[str | int, ...], str]]:
