@@ -100,6 +100,7 @@ def cmd_algorithms(args: argparse.Namespace) -> int:
     """Every registered loss, estimator, KL estimator, correction and aggregation with its keys."""
     from rich.console import Console
 
+    from flowrl import plugins
     from flowrl.spec.describe import fields
     from flowrl_operators.training.registry import REGISTRIES
 
@@ -118,7 +119,10 @@ def cmd_algorithms(args: argparse.Namespace) -> int:
             if rows:
                 console.print(_fields_table(rows))
             console.print()
-    return 0
+    broken = [why for registry in REGISTRIES for why in plugins.broken(registry.group).values()]
+    for why in broken:  # a plugin that fails to load: the others are listed above
+        print(f"flowrl algorithms: cannot be loaded: {why}", file=sys.stderr)
+    return 1 if broken else 0
 
 
 def cmd_run(args: argparse.Namespace) -> int:
