@@ -137,3 +137,18 @@ def test_an_override_problem_is_located_at_the_override(override: str, where: st
     assert main(["validate", str(BASE), override]) == 1
     err = capsys.readouterr().err
     assert err.startswith(where) and words in err and "Traceback" not in err, err
+
+
+def test_a_command_line_mistake_exits_1_like_every_user_error(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (["run", str(BASE), "--executor", "k8s"], ["inspect", str(BASE), "--format", "png"], ["bogus"]):
+        with pytest.raises(SystemExit) as info:
+            main(argv)
+        assert info.value.code == 1 and "error:" in capsys.readouterr().err
+
+
+def test_inspect_names_the_damaged_record_of_a_run_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "meta.json").write_text('{"name": "x", "origin": 0}')
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1, oops\n')
+    assert main(["inspect", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert f"{tmp_path}/metrics.jsonl:2: not a JSON line" in err and "internal error" not in err, err
