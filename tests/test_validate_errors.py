@@ -163,6 +163,14 @@ class TrainOnly:  # sample() but no eval_sample(): no held-out samples
     def sample(self, step, index):
         return {"prompt": "<12>"}
 
+class NoPrompt(TrainOnly):
+    def sample(self, step, index):
+        return {"question": "12"}
+
+class NotADict(TrainOnly):
+    def sample(self, step, index):
+        return "<12>"
+
 class ThreeHeldOut(TrainOnly):
     def eval_sample(self, index):
         if index >= 3:
@@ -196,6 +204,9 @@ PLUGIN_CASES: dict[str, tuple[list[str], str, str]] = {
     "eval_without_reward": (["data.eval={source: 'broken_plugin:ThreeHeldOut', samples: 3}"], "data.eval",
                             "needs a reward"),
     "check_graph_raises": ([], "nodes.check.op", "check_graph failed: RuntimeError: the plugin's own bug"),
+    "sample_without_prompt": (["data.source=broken_plugin:NoPrompt"], "data.source",
+                              "sample(0, 0) has no prompt (keys: question)"),
+    "sample_not_a_dict": (["data.source=broken_plugin:NotADict"], "data.source", "returned str; a sample is a dict"),
 }
 # A transform node of the plugin between score and learner.
 CHECKED = BASE.replace("  - score -> learner\n", "  - score -> check\n  - check -> learner\n").replace(

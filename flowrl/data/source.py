@@ -104,10 +104,17 @@ def batch_size(data: dict[str, Any]) -> int:
     return size
 
 
-def problems(data: dict[str, Any], seed: int = 0, model: dict[str, Any] | None = None) -> list[tuple[tuple[str, ...], str]]:
+PROMPT_KEYS = ("prompt_ids", "messages", "prompt")  # what the single_turn workflow makes a prompt of
+
+
+def problems(data: dict[str, Any], seed: int = 0, model: dict[str, Any] | None = None,
+             prompted: bool = False) -> list[tuple[tuple[str, ...], str]]:
     """(key path, problem) of a pipeline's `data` section, found by building its source (and the
-    eval source) as a run would, without generating anything."""
+    eval source) as a run would, and drawing its first sample, without generating anything.
+    `prompted`: a generate node's workflow (single_turn) needs each sample's prompt."""
     built, out = _build(data, ("data", "source"), seed, model)
+    if built is not None:
+        out += _first_sample_problems(built, prompted)
     if built is not None and getattr(built, "images", None) and model:
         out += _vision_model_problems(data["source"], model)
     size = data.get("batch_size", 16)
@@ -117,6 +124,21 @@ def problems(data: dict[str, Any], seed: int = 0, model: dict[str, Any] | None =
     if isinstance(data.get("eval"), dict) and (built is not None or data["eval"].get("source")):
         out += _eval_problems(data, seed, model, built)
     return out
+
+
+def _first_sample_problems(built: Source, prompted: bool) -> list[tuple[tuple[str, ...], str]]:
+    """Sample (0, 0), drawn as the first step draws it: a source that fails there, returns no dict,
+    or (for single_turn) no prompt would otherwise fail, or reject every sample, only in the run."""
+    try:
+        sample = built.sample(0, 0)
+    except Exception as e:  # noqa: BLE001 - the user's source may raise anything; report it at the key
+        return [(("data", "source"), f"sample(0, 0) failed: {type(e).__name__}: {e}")]
+    if not isinstance(sample, dict):
+        return [(("data", "source"), f"sample(0, 0) returned {type(sample).__name__}; a sample is a dict")]
+    if prompted and not any(key in sample for key in PROMPT_KEYS):
+        return [(("data", "source"), f"sample(0, 0) has no prompt (keys: {', '.join(map(str, sample)) or 'none'}); "
+                                     "the single_turn workflow reads prompt_ids, messages or prompt")]
+    return []
 
 
 def _eval_problems(data: dict[str, Any], seed: int, model: dict[str, Any] | None,
