@@ -42,7 +42,7 @@ class FileSourceSpec(Strict):
     """A dataset file as the data source (flowrl/data/files.py). Paths are read from the working
     directory when relative."""
 
-    file: str  # .jsonl, .json (a list of objects), .csv, .parquet, or a datasets save_to_disk folder
+    file: Annotated[str, Meta(min_length=1)]  # .jsonl, .json (a list of objects), .csv, .parquet, or a datasets save_to_disk folder
     format: Literal["jsonl", "json", "csv", "parquet", "datasets"] | None = None  # default: from the name
     prompt: str | None = None  # column of prompt text (default: a column named prompt)
     messages: str | None = None  # column of chat messages (default: a column named messages)
@@ -91,7 +91,7 @@ class RunSpec(Strict):
     # Under Ray: restarts of a dead generate actor, and of the run from its last checkpoint after a
     # train actor's process died (flowrl/runtime/run.py).
     max_restarts: NonNegativeInt = 3
-    run_dir: str | None = None
+    run_dir: Annotated[str, Meta(min_length=1)] | None = None
     # Wall-clock budget; the run ends cleanly (checkpoint, export) when it is spent. The clock
     # starts once every stage has set up (models loaded, the first evaluation done) and the run's
     # stages start taking work; a resumed run gets the whole budget again.
