@@ -78,6 +78,7 @@ class GraphFacts(msgspec.Struct, frozen=True):
     executor: str = "inprocess"  # run.executor: whether the stages share one process
     # Trajectory fields filled by upstream nodes (their operators' `provides`), e.g. values.
     upstream_provides: frozenset[str] = frozenset()
+    replicas: int = 1  # the node's own resources.replicas
 
 
 class ConfigError(Exception):

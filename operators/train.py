@@ -203,6 +203,9 @@ class Train(Operator):
         out = [(("engine",), problem)] if (problem := check_name(config.engine)) else []
         if config.freeze and config.lora is not None:
             out.append((("freeze",), "with lora only the adapters train (the base is frozen already); remove freeze"))
+        if config.own_process is not None and facts.replicas > 1:
+            out.append((("own_process",), f"own_process runs one trainer in a child process; with replicas: "
+                        f"{facts.replicas} the ranks are their own processes under Ray already: remove own_process"))
         # Every name and key of the objective, against the registries (a plugin's entries included).
         found = objective.problems(config.loss, config.advantage)
         out += found

@@ -63,7 +63,7 @@ def compile_spec(loaded: LoadedSpec) -> Compiled:
     _check_resources(spec, resources, loc, problems)
     if not problems:
         rules.check_fan_in(edges, ops, loc, problems)
-        _check_operators(edges, ops, configs, spec.run.executor, loc, problems)
+        _check_operators(edges, ops, configs, resources, spec.run.executor, loc, problems)
     rules.check_references(spec, configs, loc, problems)  # imports the modules named, builds the data source
     if problems:
         raise SpecError(_ordered(problems))
@@ -275,7 +275,7 @@ def _check_resources(spec, resources: dict[str, Resources], loc, problems) -> No
             f"the nodes together ask for {total_cpus:g} CPUs and {total_gpus:g} GPUs; the cluster offers {cluster.cpus:g} and {cluster.gpus:g}"))
 
 
-def _check_operators(edges, ops, configs, executor: str, loc, problems) -> None:
+def _check_operators(edges, ops, configs, resources, executor: str, loc, problems) -> None:
     data = nx.DiGraph([(e.src, e.dst, {"mode": e.mode}) for _, e in edges if e.kind == "data"])
     data.add_nodes_from(ops)
     for name, op in ops.items():
@@ -287,7 +287,7 @@ def _check_operators(edges, ops, configs, executor: str, loc, problems) -> None:
         provided = frozenset(field for u in upstream if u in configs
                              for field in ops[u].provides | ops[u].knobs(configs[u]).provides)
         facts = GraphFacts(async_upstream=async_in, partial_rollout_upstream=partial, executor=executor,
-                           upstream_provides=provided)
+                           upstream_provides=provided, replicas=resources[name].replicas if name in resources else 1)
         try:
             found = list(op.check_graph(configs[name], facts))
         except Exception as e:  # noqa: BLE001 - a plugin's own check failing is its author's to fix: say whose
