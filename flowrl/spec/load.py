@@ -138,10 +138,7 @@ def _mapping_key(mapping: dict[str, Any], message: str) -> Path:
     """The key of `mapping` whose value a msgspec type error is about (the first of that type)."""
     got = re.search(r"got `(\w+)`", message)
     kind = _JSON_TYPES.get(got.group(1)) if got else None
-    for key, value in mapping.items():
-        if kind is not None and type(value) is kind:
-            return (key,)
-    return ()
+    return next(((key,) for key, value in mapping.items() if kind is not None and type(value) is kind), ())
 
 
 def _fields_at(schema: type, path: Path) -> list[str]:
