@@ -100,6 +100,7 @@ def cmd_algorithms(args: argparse.Namespace) -> int:
     """Every registered loss, estimator, KL estimator, correction and aggregation with its keys."""
     from rich.console import Console
 
+    from flowrl import plugins
     from flowrl.spec.describe import fields
     from flowrl_operators.training.registry import REGISTRIES
 
@@ -118,7 +119,10 @@ def cmd_algorithms(args: argparse.Namespace) -> int:
             if rows:
                 console.print(_fields_table(rows))
             console.print()
-    return 0
+    broken = [why for registry in REGISTRIES for why in plugins.broken(registry.group).values()]
+    for why in broken:  # a plugin that fails to load: the others are listed above
+        print(f"flowrl algorithms: cannot be loaded: {why}", file=sys.stderr)
+    return 1 if broken else 0
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -181,10 +185,18 @@ def _debug(args: argparse.Namespace) -> None:
         traceback.print_exc()
 
 
+class _Parser(argparse.ArgumentParser):
+    """A command-line mistake exits 1, as every other user error does (argparse's own is 2)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.print_usage(sys.stderr)
+        self.exit(1, f"{self.prog}: error: {message}\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="flowrl", description="Declarative RL pipelines for language models.")
+    parser = _Parser(prog="flowrl", description="Declarative RL pipelines for language models.")
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
-    common = argparse.ArgumentParser(add_help=False)  # --debug also after the command
+    common = _Parser(add_help=False)  # --debug also after the command
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", required=True)
 

@@ -65,6 +65,9 @@ class Knobs(msgspec.Struct, frozen=True, kw_only=True):
 
     concurrency: int = 16  # calls in flight at once: samples (generate) or records (transforms)
     partial_rollout: bool = False  # generate: weights are updated while generations are in flight
+    # Trajectory fields this node fills with its config, beyond its class's `provides` (a generate
+    # node's greedy baseline rows), for the graph checks downstream (GraphFacts.upstream_provides).
+    provides: frozenset[str] = frozenset()
 
 
 class GraphFacts(msgspec.Struct, frozen=True):
@@ -75,6 +78,7 @@ class GraphFacts(msgspec.Struct, frozen=True):
     executor: str = "inprocess"  # run.executor: whether the stages share one process
     # Trajectory fields filled by upstream nodes (their operators' `provides`), e.g. values.
     upstream_provides: frozenset[str] = frozenset()
+    replicas: int = 1  # the node's own resources.replicas
 
 
 class ConfigError(Exception):

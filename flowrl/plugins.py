@@ -21,17 +21,40 @@ def targets(group: str) -> dict[str, str]:
     return {ep.name: ep.value for ep in entry_points(group=group)}
 
 
+_BROKEN: dict[str, dict[str, str]] = {}  # group -> name -> why its entry point did not load
+
+
 @cache
 def load(group: str, check: Callable[[str, str, Any], None] | None = None) -> dict[str, Any]:
-    """name -> loaded value for every entry point of `group`; `check(name, target, value)` raises
-    on a value that breaks the group's contract."""
+    """name -> loaded value for every entry point of `group` that loads and passes
+    `check(name, target, value)` (which raises on a value that breaks the group's contract). One
+    that does not is left out and kept in `broken(group)`: a broken plugin costs only its own names."""
     found = {}
     for ep in entry_points(group=group):
-        value = ep.load()
-        if check is not None:
-            check(ep.name, ep.value, value)
+        try:
+            value = ep.load()
+        except (Exception, SystemExit) as e:  # noqa: BLE001 - a plugin may fail in any way as it imports
+            _BROKEN.setdefault(group, {})[ep.name] = f"entry point {ep.name} = {ep.value} ({group}): {type(e).__name__}: {e}"
+            continue
+        try:
+            if check is not None:
+                check(ep.name, ep.value, value)
+        except Exception as e:  # noqa: BLE001 - the check says what is wrong
+            _BROKEN.setdefault(group, {})[ep.name] = str(e)
+            continue
         found[ep.name] = value
     return found
+
+
+def broken(group: str) -> dict[str, str]:
+    """name -> why it did not load, of the entry points of `group` that `load` left out."""
+    return dict(_BROKEN.get(group, {}))
+
+
+def missing(what: str, name: str, group: str, choices: Iterable[str]) -> str:
+    """Why `name` is not among `choices`: its plugin did not load, or it is not registered."""
+    why = broken(group).get(name)
+    return f"{what} '{name}' cannot be loaded: {why}" if why else unknown(what, name, choices)
 
 
 def suggestion(name: str, choices: Iterable[str]) -> str:

@@ -51,6 +51,23 @@ def last_samples(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def _json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:  # a damaged or foreign record: say which file
+        raise ValueError(f"{path}:{e.lineno}: not JSON ({e.msg})") from None
+
+
+def _jsonl(path: Path) -> list[Any]:
+    rows = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        try:
+            rows += [json.loads(line)] if line.strip() else []
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{number}: not a JSON line ({e.msg})") from None
+    return rows
+
+
 def load_run(run_dir: Path) -> list[Phase]:
     dirs = sorted((run_dir / "phases").glob("*"), key=lambda p: int(p.name.split("-")[0])) \
         if (run_dir / "phases").is_dir() else [run_dir]
@@ -58,15 +75,13 @@ def load_run(run_dir: Path) -> list[Phase]:
     for d in dirs:
         if not (d / "meta.json").exists():
             continue
-        rows = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines() if line.strip()] \
-            if (d / "metrics.jsonl").exists() else []
-        trace = json.loads((d / "trace.json").read_text()) if (d / "trace.json").exists() else {}
+        rows = _jsonl(d / "metrics.jsonl") if (d / "metrics.jsonl").exists() else []
+        trace = _json(d / "trace.json") if (d / "trace.json").exists() else {}
         events = trace.get("traceEvents", []) if isinstance(trace, dict) else trace
-        evals = [json.loads(line) for line in (d / "eval.jsonl").read_text().splitlines() if line.strip()] \
-            if (d / "eval.jsonl").exists() else []
+        evals = _jsonl(d / "eval.jsonl") if (d / "eval.jsonl").exists() else []
         name = d.name.split("-", 1)[1] if d != run_dir else "main"
-        placement = json.loads((d / "placement.json").read_text()) if (d / "placement.json").exists() else {}
-        phases.append(Phase(name, d, json.loads((d / "meta.json").read_text()), rows, events, evals,
+        placement = _json(d / "placement.json") if (d / "placement.json").exists() else {}
+        phases.append(Phase(name, d, _json(d / "meta.json"), rows, events, evals,
                             last_samples(d / "samples.jsonl"), placement))
     if not phases:
         raise FileNotFoundError(f"{run_dir} is not a run directory (no meta.json, nor phases/*/meta.json)")

@@ -35,9 +35,10 @@ def _task_workflow_args(value: str, args: dict[str, Any]) -> str | None:
 
 
 def reward_fn(value: str, section: Any = None) -> str | None:
-    """A reward's `fn`: `builtin:<task>` or a callable `module:attr`."""
+    """A reward's `fn`: `builtin:<task>` or a `module:attr` callable with one argument (a trajectory,
+    or with `batched` the group's list)."""
     del section
-    return _task(value, "reward") if value.startswith("builtin:") else callable_path(value)
+    return _task(value, "reward") if value.startswith("builtin:") else callable_path(value, arguments=1)
 
 
 def workflow(value: str, section: Any) -> str | None:
@@ -51,6 +52,8 @@ def workflow(value: str, section: Any) -> str | None:
             return f"workflow '{value}' needs workflow_args.{key}: module:attr"
         problem = callable_path(args[key])
         return f"workflow_args.{key}: {problem}" if problem else None
+    if value in ("single_turn", "supervised") and args:  # they read none: an argument would be ignored
+        return f"workflow_args: workflow '{value}' takes none (it got {', '.join(map(str, args))})"
     if value in WORKFLOW_NAMES:
         return None
     if ":" not in value:

@@ -18,6 +18,9 @@ Probability = Annotated[float, Meta(ge=0.0, le=1.0)]
 ModelPath = Annotated[str, check_with(model_folder)]  # a model folder or builtin:<name>, checked by validate
 
 
+Beta = Annotated[float, Meta(ge=0.0, lt=1.0)]
+
+
 class Strict(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     pass
 
@@ -27,7 +30,7 @@ class SamplingConfig(Strict):
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
     top_k: int = -1  # -1 = no limit
     max_new_tokens: PositiveInt = 64
-    stop_token_ids: list[int] = []
+    stop_token_ids: list[Annotated[int, Meta(ge=0)]] = []  # token ids (the vocabulary's bound is checked by the engine)
 
 
 class EngineConfig(Strict):
@@ -102,7 +105,7 @@ class RewardConfig(Strict):
 
 class OptimConfig(Strict):
     lr: Annotated[float, Meta(gt=0)] = 1.0e-5
-    betas: tuple[float, float] = (0.9, 0.999)
+    betas: tuple[Beta, Beta] = (0.9, 0.999)  # AdamW's decay rates, each in [0, 1)
     weight_decay: Annotated[float, Meta(ge=0)] = 0.0
     warmup_steps: Annotated[int, Meta(ge=0)] = 0
     schedule: Literal["constant", "linear", "cosine"] = "constant"
@@ -110,6 +113,11 @@ class OptimConfig(Strict):
     # run's (phase's) `steps`. The decay spans total_steps x epochs optimizer steps, warm-up included.
     total_steps: PositiveInt | None = None
     grad_clip: Annotated[float, Meta(gt=0)] | None = 1.0
+
+    def __post_init__(self) -> None:
+        if self.total_steps is not None and self.schedule == "constant":
+            raise ValueError("total_steps: total_steps is the horizon of a linear or cosine schedule, and schedule "
+                             "is constant: set schedule: linear or cosine, or remove total_steps")
 
 
 # The concepts of a training objective. Each is a registry (flowrl_operators.training.registry) whose

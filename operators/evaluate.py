@@ -31,30 +31,55 @@ from flowrl_operators.workflows.base import is_async_callable
 REWARD_TIMEOUT_S = 60.0  # one eval reward call
 
 
+class EvalProblem(ValueError):
+    """Why `data.eval` cannot run: `key` is the offending key path under `data`."""
+
+    def __init__(self, key: tuple[str, ...], message: str) -> None:
+        self.key = key
+        super().__init__(message)
+
+
+def eval_parts(data: dict[str, Any], seed: int, tokenizer: Any = None, model: dict[str, Any] | None = None,
+               source: Any = None) -> tuple[Any, Any]:
+    """(held-out source, reward) of `data.eval`, built and checked as a run builds them; `flowrl
+    validate` calls this too, so a source without held-out samples or a reward is found before
+    weights load. `source`: the training source already built, used when the eval names no other
+    source and no options of its own. Raises EvalProblem (or the source's own error)."""
+    spec = data["eval"]
+    options = dict(spec.get("options") or {})
+    reward = options.pop("reward", None)
+    where = ("eval", "source") if spec.get("source") else ("eval", "options") if options else ("source",)
+    if spec.get("source") or options or source is None:
+        options = {**(data.get("options") or {}), **options}
+        source = load_source({**data, "source": spec.get("source") or data["source"], "options": options},
+                             seed, model, tokenizer=tokenizer)
+    if not callable(getattr(source, "eval_sample", None)):
+        raise EvalProblem(where, f"data.eval needs a source with eval_sample(index) (held-out samples); "
+                                 f"{type(source).__name__} has none: set data.eval.source to one that has")
+    samples = int(spec.get("samples", 64))
+    try:
+        source.eval_sample(samples - 1)  # a source with fewer held-out samples says so now
+    except Exception as e:  # noqa: BLE001 - the user's source may raise anything; say where
+        detail = str(e) if isinstance(e, ValueError) else (f"eval_sample({samples - 1}) failed: {type(e).__name__}: "
+                                                           f"{e}; lower data.eval.samples")
+        raise EvalProblem(("eval", "samples"), detail) from None
+    if reward is not None:
+        from flowrl_operators.reward import load_reward
+
+        return source, load_reward(reward)
+    if callable(getattr(source, "reward", None)):
+        return source, source.reward
+    raise EvalProblem(("eval",), "data.eval needs a reward: the source has no reward(trajectory); "
+                                 "set data.eval.options.reward: module:attr")
+
+
 class Evaluator:
     def __init__(self, data: dict[str, Any], seed: int, run_dir: Path | None, tokenizer: Any = None,
                  final: int | None = None) -> None:
         spec = data["eval"]
         self.final = final  # the run's last policy version: evaluated whether or not `every` divides it
         self.every, self.samples = int(spec.get("every", 10)), int(spec.get("samples", 64))
-        options = dict(spec.get("options") or {})
-        reward = options.pop("reward", None)
-        options = {**(data.get("options") or {}), **options}
-        self.source = load_source({**data, "source": spec.get("source") or data["source"], "options": options},
-                                  seed, tokenizer=tokenizer)
-        if not callable(getattr(self.source, "eval_sample", None)):
-            raise ValueError(f"data.eval needs a source with eval_sample(index) (held-out samples); "
-                             f"{type(self.source).__name__} has none: set data.eval.source to one that has")
-        self.source.eval_sample(self.samples - 1)  # a source with fewer held-out samples says so now
-        if reward is not None:
-            from flowrl_operators.reward import load_reward
-
-            self.reward = load_reward(reward)
-        elif callable(getattr(self.source, "reward", None)):
-            self.reward = self.source.reward
-        else:
-            raise ValueError("data.eval needs a reward: the source has no reward(trajectory); "
-                             "set data.eval.options.reward: module:attr")
+        self.source, self.reward = eval_parts(data, seed, tokenizer)
         self.run_dir = run_dir
         self.origin = time.time()
         if run_dir is not None and (Path(run_dir) / "meta.json").exists():

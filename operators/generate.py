@@ -37,7 +37,8 @@ class Generate(Operator):
 
     @classmethod
     def knobs(cls, config: GenerateConfig) -> Knobs:
-        return Knobs(concurrency=config.max_concurrency, partial_rollout=config.partial_rollout)
+        return Knobs(concurrency=config.max_concurrency, partial_rollout=config.partial_rollout,
+                     provides=frozenset({"baseline"}) if config.greedy_baseline else frozenset())
 
     @classmethod
     def check_graph(cls, config: GenerateConfig, facts: GraphFacts) -> list[tuple[tuple[str, ...], str]]:

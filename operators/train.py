@@ -203,16 +203,26 @@ class Train(Operator):
         out = [(("engine",), problem)] if (problem := check_name(config.engine)) else []
         if config.freeze and config.lora is not None:
             out.append((("freeze",), "with lora only the adapters train (the base is frozen already); remove freeze"))
+        if config.own_process is not None and facts.replicas > 1:
+            out.append((("own_process",), f"own_process runs one trainer in a child process; with replicas: "
+                        f"{facts.replicas} the ranks are their own processes under Ray already: remove own_process"))
         # Every name and key of the objective, against the registries (a plugin's entries included).
         found = objective.problems(config.loss, config.advantage)
         out += found
         if found:
             return out
         loss, advantage = objective.loss_config(config.loss), objective.advantage_config(config.advantage)
+        where = ("advantage", "estimator") if isinstance(config.advantage, dict) else ("advantage",)
         if objective.needs_values(advantage) and "values" not in facts.upstream_provides:
-            where = ("advantage", "estimator") if isinstance(config.advantage, dict) else ("advantage",)
             out.append((where, f"advantage {advantage.estimator} needs value estimates: add a critic "
                         "node (op: critic) between the reward and this node"))
+        needs, has = objective.needs_baseline(advantage), "baseline" in facts.upstream_provides
+        if needs and not has:
+            out.append((where, f"advantage {advantage.estimator} needs a greedy baseline per group: set "
+                        "greedy_baseline: true on the generate node"))
+        elif has and not needs:
+            out.append((where, f"the generate node's greedy_baseline: true adds greedy rows that advantage "
+                        f"{advantage.estimator} would count as samples; use advantage remax, or drop the option"))
         # With lora the train node scores the reference itself: its base, adapters disabled.
         if objective.needs_reference(loss) and "reference_logprobs" not in facts.upstream_provides \
                 and config.lora is None:

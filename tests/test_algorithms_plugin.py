@@ -141,8 +141,16 @@ def test_a_misspelt_plugin_loss_is_a_located_error(plugin_site: Path, tmp_path: 
 
 
 def test_a_plugin_entry_that_does_not_import_is_a_located_error(plugin_site: Path, tmp_path: Path) -> None:
+    """A broken entry point costs only its own name: a spec that names it gets a located error,
+    one that does not still validates, and `flowrl algorithms` lists the others and names it."""
     info = plugin_site / "acme_algos-0.1.dist-info/entry_points.txt"
     info.write_text(info.read_text() + "\n[flowrl.kl]\nbroken = acme_algos:MISSING\n")
-    proc = flowrl(plugin_site, "validate", str(pipeline(tmp_path, "scaled_reinforce")))
+    spec = str(pipeline(tmp_path, "scaled_reinforce"))
+    assert flowrl(plugin_site, "validate", spec).returncode == 0
+    proc = flowrl(plugin_site, "validate", spec, "nodes.learner.loss.kl={coef: 0.0, estimator: broken}")
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
-    assert "nodes.learner.loss.kl.estimator: loading the flowrl.kl entry points failed: AttributeError" in proc.stderr
+    assert ("nodes.learner.loss.kl.estimator: KL estimator 'broken' cannot be loaded: entry point broken = "
+            "acme_algos:MISSING (flowrl.kl): AttributeError") in proc.stderr, proc.stderr
+    listed = flowrl(plugin_site, "algorithms")
+    assert listed.returncode == 1 and "scaled_reinforce" in listed.stdout and "Traceback" not in listed.stderr
+    assert "cannot be loaded: entry point broken = acme_algos:MISSING" in listed.stderr

@@ -121,3 +121,34 @@ def test_a_run_that_lost_its_samples_says_so(tmp_path: Path) -> None:
     assert "samples lost on the way: 2 rejected" in proc.stdout, proc.stdout
     done = flowrl("run", str(BASE), *TINY_RUN, "--run-dir", str(tmp_path / "ok"))
     assert "samples lost" not in done.stdout, done.stdout
+
+
+@pytest.mark.parametrize(("override", "where", "words"), [
+    # a key the override adds: the problem inside it is the override's, not the file's `nodes:`
+    ("nodes.extra.op=reward", "command-line override 'nodes.extra.op=reward' nodes.extra:", "missing required key 'fn'"),
+    # a digit is a mapping's key where the value is a mapping (a list index only in a list)
+    ("nodes.0=3", "command-line override 'nodes.0=3' nodes[\"0\"]:", "a node is a mapping"),
+    ("nodes.score.=x", "command-line override 'nodes.score.=x':", "not a dotted key (an empty part)"),
+    ("nodes.score={op: reward, op: judge, fn: builtin:reverse_digits}", "command-line override 'nodes.score={op: ",
+     "duplicate key 'op'"),
+])
+def test_an_override_problem_is_located_at_the_override(override: str, where: str, words: str,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["validate", str(BASE), override]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(where) and words in err and "Traceback" not in err, err
+
+
+def test_a_command_line_mistake_exits_1_like_every_user_error(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (["run", str(BASE), "--executor", "k8s"], ["inspect", str(BASE), "--format", "png"], ["bogus"]):
+        with pytest.raises(SystemExit) as info:
+            main(argv)
+        assert info.value.code == 1 and "error:" in capsys.readouterr().err
+
+
+def test_inspect_names_the_damaged_record_of_a_run_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "meta.json").write_text('{"name": "x", "origin": 0}')
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1, oops\n')
+    assert main(["inspect", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert f"{tmp_path}/metrics.jsonl:2: not a JSON line" in err and "internal error" not in err, err

@@ -90,6 +90,17 @@ def test_bad_columns_are_named(tmp_path):
         source(file=str(bare))
 
 
+def test_every_row_is_checked_not_the_first_alone(tmp_path):
+    """A bad prompt deep in the file is found before the run, not when its step comes."""
+    rows = [{"prompt": "a"}, {"prompt": "b"}, {"prompt": 5}]
+    with pytest.raises(SourceError, match=r"data.source.prompt: .*late.jsonl: row 3: column 'prompt' must hold text"):
+        source(file=str(write(tmp_path / "late.jsonl", "jsonl", rows)))
+    with pytest.raises(SourceError, match=r"data.source.eval_file: .*late.jsonl: row 3: column 'prompt'"):
+        source(file=str(write(tmp_path / "ok.jsonl", "jsonl", rows[:2])), eval_file=str(tmp_path / "late.jsonl"))
+    with pytest.raises(SourceError, match=r"data.source.prompt: .*gap.parquet: column 'prompt' has no value in 1 row"):
+        source(file=str(write(tmp_path / "gap.parquet", "parquet", [{"prompt": "a"}, {"prompt": None}])))
+
+
 def test_missing_empty_and_malformed_files_are_located(tmp_path):
     with pytest.raises(SourceError, match="data.source.file: no such file or folder .*missing.jsonl") as error:
         source(file=str(tmp_path / "missing.jsonl"))
@@ -213,8 +224,8 @@ def test_the_spec_checks_a_file_source_before_anything_runs(tmp_path):
                     "data:\n  source: {file: t.parquet, messages: chat, eval_rows: 4}\n  eval: {samples: 4}\n")
     loaded = load(spec)
     assert loaded.spec.data.source.messages == "chat" and loaded.spec.data.source.shuffle is True
-    for override, message in (("data.eval.samples=5", "data: eval.samples (5) is more than source.eval_rows (4)"),
-                              ("data.options.x=1", "data: options apply to a module:attr source"),
+    for override, message in (("data.eval.samples=5", "data.eval.samples: eval.samples (5) is more than source.eval_rows (4)"),
+                              ("data.options.x=1", "data.options: options apply to a module:attr source"),
                               ("data.source.shuffle=maybe", "data.source.shuffle: expected bool")):
         with pytest.raises(SpecError, match=re.escape(message)):
             load(spec, [override])

@@ -87,3 +87,32 @@ def test_a_command_line_override_of_a_phase_set_sets_one_dotted_key(tmp_path: Pa
     exports = {"big": "/b", "small": "/s"}
     [(_, after)] = expand(loaded, "/s", 2, exports)
     assert after.data["nodes"]["rollout"]["group_size"] == 2 and "learner" in after.data["nodes"]
+
+
+@pytest.mark.parametrize(("phase_set", "key", "message"), [
+    ("{run.steps: 5}", 'phases[0].set["run.steps"]', "a phase cannot set run.steps"),
+    ("{run.max_seconds: 5}", 'phases[0].set["run.max_seconds"]', "a phase cannot set run.max_seconds"),
+    ("{run: {steps: 5}}", "phases[0].set.run", "a phase cannot set run.steps"),
+    ("{run.run_dir: /tmp/elsewhere}", 'phases[0].set["run.run_dir"]', "RUN_DIR/phases/<i>-<name>"),
+    ("{phases: []}", "phases[0].set.phases", "phases do not nest"),
+    ("{name: ../../x}", "name", "cannot name a folder"),
+])
+def test_a_phase_cannot_set_what_it_would_ignore(tmp_path: Path, phase_set: str, key: str, message: str) -> None:
+    """A phase's length is its own steps / seconds and its folder RUN_DIR/phases/<i>-<name>: a `set`
+    of run.steps, run.max_seconds or run.run_dir (or of phases) would be silently overridden."""
+    file = spec(tmp_path, f"phases:\n  - {{name: a, steps: 2, set: {phase_set}}}\n")
+    with pytest.raises(SpecError) as info:
+        expand(load(str(file)))
+    [diagnostic] = info.value.diagnostics
+    assert diagnostic.path == key and message in diagnostic.message and diagnostic.line == 27, diagnostic
+
+
+def test_run_steps_beside_phases_is_refused_and_setting_run_keeps_the_phase_length(tmp_path: Path) -> None:
+    file = spec(tmp_path, "phases:\n  - {name: a, steps: 2, set: {run: {seed: 3}}}\n  - {name: b, seconds: 9}\n")
+    [(_, a), (_, b)] = expand(load(str(file)))
+    assert (a.spec.run.steps, a.spec.run.seed, b.spec.run.max_seconds) == (2, 3, 9.0)
+    with pytest.raises(SpecError) as info:
+        expand(load(str(file), ["run.steps=100"]))
+    [diagnostic] = info.value.diagnostics
+    assert diagnostic.path == "run.steps" and "set phases.<i>.steps" in diagnostic.message
+    assert diagnostic.file == "command-line override 'run.steps=100'"

@@ -309,7 +309,7 @@ def test_wandb_writes_its_file_while_the_run_goes(tmp_path: Path) -> None:
 @pytest.mark.parametrize("trackers, where, words", [
     ("[tensorboard, wandbb]", "run.trackers[1]", "unknown tracker 'wandbb'"),
     ("[test_trackers:Absent]", "run.trackers[0]", "needs flowrl_no_such_module, which is not installed"),
-    ("[wandb, wandb]", "run", "wandb is listed twice"),
+    ("[wandb, wandb]", "run.trackers", "wandb is listed twice"),
 ])
 def test_tracker_mistakes_are_located_validation_errors(trackers: str, where: str, words: str,
                                                         capsys: pytest.CaptureFixture[str]) -> None:

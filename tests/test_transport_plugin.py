@@ -115,3 +115,18 @@ def test_an_unknown_transport_is_a_located_error_with_a_suggestion(plugin_site: 
     assert proc.returncode == 1
     assert "nodes.publish.transport: unknown weight transport 'file'" in proc.stderr
     assert "did you mean 'files'?" in proc.stderr
+
+
+def test_a_broken_transport_or_engine_entry_costs_only_its_own_name(plugin_site: Path) -> None:
+    """Before, one broken entry point made every sync node's check fail (and a training engine's
+    made every run fail at setup); now only a spec that names it is refused, at its key."""
+    info = plugin_site / "acme_files-0.1.dist-info/entry_points.txt"
+    info.write_text(info.read_text() + "broken = acme_files:MISSING\n[flowrl.training_engines]\n"
+                                       "broken_engine = acme_files:MISSING\n")
+    spec = str(ROOT / "pipelines/grpo_sync.yaml")
+    assert flowrl(plugin_site, "validate", spec).returncode == 0
+    for override, key in (("nodes.publish.transport=broken", "nodes.publish.transport: weight transport 'broken'"),
+                          ("nodes.learner.engine=broken_engine", "nodes.learner.engine: training engine 'broken_engine'")):
+        proc = flowrl(plugin_site, "validate", spec, override)
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+        assert f"{key} cannot be loaded: " in proc.stderr and "has no attribute 'MISSING'" in proc.stderr, proc.stderr

@@ -141,3 +141,109 @@ def test_a_finite_source_smaller_than_batch_size_is_refused(tmp_path: Path, monk
     assert f"{spec}:6:15 data.batch_size: batch_size 4 is larger than the source, which holds 3 samples" \
         in capsys.readouterr().err
     assert main(["validate", str(spec), "data.options={n: 4}"]) == 0
+
+
+# A user's plugin module, broken in the ways a plugin can be: each is found by `flowrl validate`.
+PLUGIN = '''
+import msgspec
+from flowrl.operator import TRAJECTORIES, Operator
+
+def no_args():
+    return 1.0
+
+def two_args(trajectory, extra):
+    return 1.0
+
+def one_arg(trajectory):
+    return 1.0
+
+class TrainOnly:  # sample() but no eval_sample(): no held-out samples
+    def __init__(self, seed=0):
+        pass
+    def sample(self, step, index):
+        return {"prompt": "<12>"}
+
+class NoPrompt(TrainOnly):
+    def sample(self, step, index):
+        return {"question": "12"}
+
+class NotADict(TrainOnly):
+    def sample(self, step, index):
+        return "<12>"
+
+class ThreeHeldOut(TrainOnly):
+    def eval_sample(self, index):
+        if index >= 3:
+            raise IndexError(index)
+        return {"prompt": "<12>"}
+
+class CheckRaises(Operator):
+    kind = "transform"
+    class Config(msgspec.Struct, forbid_unknown_fields=True):
+        pass
+    inputs = {"trajectories": TRAJECTORIES}
+    outputs = {"trajectories": TRAJECTORIES}
+    @classmethod
+    def check_graph(cls, config, facts):
+        raise RuntimeError("the plugin's own bug")
+'''
+# name -> (overrides or spec edits, where the message points: LINE:COL or the override, words it contains)
+PLUGIN_CASES: dict[str, tuple[list[str], str, str]] = {
+    "reward_takes_nothing": (["nodes.score.fn=broken_plugin:no_args"], "nodes.score.fn", "cannot be called with 1"),
+    "reward_takes_two": (["nodes.score.fn=broken_plugin:two_args"], "nodes.score.fn", "missing a required argument"),
+    "eval_reward_takes_two": (["data.eval={options: {reward: broken_plugin:two_args}}"],
+                              "data.eval.options.reward", "cannot be called with 1"),
+    "eval_options_the_source_refuses": (["data.eval={options: {bogus: 1}}"], "data.eval.options",
+                                        "unexpected keyword argument 'bogus'"),
+    "eval_source_without_held_out": (["data.eval={source: 'broken_plugin:TrainOnly', "
+                                      "options: {reward: 'broken_plugin:one_arg'}}"],
+                                     "data.eval.source", "eval_sample(index)"),
+    "eval_samples_past_held_out": (["data.eval={source: 'broken_plugin:ThreeHeldOut', samples: 4, "
+                                    "options: {reward: 'broken_plugin:one_arg'}}"],
+                                   "data.eval.samples", "lower data.eval.samples"),
+    "eval_without_reward": (["data.eval={source: 'broken_plugin:ThreeHeldOut', samples: 3}"], "data.eval",
+                            "needs a reward"),
+    "check_graph_raises": ([], "nodes.check.op", "check_graph failed: RuntimeError: the plugin's own bug"),
+    "sample_without_prompt": (["data.source=broken_plugin:NoPrompt"], "data.source",
+                              "sample(0, 0) has no prompt (keys: question)"),
+    "sample_not_a_dict": (["data.source=broken_plugin:NotADict"], "data.source", "returned str; a sample is a dict"),
+}
+# A transform node of the plugin between score and learner.
+CHECKED = BASE.replace("  - score -> learner\n", "  - score -> check\n  - check -> learner\n").replace(
+    "  publish:\n", "  check: {op: 'broken_plugin:CheckRaises'}\n  publish:\n")
+
+
+@pytest.mark.parametrize("name", sorted(PLUGIN_CASES))
+def test_a_broken_plugin_is_found_by_validate_at_its_key(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    from flowrl.cli import main
+
+    (tmp_path / "broken_plugin.py").write_text(PLUGIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    spec = tmp_path / "pipeline.yaml"
+    spec.write_text(CHECKED if name == "check_graph_raises" else BASE)
+    overrides, key, words = PLUGIN_CASES[name]
+    assert main(["validate", str(spec), *overrides]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "internal error" not in err, err
+    assert f" {key}: " in err and words in err, err
+
+
+@pytest.mark.parametrize(("config", "words"), [
+    ("{not json", "config.json cannot be read as JSON"),
+    ('{"hidden_size": 8}', "config.json names no model_type"),
+    ('{"model_type": "bananaformer"}', "model_type 'bananaformer' is unknown to transformers"),
+])
+def test_a_model_folder_whose_config_cannot_load_is_found_by_validate(config: str, words: str, tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    from flowrl.cli import main
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(config)
+    (model / "tokenizer.json").write_text("{}")
+    spec = tmp_path / "pipeline.yaml"
+    spec.write_text(BASE.replace("path: builtin:tiny-qwen2", f"path: {model}"))
+    assert main(["validate", str(spec)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"{spec}:3:15 model.path: the model folder") and words in err, err

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from flowrl.data import image_columns
-from flowrl.data.readers import Rows, SourceError, read_rows
+from flowrl.data.readers import ParquetRows, Rows, SourceError, read_rows
 
 
 def _seed(*parts: Any) -> int:
@@ -57,6 +57,7 @@ class FileSource:
         if len(rows) == 0:
             raise SourceError("file", f"{file!r} holds no rows")
         self.key, self.column = _prompt_column(rows[0], prompt, messages, "file")
+        _check_rows(rows, self.key, self.column, file)
         self.images = image_columns.image_column(rows[0], images)
         # Image paths are relative to the folder of the file holding the row.
         self.base = self.eval_base = Path(file).expanduser().parent
@@ -75,6 +76,7 @@ class FileSource:
                 raise SourceError(key, "the held-out rows are empty")
             _prompt_column(self.eval[0], self.column if self.key == "prompt" else None,
                            self.column if self.key == "messages" else None, key)
+            _check_rows(self.eval, self.key, self.column, eval_file or file, key)
             self._check_images(self.eval[0], self.eval_base)
         self.train = rows
         if eval_rows is not None or eval_fraction is not None:
@@ -148,6 +150,20 @@ def _prompt_column(row: dict[str, Any], prompt: str | None, messages: str | None
                           "prompt's column with prompt: <column> (text) or messages: <column> (chat list)")
     _check_value(key, row[column], column)
     return key, column
+
+
+def _check_rows(rows: Rows, key: str, column: str, file: str, where: str | None = None) -> None:
+    """Every row's prompt, not the first alone: a bad row deep in the file would otherwise stop the
+    run when its step comes. Rows read into memory (jsonl, json, csv) are checked one by one; a
+    parquet column has one type, so only its missing values are counted."""
+    if isinstance(rows, list):
+        for number, row in enumerate(rows, 1):
+            try:
+                _check_value(key, row.get(column), column)
+            except SourceError as e:
+                raise SourceError(where or e.key, f"{file}: row {number}: {e.detail}") from None
+    elif isinstance(rows, ParquetRows) and (missing := rows.table.column(column).null_count):
+        raise SourceError(where or key, f"{file}: column {column!r} has no value in {missing} row(s)")
 
 
 def _check_value(key: str, value: Any, column: str) -> None:

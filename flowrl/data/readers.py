@@ -60,7 +60,7 @@ def read_rows(file: str, fmt: str | None, split: str | None, key: str = "file", 
             with path.open(newline="", encoding="utf-8") as f:
                 return list(csv.DictReader(f))
         if fmt == "parquet":
-            return _ParquetRows(_require("pyarrow.parquet", fmt, key).read_table(path))
+            return ParquetRows(_require("pyarrow.parquet", fmt, key).read_table(path))
         return _datasets_folder(path, split, key, split_key)
     except (OSError, UnicodeDecodeError) as e:
         raise SourceError(key, f"cannot read {str(path)!r} as {fmt}: {e}") from None
@@ -102,7 +102,7 @@ def _require(module: str, fmt: str, key: str) -> Any:
         raise SourceError(key, f"reading {fmt} needs the data extra: {EXTRA}") from None
 
 
-class _ParquetRows(Sequence):
+class ParquetRows(Sequence):
     """A pyarrow table's rows as dicts, converted one at a time."""
 
     def __init__(self, table: Any) -> None:

@@ -104,29 +104,66 @@ def batch_size(data: dict[str, Any]) -> int:
     return size
 
 
-def problems(data: dict[str, Any], seed: int = 0, model: dict[str, Any] | None = None) -> list[tuple[tuple[str, ...], str]]:
+PROMPT_KEYS = ("prompt_ids", "messages", "prompt")  # what the single_turn workflow makes a prompt of
+
+
+def problems(data: dict[str, Any], seed: int = 0, model: dict[str, Any] | None = None,
+             prompted: bool = False) -> list[tuple[tuple[str, ...], str]]:
     """(key path, problem) of a pipeline's `data` section, found by building its source (and the
-    eval source) as a run would, without generating anything."""
+    eval source) as a run would, and drawing its first sample, without generating anything.
+    `prompted`: a generate node's workflow (single_turn) needs each sample's prompt."""
     built, out = _build(data, ("data", "source"), seed, model)
+    if built is not None:
+        out += _first_sample_problems(built, prompted)
     if built is not None and getattr(built, "images", None) and model:
         out += _vision_model_problems(data["source"], model)
     size = data.get("batch_size", 16)
     if isinstance(built, Sized) and len(built) < size:
         out.append((("data", "batch_size"), f"batch_size {size} is larger than the source, which holds "
                                             f"{len(built)} samples: no step could be filled"))
-    spec = data.get("eval")
-    if isinstance(spec, dict):
-        options = {**(data.get("options") or {}), **(spec.get("options") or {})}
-        reward = options.pop("reward", None)
-        if isinstance(reward, str) and not reward.startswith("builtin:"):
-            from flowrl.spec.refs import callable_path
-
-            problem = callable_path(reward)
-            out += [(("data", "eval", "options", "reward"), problem)] if problem else []
-        if spec.get("source"):
-            out += _build({**data, "source": spec["source"], "options": options}, ("data", "eval", "source"), seed,
-                          model)[1]
+    if isinstance(data.get("eval"), dict) and (built is not None or data["eval"].get("source")):
+        out += _eval_problems(data, seed, model, built)
     return out
+
+
+def _first_sample_problems(built: Source, prompted: bool) -> list[tuple[tuple[str, ...], str]]:
+    """Sample (0, 0), drawn as the first step draws it: a source that fails there, returns no dict,
+    or (for single_turn) no prompt would otherwise fail, or reject every sample, only in the run."""
+    try:
+        sample = built.sample(0, 0)
+    except Exception as e:  # noqa: BLE001 - the user's source may raise anything; report it at the key
+        return [(("data", "source"), f"sample(0, 0) failed: {type(e).__name__}: {e}")]
+    if not isinstance(sample, dict):
+        return [(("data", "source"), f"sample(0, 0) returned {type(sample).__name__}; a sample is a dict")]
+    if prompted and not any(key in sample for key in PROMPT_KEYS):
+        return [(("data", "source"), f"sample(0, 0) has no prompt (keys: {', '.join(map(str, sample)) or 'none'}); "
+                                     "the single_turn workflow reads prompt_ids, messages or prompt")]
+    return []
+
+
+def _eval_problems(data: dict[str, Any], seed: int, model: dict[str, Any] | None,
+                   built: Source | None) -> list[tuple[tuple[str, ...], str]]:
+    """`data.eval` built as the generate node builds it: its source, held-out samples and reward."""
+    from flowrl_operators.evaluate import EvalProblem, eval_parts
+
+    spec = data["eval"]
+    reward = (spec.get("options") or {}).get("reward")
+    if isinstance(reward, str) and not reward.startswith("builtin:"):
+        from flowrl.spec.refs import callable_path
+
+        problem = callable_path(reward, arguments=1)
+        if problem:
+            return [(("data", "eval", "options", "reward"), problem)]
+    try:
+        eval_parts(data, seed, model=model, source=built)
+    except EvalProblem as e:
+        return [(("data", *e.key), str(e))]
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - the user's factory may raise anything; report it at the key
+        own = set(spec.get("options") or {}) - {"reward"}  # options the eval passes its source
+        where = ("data", "eval", "source") if spec.get("source") else ("data", "eval", "options") if own else ("data", "eval")
+        return [(where, str(e) if isinstance(e, ValueError) else f"building the eval source failed: "
+                                                                 f"{type(e).__name__}: {e}")]
+    return []
 
 
 def _vision_model_problems(name: Any, model: dict[str, Any]) -> list[tuple[tuple[str, ...], str]]:

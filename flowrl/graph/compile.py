@@ -26,6 +26,7 @@ from flowrl.spec.errors import Diagnostic, SpecError, did_you_mean
 from flowrl.spec.load import LoadedSpec, load, validation_diagnostic
 from flowrl.spec.schema import EdgeSpec
 
+DEFAULT_CAPACITY = 64  # records an async edge holds before its producer waits
 _EDGE = re.compile(r"^\s*([\w-]+)(?:\.([\w-]+))?\s*->\s*([\w-]+)(?:\.([\w-]+))?\s*$")
 
 
@@ -62,7 +63,7 @@ def compile_spec(loaded: LoadedSpec) -> Compiled:
     _check_resources(spec, resources, loc, problems)
     if not problems:
         rules.check_fan_in(edges, ops, loc, problems)
-        _check_operators(edges, ops, configs, spec.run.executor, loc, problems)
+        _check_operators(edges, ops, configs, resources, spec.run.executor, loc, problems)
     rules.check_references(spec, configs, loc, problems)  # imports the modules named, builds the data source
     if problems:
         raise SpecError(_ordered(problems))
@@ -187,7 +188,8 @@ def _resolve_ports(src, src_port, dst, dst_port, spec: EdgeSpec, ops, path, loc,
         if len(dst_choices) == 1 and ins[dst_choices[0]] == t:
             return EdgePlan(
                 src=src, src_port=sp, dst=dst, dst_port=dst_choices[0], port_type=t, kind=spec.kind,
-                mode=spec.mode, max_staleness=spec.max_staleness or 0, capacity=spec.capacity, on_stale=spec.on_stale,
+                mode=spec.mode, max_staleness=spec.max_staleness or 0, capacity=spec.capacity or DEFAULT_CAPACITY,
+                on_stale=spec.on_stale or "drop",
             )
     out_types = ", ".join(f"{p}: {t}" for p, t in outs.items()) or "none"
     in_types = ", ".join(f"{p}: {t}" for p, t in ins.items()) or "none"
@@ -197,13 +199,16 @@ def _resolve_ports(src, src_port, dst, dst_port, spec: EdgeSpec, ops, path, loc,
 
 
 def _check_edge_options(edge: EdgePlan, spec: EdgeSpec, ops, path, loc, problems) -> None:
-    if spec.mode == "sync" and spec.max_staleness is not None:
-        problems.append(loc.diagnostic((*path, "max_staleness"), "max_staleness applies only to async edges; set mode: async or remove it"))
+    # A sync edge is bounded by its step and never stale, so these are read on async edges only.
+    for key in ("max_staleness", "capacity", "on_stale"):
+        if spec.mode == "sync" and getattr(spec, key) is not None:
+            fix = "remove it" if spec.kind == "weights" else "set mode: async or remove it"
+            problems.append(loc.diagnostic((*path, key), f"{key} applies only to async edges; {fix}"))
     if spec.max_staleness is not None and spec.max_staleness < 0:
         problems.append(loc.diagnostic((*path, "max_staleness"), "max_staleness must be >= 0"))
     if spec.mode == "async" and spec.max_staleness is None:
         edge.max_staleness = 1  # one-step-off unless said otherwise
-    if spec.capacity < 1:
+    if spec.capacity is not None and spec.capacity < 1:
         problems.append(loc.diagnostic((*path, "capacity"), f"capacity must be >= 1, got {spec.capacity}"))
     if edge.port_type == WEIGHTS and spec.kind != "weights":
         problems.append(loc.diagnostic(path, "an edge carrying weights must be marked kind: weights", at_key=True))
@@ -270,7 +275,7 @@ def _check_resources(spec, resources: dict[str, Resources], loc, problems) -> No
             f"the nodes together ask for {total_cpus:g} CPUs and {total_gpus:g} GPUs; the cluster offers {cluster.cpus:g} and {cluster.gpus:g}"))
 
 
-def _check_operators(edges, ops, configs, executor: str, loc, problems) -> None:
+def _check_operators(edges, ops, configs, resources, executor: str, loc, problems) -> None:
     data = nx.DiGraph([(e.src, e.dst, {"mode": e.mode}) for _, e in edges if e.kind == "data"])
     data.add_nodes_from(ops)
     for name, op in ops.items():
@@ -279,10 +284,16 @@ def _check_operators(edges, ops, configs, executor: str, loc, problems) -> None:
         upstream = nx.ancestors(data, name)
         async_in = any(d["mode"] == "async" for _, v, d in data.edges(data=True) if v == name or v in upstream)
         partial = any(ops[u].knobs(configs[u]).partial_rollout for u in upstream if u in configs)
-        provided = frozenset(field for u in upstream for field in ops[u].provides)
+        provided = frozenset(field for u in upstream if u in configs
+                             for field in ops[u].provides | ops[u].knobs(configs[u]).provides)
         facts = GraphFacts(async_upstream=async_in, partial_rollout_upstream=partial, executor=executor,
-                           upstream_provides=provided)
-        for key_path, message in op.check_graph(configs[name], facts):
+                           upstream_provides=provided, replicas=resources[name].replicas if name in resources else 1)
+        try:
+            found = list(op.check_graph(configs[name], facts))
+        except Exception as e:  # noqa: BLE001 - a plugin's own check failing is its author's to fix: say whose
+            found = [(("op",), f"operator {op.__module__}:{op.__qualname__}: its check_graph failed: "
+                               f"{type(e).__name__}: {e}")]
+        for key_path, message in found:
             problems.append(loc.diagnostic(("nodes", name, *key_path), message))
 
 

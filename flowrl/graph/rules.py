@@ -27,7 +27,8 @@ def check_references(spec: Any, configs: dict[str, msgspec.Struct], loc: Locator
     for name, config in configs.items():
         found += refs.problems(config, ("nodes", name))
     if not any(path[:2] == ("data", "source") for path, _ in found):
-        found += source.problems(msgspec.to_builtins(spec.data), spec.run.seed, model)
+        prompted = any(getattr(config, "workflow", None) == "single_turn" for config in configs.values())
+        found += source.problems(msgspec.to_builtins(spec.data), spec.run.seed, model, prompted)
     problems.extend(loc.diagnostic(path, message) for path, message in found)
 
 

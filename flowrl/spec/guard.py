@@ -19,6 +19,18 @@ import yaml
 
 from flowrl.spec.errors import Diagnostic, Path, SpecError
 
+
+class Loader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # libyaml's parser where built: 5-10x faster
+    """SafeLoader that also reads `1e-3` as a float (YAML 1.1 wants `1.0e-3`)."""
+
+
+Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:\d[\d_]*)?(?:\.\d*)?[eE][-+]?\d+$"),
+    list("-+0123456789."),
+)
+
+
 MAX_BYTES = 256 * 1024  # a spec is a few KB; this keeps even a hostile file's parse within a second or two
 MAX_DEPTH = 64  # mappings and lists nested in each other
 MAX_NODES = 100_000  # values in the spec with every alias expanded

@@ -14,24 +14,12 @@ from typing import Any
 
 import msgspec
 import yaml
-from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
 from flowrl.spec import guard
 from flowrl.spec.errors import Diagnostic, Path, SpecError, did_you_mean, format_path
+from flowrl.spec.guard import Loader as _Loader
+from flowrl.spec.overrides import apply_overrides
 from flowrl.spec.schema import PipelineSpec
-
-
-class _Loader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # libyaml's parser where built: 5-10x faster
-    """SafeLoader that also reads `1e-3` as a float (YAML 1.1 wants `1.0e-3`)."""
-
-
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:\d[\d_]*)?(?:\.\d*)?[eE][-+]?\d+$"),
-    list("-+0123456789."),
-)
-
 
 _TEXT_KEYS = ("tag:yaml.org,2002:str", "tag:yaml.org,2002:merge")  # `<<: *base` merges a mapping
 
@@ -110,7 +98,13 @@ def validation_problem(err: msgspec.ValidationError, data: Any, schema: type | N
     message, whether the path names a key rather than a value)."""
     text = str(err)
     message, _, where = text.partition(" - at `")
-    path = parse_msgspec_path(where.rstrip("`"))
+    where, in_mapping, _ = where.rstrip("`").partition("[...]")  # msgspec's mark: a value of this mapping
+    path = parse_msgspec_path(where)
+    if in_mapping and isinstance(value := _get(data, path), dict):
+        path = (*path, *_mapping_key(value, message))
+    own = re.match(r"([\w.]+): (.+)", message, re.S)  # a Struct's own check names its key: "key: what"
+    if own and schema and own.group(1).split(".")[0] in _fields_at(schema, path):
+        return (*path, *own.group(1).split(".")), own.group(2), False
     unknown = re.match(r"Object contains unknown field `(.+)`", message)
     if unknown:
         key = unknown.group(1)
@@ -128,6 +122,23 @@ def validation_problem(err: msgspec.ValidationError, data: Any, schema: type | N
         except (KeyError, IndexError, TypeError):
             pass
     return path, message[0].lower() + message[1:], False
+
+
+def _get(data: Any, path: Path) -> Any:
+    try:
+        return get_path(data, path)
+    except (KeyError, IndexError, TypeError):
+        return None
+
+
+_JSON_TYPES = {"str": str, "int": int, "float": float, "bool": bool, "null": type(None), "array": list, "object": dict}
+
+
+def _mapping_key(mapping: dict[str, Any], message: str) -> Path:
+    """The key of `mapping` whose value a msgspec type error is about (the first of that type)."""
+    got = re.search(r"got `(\w+)`", message)
+    kind = _JSON_TYPES.get(got.group(1)) if got else None
+    return next(((key,) for key, value in mapping.items() if kind is not None and type(value) is kind), ())
 
 
 def _fields_at(schema: type, path: Path) -> list[str]:
@@ -182,7 +193,7 @@ def load(file: str | FsPath, overrides: list[str] | None = None) -> LoadedSpec:
     text = guard.read_text(file)
     loc = Locator(file)
     raw = _compose(text, file, loc)
-    data = _apply_overrides(raw, overrides or [], loc)
+    data = apply_overrides(raw, overrides or [], loc)
     bad = guard.bad_numbers(data)
     if bad:
         raise SpecError([loc.diagnostic(path, problem) for path, problem in bad])
@@ -190,7 +201,7 @@ def load(file: str | FsPath, overrides: list[str] | None = None) -> LoadedSpec:
         spec = msgspec.convert(data, PipelineSpec)
     except msgspec.ValidationError as e:
         raise SpecError([validation_diagnostic(e, data, (), loc, PipelineSpec)]) from None
-    _check_names(spec, loc)
+    check_names(spec, loc)
     return LoadedSpec(spec, data, loc, file, _environment(raw))
 
 
@@ -209,7 +220,7 @@ def _environment(raw: Any) -> list[str]:
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 
 
-def _check_names(spec: PipelineSpec, loc: Locator) -> None:
+def check_names(spec: PipelineSpec, loc: Locator) -> None:
     """The run's and phases' names become folder names (runs/<name>-<time>, phases/<i>-<name>):
     nothing that could leave the runs folder or name a special file."""
     named = [(("name",), spec.name)] + [(("phases", i, "name"), p.name) for i, p in enumerate(spec.phases)]
@@ -248,20 +259,6 @@ def _compose(text: str, file: str, loc: Locator) -> dict[str, Any]:
     return raw
 
 
-def _override_value(text: str, where: str) -> Any:
-    """The YAML value of a `key=value` override (the text itself if it is not YAML)."""
-    if not text:
-        return ""
-    loader = _Loader(text)
-    try:
-        guard.check_events(loader, where)
-        return yaml.load(text, Loader=_Loader)
-    except yaml.YAMLError:
-        return text
-    finally:
-        loader.dispose()
-
-
 def _yaml_diagnostic(file: str, e: yaml.MarkedYAMLError) -> Diagnostic:
     # A quote or bracket left open is found only at the end of the file: point at where it opens.
     at_end = "end of stream" in (e.problem or "") or "end of stream" in (e.context or "")
@@ -272,48 +269,3 @@ def _yaml_diagnostic(file: str, e: yaml.MarkedYAMLError) -> Diagnostic:
         opened = e.context_mark
         context = f" ({e.context} here)" if at_end else f" ({e.context} at {opened.line + 1}:{opened.column + 1})"
     return Diagnostic(file, line, col, "", f"invalid YAML: {e.problem}{context}")
-
-
-def _interpolates(raw: Any) -> bool:
-    if isinstance(raw, dict):
-        return any(_interpolates(k) or _interpolates(v) for k, v in raw.items())
-    if isinstance(raw, list):
-        return any(_interpolates(v) for v in raw)
-    return isinstance(raw, str) and "${" in raw
-
-
-def _apply_overrides(raw: dict[str, Any], overrides: list[str], loc: Locator) -> dict[str, Any]:
-    """Set each `dotted.key=value` (list items by index: `phases.0.seconds=10`), then interpolate."""
-    for item in overrides:
-        key, eq, text = item.partition("=")
-        shown = item if len(item) <= 80 else item[:77] + "..."
-        where = f"command-line override '{shown}'"
-        if not eq or not key:
-            raise SpecError([Diagnostic(where, 0, 0, "", "expected key=value")])
-        path = tuple(int(p) if p.isdigit() else p for p in key.split("."))
-        if len(path) > 3 and path[0] == "phases" and path[2] == "set":
-            # A phase's `set` takes dotted keys: `phases.1.set.nodes.a.b=v` sets its key `nodes.a.b`.
-            path = (*path[:3], ".".join(map(str, path[3:])))
-        value = _override_value(text, where)
-        node: Any = raw
-        try:
-            for part in path[:-1]:
-                node = node.setdefault(part, {}) if isinstance(node, dict) else node[part]
-            if isinstance(node, list) and not isinstance(path[-1], int):
-                raise TypeError("a list")
-            node[path[-1]] = value
-        except (IndexError, KeyError, TypeError, AttributeError):
-            raise SpecError([Diagnostic(where, 0, 0, format_path(path), "no such key or list item to set")]) from None
-        loc.overrides[path] = shown
-    if not _interpolates(raw):  # omegaconf takes seconds on a large spec; skip it when it has nothing to do
-        return raw
-    guard.check_interpolation(raw, lambda path, message: SpecError([loc.diagnostic(path, message)]))
-    try:
-        # Interpolation only: omegaconf's built-in resolvers read config and environment values;
-        # we register none that evaluates code.
-        return OmegaConf.to_container(OmegaConf.create(raw), resolve=True)  # type: ignore[return-value]
-    except (OmegaConfBaseException, RecursionError) as e:
-        key = getattr(e, "full_key", "") or ""
-        path = tuple(int(p) if p.isdigit() else p for p in re.split(r"\.|\[|\]", str(key)) if p)
-        message = str(e).splitlines()[0]
-        raise SpecError([loc.diagnostic(path, f"interpolation failed: {message}")]) from None

@@ -34,7 +34,7 @@ from typing import Any
 import msgspec
 
 from flowrl.spec.errors import SpecError, did_you_mean
-from flowrl.spec.load import LoadedSpec, Locator, validation_diagnostic
+from flowrl.spec.load import LoadedSpec, Locator, check_names, validation_diagnostic
 from flowrl.spec.schema import PhaseSpec, PipelineSpec
 
 Path_ = tuple[str | int, ...]
@@ -58,23 +58,28 @@ def expand(loaded: LoadedSpec, model_path: str | None = None, index: int | None 
     if not spec.phases:
         _resolve_phase_paths(loaded.data, [], 0, None, loaded.locator)  # rejects any
         return [(PhaseSpec(name="main"), loaded)]
+    if "steps" in (loaded.data.get("run") or {}):  # every phase's length replaces it
+        raise SpecError([loaded.locator.diagnostic(("run", "steps"), "with phases, each phase's steps or seconds set "
+                                                   "its length: set phases.<i>.steps instead of run.steps")])
     out = []
     for i, phase in enumerate(spec.phases):
         if phase.steps is None and phase.seconds is None:
             raise SpecError([loaded.locator.diagnostic(
                 ("phases", i), f"phase '{phase.name}' has neither steps nor seconds; give it one or both")])
+        _check_set_keys(phase, i, loaded.locator)
         if index is not None and i != index:
             continue
         data = copy.deepcopy(loaded.data)
-        data["phases"] = []
-        run = data.setdefault("run", {})
-        run["steps"] = phase.steps or UNBOUNDED_STEPS
-        if phase.seconds is not None:
-            run["max_seconds"] = phase.seconds
         base = loaded.locator
         locator = Locator(base.file, dict(base.keys), dict(base.values), dict(base.overrides))
         for key, value in phase.set.items():
             _apply_set(data, key, value, ("phases", i, "set", key), base, locator)
+        data["phases"] = []
+        run = data.setdefault("run", {})
+        if isinstance(run, dict):  # after `set`, so that setting all of `run` keeps the phase's length
+            run["steps"] = phase.steps or UNBOUNDED_STEPS
+            if phase.seconds is not None:
+                run["max_seconds"] = phase.seconds
         model_set = phase.set.get("model")
         own_model = "model.path" in phase.set or (isinstance(model_set, dict) and "path" in model_set)
         if model_path is not None and i > 0 and not own_model:
@@ -84,8 +89,26 @@ def expand(loaded: LoadedSpec, model_path: str | None = None, index: int | None 
             phase_spec = msgspec.convert(data, PipelineSpec)
         except msgspec.ValidationError as e:
             raise SpecError([validation_diagnostic(e, data, (), locator, PipelineSpec)]) from None
+        check_names(phase_spec, locator)  # a name the phase sets
         out.append((phase, LoadedSpec(phase_spec, data, locator, loaded.file, loaded.environment)))
     return out
+
+
+# Keys a phase's `set` cannot change: its length is its own steps / seconds, its folder
+# RUN_DIR/phases/<i>-<name>, and phases do not nest.
+_FIXED = {"phases": "phases do not nest", "run.steps": "a phase's length is its steps: set the phase's steps",
+          "run.max_seconds": "a phase's length is its seconds: set the phase's seconds",
+          "run.run_dir": "a phase runs in RUN_DIR/phases/<i>-<name>; set run.run_dir outside the phases"}
+
+
+def _check_set_keys(phase: PhaseSpec, i: int, locator: Locator) -> None:
+    for key, value in phase.set.items():
+        written = [key] + ([f"{key}.{k}" for k in value] if isinstance(value, dict) else [])
+        fixed = [k for k in written if k in _FIXED or k.startswith("phases.")]
+        if fixed:
+            why = _FIXED.get(fixed[0], _FIXED["phases"])
+            raise SpecError([locator.diagnostic(("phases", i, "set", key), f"a phase cannot set {fixed[0]}: {why}",
+                                                at_key=True)])
 
 
 def _edge_entry(data: dict[str, Any], text: str, options: Any, locator: Locator,

@@ -42,7 +42,7 @@ class FileSourceSpec(Strict):
     """A dataset file as the data source (flowrl/data/files.py). Paths are read from the working
     directory when relative."""
 
-    file: str  # .jsonl, .json (a list of objects), .csv, .parquet, or a datasets save_to_disk folder
+    file: Annotated[str, Meta(min_length=1)]  # .jsonl, .json (a list of objects), .csv, .parquet, or a datasets save_to_disk folder
     format: Literal["jsonl", "json", "csv", "parquet", "datasets"] | None = None  # default: from the name
     prompt: str | None = None  # column of prompt text (default: a column named prompt)
     messages: str | None = None  # column of chat messages (default: a column named messages)
@@ -67,13 +67,14 @@ class DataSpec(Strict):
         if not isinstance(source, FileSourceSpec):
             return
         if self.options:
-            raise ValueError("options apply to a module:attr source; a file source takes its keys under source")
+            raise ValueError("options: options apply to a module:attr source; a file source takes its keys under source")
         held = (source.eval_file, source.eval_split, source.eval_rows, source.eval_fraction)
         if self.eval is not None and self.eval.source is None and all(h is None for h in held):
-            raise ValueError("eval needs held-out rows of the file source: set source.eval_file, eval_split, "
+            raise ValueError("eval: eval needs held-out rows of the file source: set source.eval_file, eval_split, "
                              "eval_rows or eval_fraction")
         if self.eval is not None and source.eval_rows is not None and self.eval.samples > source.eval_rows:
-            raise ValueError(f"eval.samples ({self.eval.samples}) is more than source.eval_rows ({source.eval_rows})")
+            raise ValueError(f"eval.samples: eval.samples ({self.eval.samples}) is more than source.eval_rows "
+                             f"({source.eval_rows})")
 
 
 class ClusterSpec(Strict):
@@ -90,7 +91,7 @@ class RunSpec(Strict):
     # Under Ray: restarts of a dead generate actor, and of the run from its last checkpoint after a
     # train actor's process died (flowrl/runtime/run.py).
     max_restarts: NonNegativeInt = 3
-    run_dir: str | None = None
+    run_dir: Annotated[str, Meta(min_length=1)] | None = None
     # Wall-clock budget; the run ends cleanly (checkpoint, export) when it is spent. The clock
     # starts once every stage has set up (models loaded, the first evaluation done) and the run's
     # stages start taking work; a resumed run gets the whole budget again.
@@ -118,7 +119,7 @@ class RunSpec(Strict):
 
         check_names(self.stop_when)
         if self.ray_address is not None and self.executor != "ray":
-            raise ValueError("ray_address is where the Ray executor runs: set executor: ray, or remove ray_address")
+            raise ValueError("ray_address: ray_address is where the Ray executor runs: set executor: ray, or remove it")
         twice = sorted({t for t in self.trackers if self.trackers.count(t) > 1})
         if twice:
             raise ValueError(f"trackers: {', '.join(twice)} is listed twice")
@@ -126,9 +127,11 @@ class RunSpec(Strict):
 
 class EdgeSpec(Strict):
     mode: Literal["sync", "async"] = "sync"
+    # Async only (None: unset; the compiler refuses them on a sync or weights edge, where nothing
+    # reads them): defaults 1, 64 and drop.
     max_staleness: int | None = None
-    capacity: int = 64
-    on_stale: Literal["drop", "keep"] = "drop"
+    capacity: int | None = None
+    on_stale: Literal["drop", "keep"] | None = None
     kind: Literal["data", "weights"] = "data"
 
 
@@ -163,4 +166,4 @@ class PipelineSpec(Strict):
 
     def __post_init__(self) -> None:
         if "eval_reward" in self.run.stop_when and self.data.eval is None:
-            raise ValueError("run.stop_when.eval_reward needs data.eval (the periodic evaluation it reads)")
+            raise ValueError("run.stop_when.eval_reward: eval_reward needs data.eval (the periodic evaluation it reads)")

@@ -78,13 +78,16 @@ class EngineEntry:
 
 @cache
 def engines() -> dict[str, EngineEntry]:
-    found = {}
-    for ep in entry_points(group=GROUP):
-        entry = ep.load()
-        if not isinstance(entry, EngineEntry) or entry.name != ep.name:
-            raise TypeError(f"entry point {ep.name} = {ep.value} is not an EngineEntry named {ep.name!r}")
-        found[ep.name] = entry
-    return found
+    return {name: _entry(name) for name in names()}
+
+
+def _entry(name: str) -> EngineEntry:
+    """The registered engine `name`, loaded alone: another plugin's broken entry point costs only its own name."""
+    ep = next(ep for ep in entry_points(group=GROUP) if ep.name == name)
+    entry = ep.load()
+    if not isinstance(entry, EngineEntry) or entry.name != ep.name:
+        raise TypeError(f"entry point {ep.name} = {ep.value} is not an EngineEntry named {ep.name!r}")
+    return entry
 
 
 @cache
@@ -95,14 +98,21 @@ def names() -> tuple[str, ...]:
 
 
 def check_name(name: str) -> str | None:
-    """None if `name` is a registered training engine, else what to say."""
-    if name in names():
+    """None if `name` is a registered training engine that loads, else what to say. A plugin's is
+    loaded here (`flowrl validate`), flowrl's own not: it imports torch, and ships working."""
+    if name not in names():
+        return plugins.unknown("training engine", name, names())
+    if plugins.targets(GROUP)[name].startswith("flowrl_operators."):
         return None
-    return plugins.unknown("training engine", name, names())
+    try:
+        _entry(name)
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - a plugin may fail in any way as it imports
+        return f"training engine '{name}' cannot be loaded: {type(e).__name__}: {e}"
+    return None
 
 
 def build(name: str, model_path: str, config: Any, role: Role) -> TrainingEngine:
     problem = check_name(name)
     if problem:
         raise ValueError(problem)
-    return engines()[name].build(model_path, config, role)
+    return _entry(name).build(model_path, config, role)

@@ -81,6 +81,12 @@ def needs_values(advantage: AdvantageConfig) -> bool:
     return "values" in ADVANTAGES.of(advantage).needs
 
 
+def needs_baseline(advantage: AdvantageConfig) -> bool:
+    """Whether the estimator needs a greedy baseline row per group (generate greedy_baseline: true);
+    any other estimator would count such rows as samples."""
+    return "baseline" in ADVANTAGES.of(advantage).needs
+
+
 def check_compatible(loss: LossConfig, advantage: AdvantageConfig) -> None:
     """Reject a KL reward penalty that the chosen estimator would silently ignore."""
     kl = kl_config(loss)

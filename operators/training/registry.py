@@ -91,7 +91,7 @@ class Registry:
             raise AlgorithmError(f"no {self.concept} is registered (entry points {self.group}): reinstall "
                                  "flowrl (pip install -e .) so that its pyproject.toml entry points are seen")
         if found is None:
-            raise AlgorithmError(plugins.unknown(self.concept, name, self.names()))
+            raise AlgorithmError(plugins.missing(self.concept, name, self.group, self.names()))
         return found
 
     def of(self, config: msgspec.Struct) -> Algorithm:

@@ -46,7 +46,7 @@ def names() -> list[str]:
 def get(name: str) -> Transport:
     found = transports().get(name)
     if found is None:
-        raise TransferError(plugins.unknown("weight transport", name, names()))
+        raise TransferError(plugins.missing("weight transport", name, GROUP, names()))
     return found
 
 
