@@ -10,7 +10,7 @@ import msgspec
 import pytest
 import torch
 
-from flowrl.operator import ConfigError, OperatorContext
+from flowrl.operator import ConfigError, GraphFacts, OperatorContext
 from flowrl_operators.config import GenerateConfig
 from flowrl_operators.engine.base import GenerateRequest, SamplingParams
 from flowrl_operators.engine.embedded import EmbeddedEngine
@@ -116,4 +116,4 @@ def test_generate_node_reads_max_context():
     with pytest.raises(ConfigError, match=r"nodes\.rollout\.engine\.max_context: max_context .* between 2"):
         asyncio.run(node(limit + 1).setup())
     too_small = msgspec.convert({"engine": {"max_context": 8}, "sampling": {"max_new_tokens": 8}}, GenerateConfig)
-    assert Generate.check_graph(too_small, None)[0][0] == ("engine", "max_context")
+    assert Generate.check_graph(too_small, GraphFacts())[0][0] == ("engine", "max_context")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from flowrl.data.trajectory import Group, Trajectory
-from flowrl.operator import ConfigError, OperatorContext
+from flowrl.operator import ConfigError, GraphFacts, OperatorContext
 from flowrl_operators.config import TrainConfig
 from flowrl_operators.train import Train
 from flowrl_operators.training.advantages import AdvantageConfig, compute_advantages
@@ -117,4 +117,4 @@ def test_freeze_errors_are_located(tmp_path: Path):
     with pytest.raises(ConfigError, match=r"nodes\.learner\.freeze: these patterns freeze every parameter"):
         asyncio.run(node(tmp_path, freeze=["*"]).setup())
     both = msgspec.convert({"freeze": ["model.norm.*"], "lora": {}}, TrainConfig)
-    assert Train.check_graph(both, None)[0][0] == ("freeze",)
+    assert Train.check_graph(both, GraphFacts())[0][0] == ("freeze",)
