@@ -138,11 +138,11 @@ def trees(mb, found: list[Unit], attention_width: float) -> list[Tree]:
     """`found` units grouped into trees (module docs), largest first: in the order of their prefixes'
     tokens, each unit joins the tree before it while their common start is at least `MIN_SYSTEM`
     tokens and one row holding both costs less than two."""
-    ids, pos = mb.input_ids.tolist(), mb.position_ids.tolist()
 
-    def start(unit: Unit) -> list[tuple[int, int]]:
+    def start(unit: Unit) -> list[tuple[int, int]]:  # one row's prefix, not the whole batch again
         row = unit.rows[0]
-        return list(zip(ids[row][: unit.prefix], pos[row][: unit.prefix], strict=True))
+        return list(zip(mb.input_ids[row, : unit.prefix].tolist(), mb.position_ids[row, : unit.prefix].tolist(),
+                        strict=True))
 
     out: list[Tree] = []
     first: list[tuple[int, int]] = []
