@@ -132,7 +132,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     from flowrl.runtime.ray_placement import PlacementError
 
     progress = not args.quiet
-    if args.resume and args.file:
+    if args.resume and (args.file or args.overrides):
+        given = [a for a in (args.file, *args.overrides) if a]
+        if any("=" in a and not Path(a).exists() for a in given):
+            raise UserError(f"--resume takes no key=value overrides (got {' '.join(given)}): a run continues with "
+                            f"the spec and overrides it started with ({Path(args.resume) / 'launch.json'}). To "
+                            f"change a setting, start a new run: flowrl run {Path(args.resume) / 'spec.yaml'} "
+                            "key=value --run-dir NEW_DIR")
         raise UserError("--resume continues the run in RUN_DIR with its own spec; give no pipeline file")
     try:
         if args.resume:

@@ -211,6 +211,14 @@ class Operator:
         metrics.jsonl row under `operators.<node>`."""
         return {}
 
+    def errors(self) -> list[str]:
+        """Failures of user code this operator isolated since the last call (an episode that
+        raised, a reward that returned NaN), one text each naming the sample; the call drains them.
+        The runtime keeps the first few of a run in errors.jsonl and shows them when nothing is
+        trained (run.max_empty_steps). Keep the texts short: the user's frames, not the library's
+        (flowrl.blame.describe)."""
+        return []
+
     def state_dict(self) -> dict[str, Any]:
         return {}
 

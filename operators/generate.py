@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import traceback
 from pathlib import Path
 from typing import Any, ClassVar
 
 import msgspec
 
+from flowrl.blame import UserCodeFailed, describe
 from flowrl.data.trajectory import Group, SamplingSpan, Trajectory
 from flowrl.operator import (
     PROMPTS,
@@ -24,8 +24,10 @@ from flowrl.operator import (
 from flowrl_operators.config import EngineConfig, GenerateConfig
 from flowrl_operators.engine.base import SamplingParams
 
+KEPT_ERRORS = 8  # episode errors buffered between two errors() calls; the rest are counted only
 
-class TooManyEpisodeErrors(RuntimeError):
+
+class TooManyEpisodeErrors(UserCodeFailed):
     """More episodes failed than the node's `max_episode_errors` allows."""
 
 
@@ -66,6 +68,7 @@ class Generate(Operator):
         self.counts = {"episodes": 0, "episode_errors": 0, "rejected_samples": 0, "trajectories": 0,
                        "model_tokens": 0, "turns": 0, "weight_updates": 0, "episode_timeouts": 0}
         self.last_error: str | None = None
+        self.isolated: list[str] = []  # errors() since its last call, at most KEPT_ERRORS
         self.evaluator: Any = None
 
     async def setup(self) -> None:
@@ -172,7 +175,7 @@ class Generate(Operator):
         self.counts["episodes"] += 1
         try:
             out = await _within(self.workflow(ctx, sample), self.config.episode_timeout_s)
-            trajectories = [] if out is None else [out] if isinstance(out, Trajectory) else list(out)
+            trajectories = self._trajectories(out, sample_id, episode)
             for j, t in enumerate(trajectories):
                 self._stamp(t, sample, step, sample_id, episode, j if len(trajectories) > 1 else None, sampling)
         except Exception as exc:  # an environment, agent or engine failure costs this episode only
@@ -181,14 +184,37 @@ class Generate(Operator):
                 self.counts["episode_timeouts"] += 1
                 exc = TimeoutError(f"episode {episode} of {sample_id} ran past episode_timeout_s "
                                    f"{self.config.episode_timeout_s}")
-            self.last_error = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+            self.last_error = f"sample {sample_id}, episode {episode}: {describe(exc)}"
+            self._isolate(self.last_error)
             if self.counts["episode_errors"] >= self.config.max_episode_errors:
                 raise TooManyEpisodeErrors(
                     f"{self.counts['episode_errors']} episodes failed (max_episode_errors "
-                    f"{self.config.max_episode_errors}); the last one, of sample {sample_id}:\n{self.last_error}"
-                ) from exc
+                    f"{self.config.max_episode_errors}); the last one, {self.last_error}"
+                ) from None
             return []
         return trajectories
+
+    def _trajectories(self, out: Any, sample_id: str, episode: int) -> list[Trajectory]:
+        """What a workflow returned, as a list of trajectories: a Trajectory, a list or tuple of
+        them, or None (no trajectory: said in errors(), so that a run that trains nothing says why)."""
+        if out is None:
+            self._isolate(f"sample {sample_id}, episode {episode}: workflow {self.config.workflow!r} returned None "
+                          "(no trajectory)")
+            return []
+        if isinstance(out, Trajectory):
+            return [out]
+        if not isinstance(out, list | tuple):
+            raise TypeError(f"workflow {self.config.workflow!r} returned {type(out).__name__} {out!r:.60}; expected "
+                            "a Trajectory, a list of them, or None")
+        return list(out)
+
+    def _isolate(self, text: str) -> None:
+        if len(self.isolated) < KEPT_ERRORS:
+            self.isolated.append(text)
+
+    def errors(self) -> list[str]:
+        out, self.isolated = self.isolated, []
+        return out
 
     def _stamp(self, t: Trajectory, sample: dict[str, Any], step: int, sample_id: str, episode: int,
                part: int | None, sampling: SamplingParams) -> None:

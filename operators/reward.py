@@ -32,10 +32,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-import traceback
 from collections.abc import Callable
 from typing import Any, ClassVar
 
+from flowrl.blame import UserCodeFailed, describe
 from flowrl.data.trajectory import Group, Trajectory
 from flowrl.operator import TRAJECTORIES, Knobs, Operator, OperatorContext, Resources
 from flowrl.registry import OperatorError, import_path
@@ -45,10 +45,12 @@ from flowrl_operators.threads import DaemonExecutor
 from flowrl_operators.workflows.base import is_async_callable
 
 __all__ = ["Reward", "RewardFailed", "apply_score", "load_reward"]
+KEPT_ERRORS = 8  # failed calls described between two errors() calls; the rest are counted only
 
 
-class RewardFailed(RuntimeError):
-    """The reward function failed and the policy (`on_error: fail` or `max_errors`) stops the run."""
+class RewardFailed(UserCodeFailed):
+    """The reward function failed and the policy (`on_error: fail` or `max_errors`) stops the run;
+    the message names the node, the trajectory and the user's own frames (flowrl.blame)."""
 
 
 def load_reward(fn: str) -> Callable[..., Any]:
@@ -126,6 +128,7 @@ class Reward(Operator):
                        "dropped_groups": 0, "abandoned": 0}
         self.rewards = {"sum": 0.0, "count": 0}
         self.last_error: str | None = None
+        self.isolated: list[str] = []  # errors() since its last call, at most KEPT_ERRORS
 
     async def process(self, inputs: dict[str, Any]) -> dict[str, Any]:
         group: Group = inputs["trajectories"]
@@ -232,16 +235,23 @@ class Reward(Operator):
             what = f"invalid reward: {exc}"
         else:
             self.counts["exceptions"] += 1
-            what = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+            what = describe(exc)
         self.last_error = f"{self.context.node} on {trajectories[0].id}: {what}"
+        if len(self.isolated) < KEPT_ERRORS:
+            self.isolated.append(self.last_error)
         if self.config.on_error == "fail" or self.counts["errors"] >= self.config.max_errors:
             raise RewardFailed(f"{self.counts['errors']} reward errors (on_error {self.config.on_error}, "
-                               f"max_errors {self.config.max_errors}); the last: {self.last_error}") from exc
+                               f"max_errors {self.config.max_errors}) in {self.config.fn}; the last, "
+                               f"{self.last_error}") from None
         if self.config.on_error == "zero":
             for t in trajectories:  # zero at every granularity: training credits the finest given
                 t.reward, t.turn_rewards, t.token_rewards = 0.0, None, None
             self.counts["zeroed"] += len(trajectories)
         return False
+
+    def errors(self) -> list[str]:
+        out, self.isolated = self.isolated, []
+        return out
 
     def metrics(self) -> dict[str, float]:
         """Cumulative counters since setup, and the mean reward assigned."""

@@ -4,7 +4,10 @@
 every record stream had got, streams.py) and `<node>/r<replica>/` per stage (Stage.save). It is
 written as `step-<version>.tmp/` and renamed, then `checkpoints/latest` is replaced to name it:
 a run killed at any moment has either the previous complete checkpoint or the new one, and
-`clean_partial` removes what a kill left half-written. Periodic checkpoints (`run.checkpoint_every`
+`clean_partial` removes what a kill left half-written. Each holds `manifest.json`: the size and
+SHA-256 of every other file in it, taken at save and checked before a resume trusts it
+(flowrl/runtime/resume.py). Rotation removes only checkpoints older than the one just written:
+one a resumed run has not reached yet (it resumed from an older one) stays. Periodic checkpoints (`run.checkpoint_every`
 versions, `run.checkpoint_seconds`) are taken while the run goes on: train nodes wait (their state
 must stay at the checkpoint's version), the other stages keep working.
 """
@@ -12,6 +15,7 @@ must stay at the checkpoint's version), the other stages keep working.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import shutil
 import time
@@ -23,6 +27,7 @@ from flowrl.runtime import faults
 MARGIN_BYTES = 64 * 2**20  # room for the record streams between checkpoints
 DEFAULT_KEEP = 2
 DEFAULT_SECONDS = 1800.0  # a run with neither key still checkpoints every half hour
+MANIFEST = "manifest.json"
 
 
 class DiskSpaceError(OSError):
@@ -65,6 +70,10 @@ async def write(ex: Any, run_dir: Path, version: int, keep: int) -> Path:
         (tmp / "coordinator.pkl").write_bytes(taken["state"])
         (tmp / "streams.json").write_text(json.dumps(taken["streams"]))
         await ex.save(tmp)
+        # Hashed off the event loop: the stages go on meanwhile (train nodes wait for the checkpoint).
+        manifest = await asyncio.to_thread(files, tmp)
+        (tmp / MANIFEST).write_text("{\n" + ",\n".join(f"{json.dumps(k)}: {json.dumps(v)}"
+                                                        for k, v in manifest.items()) + "\n}\n")
     except BaseException:  # e.g. the disk filled up: leave no partial folder behind
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -75,13 +84,67 @@ async def write(ex: Any, run_dir: Path, version: int, keep: int) -> Path:
     tmp.rename(final)
     (root / "latest.tmp").write_text(name)
     (root / "latest.tmp").replace(root / "latest")
-    _rotate(root, keep)
+    _rotate(root, keep, version)
     return final
 
 
 def latest(run_dir: Path) -> Path | None:
+    """The checkpoint `checkpoints/latest` names, if that folder exists (not verified: resume.py)."""
     pointer = run_dir / "checkpoints" / "latest"
-    return run_dir / "checkpoints" / pointer.read_text().strip() if pointer.exists() else None
+    try:
+        name = pointer.read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    folder = run_dir / "checkpoints" / name
+    return folder if name.startswith("step-") and "/" not in name and folder.is_dir() else None
+
+
+def steps(run_dir: Path) -> list[Path]:
+    """The complete `step-<N>` folders, newest first."""
+    root = run_dir / "checkpoints"
+    found = [p for p in root.glob("step-*") if p.is_dir() and p.name[5:].isdigit()] if root.is_dir() else []
+    return sorted(found, key=lambda p: int(p.name[5:]), reverse=True)
+
+
+def files(folder: Path) -> dict[str, list]:
+    """{relative path: [size, sha256]} of every file under `folder` but the manifest itself."""
+    out: dict[str, list] = {}
+    for path in sorted(folder.rglob("*")):
+        rel = path.relative_to(folder).as_posix()
+        if path.is_file() and rel != MANIFEST:
+            out[rel] = [path.stat().st_size, _sha256(path)]
+    return out
+
+
+def damage(folder: Path) -> str | None:
+    """Why checkpoint `folder` cannot be trusted (a file missing, cut or changed since it was
+    saved, or no readable manifest), or None when every file matches its manifest."""
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+        if not isinstance(manifest, dict):
+            raise ValueError("not a JSON object")
+    except FileNotFoundError:
+        return f"{folder / MANIFEST} is missing"
+    except (OSError, ValueError) as e:
+        return f"{folder / MANIFEST} cannot be read: {e}"
+    for rel, entry in manifest.items():
+        path = folder / rel
+        if not path.is_file():
+            return f"{path} is missing"
+        size, digest = entry
+        if path.stat().st_size != size:
+            return f"{path} is {path.stat().st_size} bytes, {size} when it was saved"
+        if _sha256(path) != digest:
+            return f"{path} does not match the checksum taken when it was saved"
+    return None
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def clean_partial(run_dir: Path) -> None:
@@ -93,8 +156,8 @@ def clean_partial(run_dir: Path) -> None:
 
 def needed(root: Path) -> int:
     """Bytes the next checkpoint is expected to need: as much as the newest one, plus a margin."""
-    done = sorted(p for p in root.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp"))
-    size = sum(f.stat().st_size for f in done[-1].rglob("*") if f.is_file()) if done else 0
+    done = steps(root.parent)
+    size = sum(f.stat().st_size for f in done[0].rglob("*") if f.is_file()) if done else 0
     return size + MARGIN_BYTES
 
 
@@ -106,10 +169,11 @@ def check_space(folder: Path, need: int) -> None:
                              "or set run.run_dir to another disk")
 
 
-def _rotate(root: Path, keep: int) -> None:
-    steps = sorted((p for p in root.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp")),
-                   key=lambda p: int(p.name.split("-")[1]))
-    for old in steps[:-keep] if keep > 0 else []:
+def _rotate(root: Path, keep: int, version: int) -> None:
+    """Keep the newest `keep` checkpoints up to `version` (the one just written); remove older ones.
+    Newer ones (a resumed run started behind them) were not superseded: they stay."""
+    older = [p for p in steps(root.parent) if int(p.name[5:]) < version]
+    for old in older[max(keep - 1, 0):] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
 
 

@@ -45,6 +45,7 @@ from flowrl.runtime.observe import Observer
 from flowrl.runtime.role import Role
 from flowrl.runtime.samples import Samples
 from flowrl.runtime.targets import Targets
+from flowrl.runtime.untrained import DEFAULT_MAX_EMPTY, Untrained
 
 
 class Coordinator:
@@ -75,6 +76,8 @@ class Coordinator:
         self._dropped = False  # a take dropped a record: that may have finished a step
         self.ledger = Ledger(self.run_dir / "ledger.jsonl" if self.run_dir else None)
         self.observe = Observer(plan, self.run_dir, self.origin)
+        self.untrained = Untrained(self.run_dir, int(plan.run.get("max_empty_steps", DEFAULT_MAX_EMPTY)), steps,
+                                   self.origin)
         self.samples, self.batches, joins = Samples(self), Batches(self), Joins(self)
         table = {"generate": self.samples, "train": self.batches, "sync": Policies(self)}  # the one dispatch on kind
         self.roles: dict[str, Role] = {n: table.get(p.kind, joins) for n, p in plan.nodes.items()}
@@ -108,10 +111,12 @@ class Coordinator:
 
     async def complete(self, node: str, replica: int, work_id: str, outputs: dict[str, Any],
                        version: int | None = None, metrics: dict[str, Any] | None = None,
-                       busy: float = 0.0, counters: dict[str, float] | None = None) -> bool:
+                       busy: float = 0.0, counters: dict[str, float] | None = None,
+                       errors: list[str] | None = None) -> bool:
         """A stage finished a unit of work: consume its inputs and emit its outputs, atomically.
         `counters`: its operator's `metrics()` after the work, so that the next step's
-        metrics.jsonl row counts it (reports come only every REPORT_EVERY_S).
+        metrics.jsonl row counts it (reports come only every REPORT_EVERY_S); `errors`: what its
+        operator isolated meanwhile (Operator.errors), kept before the step that may need them ends.
 
         Waits while an async output channel is full. False if the work no longer counts (the
         run is stopping, or the work was handed to another replica meanwhile).
@@ -119,6 +124,8 @@ class Coordinator:
         self.observe.busy[(node, replica)] = busy
         if counters:
             self.observe.operators[(node, replica)] = counters
+        if errors:
+            self.untrained.errors(node, replica, errors)
         while any(self.channels[e.label].full for e in self.outs[node]
                   if e.kind == "data" and outputs.get(e.src_port) is not None):
             if self.stopping or work_id not in self.held[node]:
@@ -142,8 +149,10 @@ class Coordinator:
         self.notify()
 
     async def report(self, node: str, replica: int, events: list[dict[str, Any]], busy: float,
-                     metrics: dict[str, float] | None = None) -> None:
+                     metrics: dict[str, float] | None = None, errors: list[str] | None = None) -> None:
         self.observe.busy[(node, replica)] = busy
+        if errors:
+            self.untrained.errors(node, replica, errors)
         self.observe.events.extend(events)
         if metrics:
             self.observe.operators[(node, replica)] = metrics
@@ -186,6 +195,7 @@ class Coordinator:
         """What a checkpoint needs, taken without stopping anything (snapshot.py): the state, and
         how far each record stream had got (streams.py), both as of this instant."""
         self.ledger.flush()
+        self.untrained.flush()
         return {"state": snapshot.take(self), "streams": self.observe.offsets()}
 
     async def wait_checkpoint(self, timeout: float) -> int | None:
@@ -222,11 +232,13 @@ class Coordinator:
 
     def flush(self) -> None:
         self.ledger.flush()
+        self.untrained.flush()
         self.observe.flush()
 
     def close(self) -> None:
         """Write everything out without closing the ledger (an interrupted run resumes later)."""
         self.ledger.flush()
+        self.untrained.flush()
         self.observe.close()
 
     # ---- what the roles share --------------------------------------------------------------
@@ -280,6 +292,10 @@ class Coordinator:
         self.versions[node] = version
         self.observe.train_step(node, work.step, version, work, metrics, self._queues(), self.counters)
         self.observe.instant(node, 0, f"publish v{version}")
+        nothing = self.untrained.step(node, work.step, len(work.value or []), self.counters)
+        if nothing:  # a run that trains nothing is a failure, with the errors that explain it
+            self.error = self.error or nothing
+            self.stop("error")
         if self.targets.row(self.observe.last_row):
             self.stop("target")
         if version >= self.stop_at and version < self.steps:

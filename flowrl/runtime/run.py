@@ -119,7 +119,10 @@ async def _run(plan: Plan, run_dir: Path | None, executor: str | None, resume: b
             if not error and failures:
                 error = "\n".join(f"node '{n}' failed:\n{t}" for n, t in failures)
             await ex.call("finish")
-            raise StageFailed(error or "the run stopped on an error")
+            error = error or "the run stopped on an error"
+            if run_dir is not None:  # what stopped it stays with the run, not only on the screen
+                (run_dir / "error.txt").write_text(error + "\n")
+            raise StageFailed(error)
         status = await ex.call("status")
         saved = None
         if run_dir is not None:
@@ -141,21 +144,22 @@ def _prepare(plan: Plan, run_dir: Path, executor: str, steps: int, resume: bool,
              started: float) -> tuple[bytes | None, Path | None, float]:
     """Ready the run directory: (coordinator state, checkpoint, origin) to start or resume from.
 
-    Resuming cuts every record stream back to the checkpoint (streams.py); a run killed before
-    its first checkpoint starts again from nothing."""
+    Resuming verifies the directory and cuts every record stream back to the checkpoint
+    (resume.py); a run killed before its first checkpoint starts again from nothing, and says so."""
     run_dir.mkdir(parents=True, exist_ok=True)
     checkpoints.clean_partial(run_dir)
     checkpoints.check_space(run_dir, checkpoints.MARGIN_BYTES)
-    checkpoint = checkpoints.latest(run_dir) if resume else None
-    if checkpoint is not None:
-        streams.truncate(run_dir, json.loads((checkpoint / "streams.json").read_text()))
-        origin = json.loads((run_dir / "meta.json").read_text())["origin"]
-        return (checkpoint / "coordinator.pkl").read_bytes(), checkpoint, origin
-    if (run_dir / "ledger.jsonl").exists() and not resume:
+    if resume:
+        from flowrl.runtime import resume as resuming
+
+        found = resuming.prepare(plan, run_dir)
+        if found is not None:
+            return found
+    elif (run_dir / "ledger.jsonl").exists():
         raise FileExistsError(f"{run_dir} already holds a run; resume it or choose another run directory")
     streams.truncate(run_dir, {})
     (run_dir / "plan.json").write_bytes(plan.record())  # environment values redacted
-    meta = {"name": plan.name, "origin": started, "executor": executor, "steps": steps, "format": 2}
+    meta = {"name": plan.name, "origin": started, "executor": executor, "steps": steps, "format": 3}
     (run_dir / "meta.json").write_text(json.dumps(meta, indent=1))
     return None, None, started
 

@@ -52,6 +52,7 @@ def take(coord: Any) -> bytes:
     state.update(coord.samples.state(samples))
     state.update(coord.batches.state())
     state["observe"] = coord.observe.state()
+    state["untrained"] = coord.untrained.state()
     return pickle.dumps(state)
 
 
@@ -74,6 +75,7 @@ def restore(coord: Any, blob: bytes) -> None:
     coord.samples.restore(state)
     coord.batches.restore(state)
     coord.observe.restore(state["observe"])
+    coord.untrained.restore(state.get("untrained", {}))
     coord.ledger.write("resume", "", "", min(coord.versions.values(), default=0), coord.clock)
 
 

@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 
 from flowrl import registry
+from flowrl.blame import UserCodeFailed, describe, user_frames
 from flowrl.data import images
 from flowrl.graph.plan import Plan
 from flowrl.operator import Operator, OperatorContext, TrainResult
@@ -61,12 +62,7 @@ class Stage:
         self.op = cls(config, self.context())
         await self.op.setup()
         if checkpoint is not None:
-            path = Path(checkpoint)
-            self.op.load(path)
-            state = pickle.loads((path / "state.pkl").read_bytes())
-            self.op.load_state_dict(state["op"])
-            # self.version stays 0: an engine is rebuilt from model.path, whatever it held before;
-            # the coordinator has it load the restored policy before any work (runtime/snapshot.py).
+            self._restore(Path(checkpoint))
         # What setup built (models, tokenizers, libraries' modules) lives for the whole run: move it
         # out of the collector's reach, or each full collection walks it again (measured: periodic
         # pauses of 0.3-0.5 s every ~17 quickstart steps).
@@ -74,6 +70,22 @@ class Stage:
         self.events.append(span(self.pid, self.replica * 100, "setup", start, time.time(), self.origin))
         await self.coord.attach(self.node.name, self.replica, self.version)
         await self._report()  # what setup measured (e.g. the first evaluation), before any work
+
+    def _restore(self, path: Path) -> None:
+        """Load the operator's checkpoint. Its files matched their checksums (resume.py), so a failure
+        here is a checkpoint this operator cannot read: said with the folder, not as a flowrl bug."""
+        from flowrl.runtime.resume import ResumeError
+
+        try:
+            self.op.load(path)
+            state = pickle.loads((path / "state.pkl").read_bytes())
+            self.op.load_state_dict(state["op"])
+        except Exception as e:  # noqa: BLE001 - any failure to read it is reported the same way
+            raise ResumeError(f"cannot restore node '{self.node.name}' (replica {self.replica}) from {path}: "
+                              f"{type(e).__name__}: {e}; resume from an older checkpoint (write its name into "
+                              f"{path.parents[1] / 'latest'}) or start a new run") from None
+        # self.version stays 0: an engine is rebuilt from model.path, whatever it held before;
+        # the coordinator has it load the restored policy before any work (runtime/snapshot.py).
 
     def context(self) -> OperatorContext:
         """What the operator learns about its place in the run."""
@@ -88,8 +100,8 @@ class Stage:
         try:
             loop = {"generate": self._generate_loop, "train": self._train_loop, "sync": self._sync_loop}
             await loop.get(self.node.kind, self._transform_loop)()
-        except Exception:
-            self._failure = self._failure or traceback.format_exc()
+        except Exception as exc:
+            self._failure = self._failure or failure_text(exc)
             await self.coord.fail(self.node.name, self.replica, self._failure)
         finally:
             for task in self.tasks:
@@ -132,7 +144,7 @@ class Stage:
                                   "generate", work)
         faults.reached("generate")
         await self.coord.complete(self.node.name, self.replica, work.id, {port: group}, version=version,
-                                  busy=self.busy, counters=self.op.metrics())
+                                  busy=self.busy, counters=self.op.metrics(), errors=self.op.errors())
 
     async def _update_weights(self, work: Work, partial: bool) -> None:
         if partial:
@@ -165,9 +177,17 @@ class Stage:
 
     async def _process_one(self, work: Work) -> None:
         outputs = await self._timed(self.op.process(work.value), "process", work)
+        if outputs is not None and not isinstance(outputs, dict):
+            raise UserCodeFailed(f"{type(self.op).__name__}.process() returned {type(outputs).__name__} on sample "
+                                 f"{work.id}; expected a dict of output port -> value")
+        unknown = sorted(str(p) for p in (outputs or {}) if p not in self.node.outputs)
+        if unknown:
+            raise UserCodeFailed(f"{type(self.op).__name__}.process() returned port {', '.join(map(repr, unknown))} on "
+                                 f"sample {work.id}, which node '{self.node.name}' does not have (its outputs: "
+                                 f"{', '.join(self.node.outputs) or 'none'})")
         outputs = {port: (outputs or {}).get(port) for port in self.node.outputs}
         await self.coord.complete(self.node.name, self.replica, work.id, outputs, busy=self.busy,
-                                  counters=self.op.metrics())
+                                  counters=self.op.metrics(), errors=self.op.errors())
 
     async def _train_loop(self) -> None:
         port = next(iter(self.node.outputs))
@@ -224,8 +244,7 @@ class Stage:
     def _done(self, task: asyncio.Task) -> None:
         self.tasks.discard(task)
         if not task.cancelled() and task.exception() is not None and self._failure is None:
-            exc = task.exception()
-            self._failure = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+            self._failure = failure_text(task.exception())
             # Wake the loop, which may be waiting in take(): the coordinator stops everyone.
             asyncio.get_running_loop().create_task(self.coord.fail(self.node.name, self.replica, self._failure))
 
@@ -242,6 +261,12 @@ class Stage:
         start = time.time()
         try:
             return await coro
+        except UserCodeFailed:
+            raise
+        except Exception as exc:  # user code's own failure: its frames, the sample, not the library's frames
+            if not user_frames(exc):
+                raise
+            raise UserCodeFailed(f"{type(self.op).__name__}.{name}() on sample {work.id}: {describe(exc)}") from None
         finally:
             end = time.time()
             self._in_flight -= 1
@@ -259,13 +284,21 @@ class Stage:
         busy = self.busy + (time.time() - self._busy_since if self._in_flight else 0.0)
         op = getattr(self, "op", None)
         metrics = op.metrics() if op is not None else {}
-        await self.coord.report(self.node.name, self.replica, events, busy, metrics)
+        errors = op.errors() if op is not None else []
+        await self.coord.report(self.node.name, self.replica, events, busy, metrics, errors)
 
 
 def run_steps(plan: Plan) -> int | None:
     """The run's (phase's) length in train steps; None for a phase bounded only by `seconds`."""
     steps = int(plan.run.get("steps", 10))
     return None if steps >= UNBOUNDED_STEPS else steps
+
+
+def failure_text(exc: BaseException) -> str:
+    """What a stage's failure says: a UserCodeFailed's own complete message, else the traceback."""
+    if isinstance(exc, UserCodeFailed):
+        return str(exc)
+    return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
 
 
 class _Failed(Exception):

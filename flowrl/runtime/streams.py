@@ -17,7 +17,7 @@ from typing import Any
 
 TRACE_HEAD = b'{"displayTimeUnit": "ms", "traceEvents": [\n'
 TRACE_TAIL = b"\n]}\n"
-STREAMS = ("ledger.jsonl", "metrics.jsonl", "samples.jsonl")
+STREAMS = ("ledger.jsonl", "metrics.jsonl", "samples.jsonl", "errors.jsonl")
 
 
 def append_lines(path: Path, lines: list[bytes]) -> None:
@@ -64,6 +64,24 @@ def offsets(run_dir: Path, trace: TraceFile, tensorboard: Path) -> dict[str, Any
     sizes["tensorboard"] = {p.name: p.stat().st_size for p in sorted(tensorboard.glob("events.*"))} \
         if tensorboard.exists() else {}
     return sizes
+
+
+def shortfall(run_dir: Path, sizes: dict[str, Any]) -> str | None:
+    """Why the streams cannot be cut back to `sizes` (from `offsets`): one is shorter than the
+    checkpoint recorded (cutting would pad it with NUL bytes), or does not end a line there."""
+    wanted = [(run_dir / name, sizes.get(name, 0)) for name in STREAMS]
+    wanted.append((run_dir / "trace.json", sizes.get("trace.json", 0)))
+    wanted += [(run_dir / "tensorboard" / name, size) for name, size in (sizes.get("tensorboard") or {}).items()]
+    for path, size in wanted:
+        have = _size(path)
+        if have < size:
+            return f"{path} is {have} bytes, shorter than the {size} bytes it had at the checkpoint"
+        if path.suffix == ".jsonl" and size > 0:
+            with open(path, "rb") as f:
+                f.seek(size - 1)
+                if f.read(1) != b"\n":
+                    return f"{path} does not end a line at byte {size}, where the checkpoint left it"
+    return None
 
 
 def truncate(run_dir: Path, sizes: dict[str, Any]) -> None:

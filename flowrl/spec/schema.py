@@ -110,6 +110,9 @@ class RunSpec(Strict):
     trackers: list[Annotated[str, check_with(tracker_problem)]] = msgspec.field(
         default_factory=lambda: ["tensorboard"])
     samples_per_step: NonNegativeInt = 4  # trajectories of each trained batch in samples.jsonl (0: none)
+    # Stop with exit 1 when a train node gets no sample for this many steps in a row (every one
+    # rejected, filtered, invalid or dropped), showing the first errors (flowrl/runtime/untrained.py); 0: never.
+    max_empty_steps: NonNegativeInt = 3
     # executor: ray attaches to this running cluster ("host:port" of its head, "auto", or
     # "ray://host:port") instead of starting one; RAY_ADDRESS does the same. flowrl never stops it.
     ray_address: Annotated[str, Meta(min_length=1)] | None = None

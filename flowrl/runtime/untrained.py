@@ -1,0 +1,84 @@
+"""A run that trains nothing is a failure: errors operators isolated, and empty train steps.
+
+Operators isolate failures of user code (an episode that raised, a reward that returned NaN) and
+go on; they hand their descriptions to the runtime (`Operator.errors()`), which appends the first
+`KEPT` of each node to `errors.jsonl` in the run directory. When a train node gets no sample at all
+for `run.max_empty_steps` steps in a row (every one rejected, filtered, invalid or dropped), the
+run stops with exit 1, showing the first of those errors with their nodes.
+
+The default, 3: one empty step happens in a healthy run (an async batch with nothing deliverable
+yet, a filter that drops a whole early batch); three in a row has not been seen without a broken
+workflow, reward or filter, and costs three steps of generation before the run says so. A run
+shorter than that fails when every one of its steps was empty. 0 turns the check off.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from flowrl.runtime.streams import append_lines
+
+DEFAULT_MAX_EMPTY = 3
+KEPT = 20  # errors written to errors.jsonl per node; the rest are only counted
+SHOWN = 3  # errors shown in the failure message
+
+
+class Untrained:
+    def __init__(self, run_dir: Path | None, limit: int, steps: int, origin: float) -> None:
+        self.path = run_dir / "errors.jsonl" if run_dir is not None else None
+        self.limit = min(limit, steps)
+        self.origin = origin
+        self.first: list[tuple[str, str]] = []  # (node, text): the run's first errors, for the message
+        self.kept: dict[str, int] = {}
+        self.seen: dict[str, int] = {}
+        self.lines: list[bytes] = []
+        self.empty: dict[str, list[int]] = {}  # train node -> its empty steps in a row
+
+    def errors(self, node: str, replica: int, texts: list[str]) -> None:
+        for text in texts:
+            self.seen[node] = self.seen.get(node, 0) + 1
+            if len(self.first) < SHOWN:
+                self.first.append((node, text))
+            if self.kept.get(node, 0) < KEPT:
+                self.kept[node] = self.kept.get(node, 0) + 1
+                row = {"node": node, "replica": replica, "time": round(time.time() - self.origin, 3), "error": text}
+                self.lines.append(json.dumps(row).encode())
+
+    def step(self, node: str, step: int, samples: int, counters: dict[str, int]) -> str | None:
+        """Train node `node` finished `step` with `samples` groups: the reason to stop, if it is time."""
+        if samples:
+            self.empty[node] = []
+            return None
+        empty = self.empty.setdefault(node, [])
+        empty.append(step)
+        if not self.limit or len(empty) < self.limit:
+            return None
+        return self.message(node, empty, counters)
+
+    def message(self, node: str, empty: list[int], counters: dict[str, int]) -> str:
+        lost = ", ".join(f"{counters[k]} {k}" for k in ("rejected", "filtered", "dropped") if counters.get(k))
+        steps = f"step {empty[0]}" if len(empty) == 1 else f"steps {empty[0]}-{empty[-1]}"
+        text = (f"nothing was trained: node '{node}' got no sample in {steps} (run.max_empty_steps "
+                f"{self.limit}); every sample was rejected, filtered or dropped ({lost or 'none arrived'})")
+        if not self.first:
+            return text + ("; no operator reported an error: a filter node may drop every group, or the "
+                           "workflow returns no trajectory")
+        where = f" (up to {KEPT} per node in {self.path})" if self.path else ""
+        shown = "\n".join(f"- node '{n}': {t}" for n, t in self.first)
+        more = sum(self.seen.values()) - len(self.first)
+        return f"{text}. The first errors{where}:\n{shown}" + (f"\n... and {more} more" if more > 0 else "")
+
+    def flush(self) -> None:
+        if self.path is not None:
+            append_lines(self.path, self.lines)
+        self.lines = []
+
+    def state(self) -> dict[str, Any]:
+        return {"kept": dict(self.kept), "empty": {k: list(v) for k, v in self.empty.items()}}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self.kept = dict(state.get("kept", {}))
+        self.empty = {k: list(v) for k, v in state.get("empty", {}).items()}
