@@ -36,7 +36,7 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 from flowrl.blame import UserCodeFailed, describe
-from flowrl.data.trajectory import Group, Trajectory
+from flowrl.data.trajectory import INVALID, Group, Trajectory
 from flowrl.operator import TRAJECTORIES, Knobs, Operator, OperatorContext, Resources
 from flowrl.registry import OperatorError, import_path
 from flowrl_operators.config import RewardConfig
@@ -246,6 +246,7 @@ class Reward(Operator):
         if self.config.on_error == "zero":
             for t in trajectories:  # zero at every granularity: training credits the finest given
                 t.reward, t.turn_rewards, t.token_rewards = 0.0, None, None
+                t.metadata[INVALID] = what[-200:]
             self.counts["zeroed"] += len(trajectories)
         return False
 

@@ -14,6 +14,8 @@ import msgspec
 
 from flowrl.data.images import ImageRef
 
+INVALID = "invalid"  # Trajectory.metadata key: why its reward is a stand-in (flowrl/runtime/untrained.py)
+
 
 class Turn(msgspec.Struct, array_like=True):
     """A span `[start, end)` of response tokens produced by the model in one turn."""
@@ -67,6 +69,8 @@ class Trajectory(msgspec.Struct, kw_only=True):
     values: list[float] | None = None
     # The data step this trajectory was generated for.
     step: int = 0
+    # INVALID (a key) -> why a node could not score it (its reward stands in, e.g. zeroed after the
+    # user's reward raised); a train step whose every trajectory is invalid trained nothing.
     metadata: dict[str, Any] = {}
 
     @property

@@ -179,7 +179,9 @@ def _rotate(root: Path, keep: int, version: int) -> None:
 
 async def keep_writing(ex: Any, run_dir: Path, keep: int, flush_s: float, stopped: asyncio.Event) -> None:
     """The driver's side of a running run: write periodic checkpoints when due, and flush the
-    record streams every `flush_s` seconds, until `stopped` is set."""
+    record streams every `flush_s` seconds (and once at once: the trace's names, the first samples
+    issued), until `stopped` is set. Each train step also flushes them (Coordinator.trained)."""
+    await ex.call("flush")
     while not stopped.is_set():
         due = await ex.call("wait_checkpoint", flush_s)
         if stopped.is_set():

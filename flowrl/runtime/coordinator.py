@@ -292,10 +292,11 @@ class Coordinator:
         self.versions[node] = version
         self.observe.train_step(node, work.step, version, work, metrics, self._queues(), self.counters)
         self.observe.instant(node, 0, f"publish v{version}")
-        nothing = self.untrained.step(node, work.step, len(work.value or []), self.counters)
+        nothing = self.untrained.step(node, work.step, work.value or [], self.counters)
         if nothing:  # a run that trains nothing is a failure, with the errors that explain it
             self.error = self.error or nothing
             self.stop("error")
+        self.flush()  # each step's records reach the disk with it, whatever the periodic flush does
         if self.targets.row(self.observe.last_row):
             self.stop("target")
         if version >= self.stop_at and version < self.steps:

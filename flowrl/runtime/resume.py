@@ -2,7 +2,8 @@
 
 Checked, in this order, before any weights load:
 - the plan compiled now equals the one the run started with (`plan.json`): a node renamed, another
-  pipeline or a changed batch_size is refused, naming what changed;
+  pipeline or a changed batch_size is refused, naming what changed (keys that only say how long
+  and how the run is driven, such as run.steps or run.checkpoint_every, may change);
 - the checkpoint: the one `checkpoints/latest` names, every file matching the manifest taken at
   save (checkpoints.py). When `latest` is missing, empty or names no folder, the newest intact
   `step-N` is used and the choice said; a damaged checkpoint that `latest` names is refused with
@@ -32,8 +33,13 @@ from flowrl.spec.errors import UserError
 
 MANIFEST_FORMAT = 3  # meta.json "format" from which every checkpoint has a manifest
 SHOWN = 6  # differences named when a spec was edited
-# Plan fields compared on resume; the others (order, facts) follow from nodes and edges.
-COMPARED = ("name", "model", "data", "run", "cluster", "seed", "phases", "nodes", "edges")
+# Plan fields compared on resume; the others (order, facts) follow from nodes and edges, and
+# `cluster` (the machine's size) may change between the two.
+COMPARED = ("name", "model", "data", "run", "seed", "phases", "nodes", "edges")
+# Run keys that say how long and how the run is driven, not what it computes: they may change.
+ADJUSTABLE = {"steps", "max_seconds", "stop_when", "checkpoint_every", "checkpoint_seconds", "keep_checkpoints",
+              "trackers", "samples_per_step", "max_restarts", "max_empty_steps", "executor", "ray_address",
+              "run_dir", "phase"}
 NEW_RUN = "start a new run (flowrl run FILE --run-dir NEW_DIR)"
 
 
@@ -141,6 +147,8 @@ def _same_plan(plan: Plan, run_dir: Path) -> None:
     """Refuse a plan that differs from the one the run started with, naming what changed."""
     then = _read_json(run_dir / "plan.json")
     now = msgspec.json.decode(plan.record())
+    for record in (then, now):
+        record["run"] = {k: v for k, v in (record.get("run") or {}).items() if k not in ADJUSTABLE}
     changed: list[str] = []
     for key in COMPARED:
         if key == "edges" and any(c.startswith("nodes:") for c in changed):

@@ -2,9 +2,10 @@
 
 Operators isolate failures of user code (an episode that raised, a reward that returned NaN) and
 go on; they hand their descriptions to the runtime (`Operator.errors()`), which appends the first
-`KEPT` of each node to `errors.jsonl` in the run directory. When a train node gets no sample at all
-for `run.max_empty_steps` steps in a row (every one rejected, filtered, invalid or dropped), the
-run stops with exit 1, showing the first of those errors with their nodes.
+`KEPT` of each node to `errors.jsonl` in the run directory. When a train node gets no valid sample
+for `run.max_empty_steps` steps in a row (every one rejected, filtered, dropped, or invalid: each
+of its trajectories marked `INVALID`, e.g. its reward zeroed after the user's function failed),
+the run stops with exit 1, showing the first of those errors with their nodes.
 
 The default, 3: one empty step happens in a healthy run (an async batch with nothing deliverable
 yet, a filter that drops a whole early batch); three in a row has not been seen without a broken
@@ -19,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from flowrl.data.trajectory import INVALID
 from flowrl.runtime.streams import append_lines
 
 DEFAULT_MAX_EMPTY = 3
@@ -29,6 +31,7 @@ SHOWN = 3  # errors shown in the failure message
 class Untrained:
     def __init__(self, run_dir: Path | None, limit: int, steps: int, origin: float) -> None:
         self.path = run_dir / "errors.jsonl" if run_dir is not None else None
+        self.configured = limit
         self.limit = min(limit, steps)
         self.origin = origin
         self.first: list[tuple[str, str]] = []  # (node, text): the run's first errors, for the message
@@ -36,6 +39,7 @@ class Untrained:
         self.seen: dict[str, int] = {}
         self.lines: list[bytes] = []
         self.empty: dict[str, list[int]] = {}  # train node -> its empty steps in a row
+        self.invalid = 0  # groups trained on whose every trajectory is invalid (no real reward)
 
     def errors(self, node: str, replica: int, texts: list[str]) -> None:
         for text in texts:
@@ -47,9 +51,13 @@ class Untrained:
                 row = {"node": node, "replica": replica, "time": round(time.time() - self.origin, 3), "error": text}
                 self.lines.append(json.dumps(row).encode())
 
-    def step(self, node: str, step: int, samples: int, counters: dict[str, int]) -> str | None:
-        """Train node `node` finished `step` with `samples` groups: the reason to stop, if it is time."""
-        if samples:
+    def step(self, node: str, step: int, batch: list[dict[str, Any]], counters: dict[str, int]) -> str | None:
+        """Train node `node` finished `step` on `batch` ({port: group} items): the reason to stop,
+        if it got no valid sample for `limit` steps in a row."""
+        groups = [v for item in batch for v in item.values()]
+        invalid = sum(1 for g in groups if _invalid(g))
+        self.invalid += invalid
+        if len(groups) > invalid:
             self.empty[node] = []
             return None
         empty = self.empty.setdefault(node, [])
@@ -59,10 +67,13 @@ class Untrained:
         return self.message(node, empty, counters)
 
     def message(self, node: str, empty: list[int], counters: dict[str, int]) -> str:
-        lost = ", ".join(f"{counters[k]} {k}" for k in ("rejected", "filtered", "dropped") if counters.get(k))
+        counts = dict(counters, invalid=self.invalid)
+        lost = ", ".join(f"{counts[k]} {k}" for k in ("rejected", "filtered", "dropped", "invalid") if counts.get(k))
         steps = f"step {empty[0]}" if len(empty) == 1 else f"steps {empty[0]}-{empty[-1]}"
-        text = (f"nothing was trained: node '{node}' got no sample in {steps} (run.max_empty_steps "
-                f"{self.limit}); every sample was rejected, filtered or dropped ({lost or 'none arrived'})")
+        bound = f"run.max_empty_steps {self.configured}" + ("" if self.limit == self.configured else
+                                                             ", or every step of a shorter run")
+        text = (f"nothing was trained: node '{node}' got no valid sample in {steps} ({bound}); every sample "
+                f"was rejected, filtered, dropped or invalid ({lost or 'none arrived'})")
         if not self.first:
             return text + ("; no operator reported an error: a filter node may drop every group, or the "
                            "workflow returns no trajectory")
@@ -77,8 +88,15 @@ class Untrained:
         self.lines = []
 
     def state(self) -> dict[str, Any]:
-        return {"kept": dict(self.kept), "empty": {k: list(v) for k, v in self.empty.items()}}
+        return {"kept": dict(self.kept), "empty": {k: list(v) for k, v in self.empty.items()}, "invalid": self.invalid}
 
     def restore(self, state: dict[str, Any]) -> None:
         self.kept = dict(state.get("kept", {}))
         self.empty = {k: list(v) for k, v in state.get("empty", {}).items()}
+        self.invalid = int(state.get("invalid", 0))
+
+
+def _invalid(group: Any) -> bool:
+    """A group whose every trajectory is marked invalid (INVALID: e.g. its reward failed and was zeroed)."""
+    trajectories = getattr(group, "trajectories", None)
+    return bool(trajectories) and all(INVALID in getattr(t, "metadata", {}) for t in trajectories)
