@@ -1,0 +1,44 @@
+"""User code that is wrong in the ways a run must report, not swallow (tests/test_untrained.py)."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from flowrl.data.trajectory import Trajectory
+from flowrl.operator import TRAJECTORIES, Operator
+
+
+async def wrong_returns(ctx: Any, sample: dict) -> Any:
+    """Each sample's episodes return another wrong thing: a string, an int, None, a trajectory whose
+    lengths disagree."""
+    index = int(ctx.sample_id.split(":")[1]) % 4
+    if index == 0:
+        return "an answer"
+    if index == 1:
+        return 42
+    if index == 2:
+        return None
+    return Trajectory(id="", group_id="", sample_id="", prompt_ids=[1, 2], response_ids=[3, 4, 5], loss_mask=[1, 1],
+                      behaviour_logprobs=[0.0, 0.0, 0.0], versions=[0, 0, 0])
+
+
+def nan_reward(trajectory: Trajectory) -> float:
+    return float("nan")
+
+
+def parse_answer(text: str) -> float:
+    raise ValueError(f"cannot parse {text[:10]!r} as a number")
+
+
+def raising_reward(trajectory: Trajectory) -> float:
+    return parse_answer(trajectory.metadata["text"])
+
+
+class WrongPort(Operator):
+    """Passes groups on under a port it does not declare (a typo: 'trajectory')."""
+
+    inputs: ClassVar = {"trajectories": TRAJECTORIES}
+    outputs: ClassVar = {"trajectories": TRAJECTORIES}
+
+    async def process(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        return {"trajectory": inputs["trajectories"]}
