@@ -229,3 +229,26 @@ def test_the_spec_checks_a_file_source_before_anything_runs(tmp_path):
                               ("data.source.shuffle=maybe", "data.source.shuffle: expected bool")):
         with pytest.raises(SpecError, match=re.escape(message)):
             load(spec, [override])
+
+
+@pytest.mark.parametrize("fmt", ["csv", "jsonl", "json"])
+def test_a_utf8_bom_is_read_as_such(tmp_path, fmt):
+    # Excel and Notepad write one: the first column is 'question', not '\ufeffquestion'.
+    file = write(tmp_path / f"rows.{fmt}", fmt)
+    file.write_bytes(b"\xef\xbb\xbf" + file.read_bytes())
+    src = source(file=str(file), prompt="question", shuffle=False, batch_size=5)
+    assert src.sample(0, 0)["prompt"] == ROWS[0]["question"]
+
+
+def test_validate_accepts_a_csv_with_a_bom(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    file = write(tmp_path / "rows.csv", "csv")
+    file.write_bytes(b"\xef\xbb\xbf" + file.read_bytes())
+    base = Path(__file__).parent / "specs/good/base.yaml"
+    proc = subprocess.run([sys.executable, "-m", "flowrl.cli", "validate", str(base),
+                           f"data.source={{file: {file}, prompt: question}}"], capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=120)
+    assert proc.returncode == 0, proc.stderr

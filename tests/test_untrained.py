@@ -21,7 +21,7 @@ TINY = ["data.batch_size=4", "nodes.rollout.group_size=2", "nodes.rollout.sampli
 
 
 def flowrl(*args: str, fault: str = "") -> subprocess.CompletedProcess:
-    env = {**os.environ, "FLOWRL_FAULT": fault, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "tests")}
+    env = {**os.environ, "FLOWRL_FAULT": fault, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
     return subprocess.run([sys.executable, "-m", "flowrl.cli", *args, "--quiet"], capture_output=True, text=True,
                           env=env, timeout=300)
 

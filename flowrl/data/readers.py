@@ -57,7 +57,7 @@ def read_rows(file: str, fmt: str | None, split: str | None, key: str = "file", 
         if fmt == "json":
             return _json(path, key)
         if fmt == "csv":
-            with path.open(newline="", encoding="utf-8") as f:
+            with path.open(newline="", encoding="utf-8-sig") as f:  # -sig: a BOM is read as such
                 return list(csv.DictReader(f))
         if fmt == "parquet":
             return ParquetRows(_require("pyarrow.parquet", fmt, key).read_table(path))
@@ -68,7 +68,7 @@ def read_rows(file: str, fmt: str | None, split: str | None, key: str = "file", 
 
 def _jsonl(path: Path, key: str) -> list[dict[str, Any]]:
     rows = []
-    with path.open(encoding="utf-8") as f:
+    with path.open(encoding="utf-8-sig") as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -84,7 +84,7 @@ def _jsonl(path: Path, key: str) -> list[dict[str, Any]]:
 
 def _json(path: Path, key: str) -> list[dict[str, Any]]:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(path.read_text(encoding="utf-8-sig"))
     except json.JSONDecodeError as e:
         raise SourceError(key, f"{path}:{e.lineno}: not valid JSON: {e.msg}") from None
     if not isinstance(data, list) or not all(isinstance(row, dict) for row in data):
