@@ -134,7 +134,43 @@ def test_flowrl_validate_names_the_key_and_exits_1(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "flowrl.cli", "validate", str(spec)], cwd=tmp_path,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc.stderr
-    assert "data.source.images: column 'images': no image file" in proc.stderr + proc.stdout
+    assert "data.source.images: r.jsonl: row 1: column 'images': no image file" in proc.stderr + proc.stdout
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(("bad", "message"), [
+    ({"messages": chat(1), "images": ["gone.png"]}, "no image file"),
+    ({"messages": chat(1), "images": ["not.png"]}, "cannot read as an image"),
+    ({"messages": chat(2), "images": ["pics/0.png"]}, "1 image(s) in column 'images' but its messages have 2"),
+    ({"messages": chat(1)}, "0 image(s) in column 'images' but its messages have 1"),
+])
+def test_every_rows_images_are_checked_not_the_first_alone(tmp_path, store, bad, message):
+    (tmp_path / "pics").mkdir()
+    picture(COLORS[0]).save(tmp_path / "pics" / "0.png")
+    (tmp_path / "not.png").write_text("text")
+    rows = [{"messages": chat(1), "images": ["pics/0.png"]}] * 5 + [bad]
+    (tmp_path / "r.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(SourceError, match="r.jsonl: row 6: ") as e:
+        source(file=str(tmp_path / "r.jsonl"))
+    assert message in str(e.value) and e.value.key == "images"
+
+
+def test_flowrl_validate_finds_a_bad_image_in_a_later_row(tmp_path):
+    (tmp_path / "ok.png").write_bytes(png(COLORS[1]))
+    rows = [{"messages": chat(1), "images": ["ok.png"]}] * 3 + [{"messages": chat(1), "images": ["broken.png"]}]
+    (tmp_path / "broken.png").write_bytes(png(COLORS[2])[:40])  # a torn file
+    (tmp_path / "r.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    spec = tmp_path / "p.yaml"
+    spec.write_text("flowrl: 1\nname: x\nmodel: {path: builtin:tiny-qwen2}\n"
+                    "data: {source: {file: r.jsonl, images: images}, batch_size: 1}\n"
+                    "nodes:\n  rollout: {op: generate}\n  score: {op: reward, fn: builtin:grid_nav}\n"
+                    "  learner: {op: train}\n  publish: {op: sync}\n"
+                    "edges:\n  - rollout -> score\n  - score -> learner\n  - learner -> publish\n"
+                    "  - publish -> rollout: {kind: weights}\n")
+    proc = subprocess.run([sys.executable, "-m", "flowrl.cli", "validate", str(spec)], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert "data.source.images: r.jsonl: row 4: column 'images' holds something PIL cannot read" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 

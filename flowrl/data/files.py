@@ -63,7 +63,7 @@ class FileSource:
         self.base = self.eval_base = Path(file).expanduser().parent
         if eval_file is not None:
             self.eval_base = Path(eval_file).expanduser().parent
-        self._check_images(rows[0], self.base)
+        self._check_images(rows, self.base, file)
         held = [k for k, v in (("eval_file", eval_file), ("eval_split", eval_split), ("eval_rows", eval_rows),
                                ("eval_fraction", eval_fraction)) if v is not None]
         if len(held) > 1 and held != ["eval_file", "eval_split"]:
@@ -77,7 +77,7 @@ class FileSource:
             _prompt_column(self.eval[0], self.column if self.key == "prompt" else None,
                            self.column if self.key == "messages" else None, key)
             _check_rows(self.eval, self.key, self.column, eval_file or file, key)
-            self._check_images(self.eval[0], self.eval_base)
+            self._check_images(self.eval, self.eval_base, eval_file or file)
         self.train = rows
         if eval_rows is not None or eval_fraction is not None:
             self.train, self.eval = _hold_out(rows, eval_rows, eval_fraction)
@@ -124,11 +124,19 @@ class FileSource:
             _check_image_count(self.key, value, len(sample["images"]), self.images)
         return sample
 
-    def _check_images(self, row: dict[str, Any], base: Path) -> None:
+    def _check_images(self, rows: Rows, base: Path, file: str) -> None:
+        """Every row's images, as every row's prompt (_check_rows): a missing, corrupt or non-image
+        file, or a wrong image count, deep in the file is found at load, located, not at its step."""
         if self.images is None:
             return
-        image_columns.check_cell(row[self.images], base, self.images)
-        _check_image_count(self.key, row[self.column], len(image_columns.cell_items(row[self.images])), self.images)
+        for number in range(len(rows)):
+            row = rows[number]
+            try:
+                image_columns.check_cell(row.get(self.images), base, self.images)
+                count = len(image_columns.cell_items(row.get(self.images)))
+                _check_image_count(self.key, row.get(self.column), count, self.images)
+            except SourceError as e:
+                raise SourceError(e.key, f"{file}: row {number + 1}: {e.detail}") from None
 
 
 def _prompt_column(row: dict[str, Any], prompt: str | None, messages: str | None, where: str) -> tuple[str, str]:
