@@ -433,3 +433,22 @@ def _grades(reply: str) -> bool:
         return True
     except UngradedReply:
         return False
+
+
+def test_isolated_failures_are_handed_to_the_runtime_once_with_the_users_frames():
+    # Operator.errors(): what the node isolated since the last call, drained by the call; the
+    # zeroed trajectory is marked invalid (a step of only such trajectories trained nothing).
+    from flowrl.data.trajectory import INVALID
+    from flowrl.operator import Operator
+
+    async def main():
+        op = await make("test_rewards:raises_on_bad", on_error="zero")
+        out = await op.process({"trajectories": group(["ok", "bad"])})
+        return out["trajectories"], op.errors(), op.errors()
+
+    scored, first, second = run(main())
+    assert len(first) == 1 and second == []
+    assert "0:0/1" in first[0] and "test_rewards.py" in first[0] and "in raises_on_bad" in first[0]
+    assert "ValueError: cannot score this" in first[0] and "reward.py" not in first[0]
+    assert INVALID not in scored.trajectories[0].metadata and INVALID in scored.trajectories[1].metadata
+    assert Operator.errors(Operator.__new__(Operator)) == []  # the default: nothing isolated
