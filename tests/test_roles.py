@@ -28,6 +28,7 @@ def pipeline(mode="sync", k=0, steps=3, batch=2, train_ranks=1, on_stale="drop")
     """generate -> train, no weights edge: a sample is admitted at the clock."""
     plan = ops.plan([ops.node("rollout", "gen"), ops.node("learner", "train", replicas=train_ranks)],
                     [ops.edge("rollout", "learner", mode, k, on_stale=on_stale)], steps=steps, batch_size=batch)
+    plan.run["max_empty_steps"] = 0  # the roles' rules alone: random rejections may empty every step
     return Coordinator(plan, None, steps)
 
 
