@@ -156,3 +156,17 @@ def test_resume_without_any_checkpoint_starts_again_and_keeps_the_earlier_record
     assert "holds no checkpoint" in proc.stderr and "starting it again from step 0" in proc.stderr
     assert (run_dir / "earlier-1" / "ledger.jsonl").read_bytes() == earlier
     assert ledger.check(run_dir).clean
+
+
+@pytest.mark.slow
+def test_a_checkpoint_from_before_checksums_that_cannot_be_loaded_is_a_located_error(run_dir):
+    # A run directory of an earlier flowrl (meta.json format 2) has no manifests: its damage shows
+    # when the learner loads, and is said with the folder, not as a traceback.
+    for manifest in (run_dir / "checkpoints").rglob("manifest.json"):
+        manifest.unlink()
+    meta = json.loads((run_dir / "meta.json").read_text())
+    (run_dir / "meta.json").write_text(json.dumps(meta | {"format": 2}))
+    weights = max((run_dir / "checkpoints/step-2/learner").rglob("*.distcp"), key=lambda p: p.stat().st_size)
+    weights.write_bytes(weights.read_bytes()[:1000])
+    refused(flowrl("run", "--resume", str(run_dir)), "cannot restore node 'learner' (replica 0)",
+            str(run_dir / "checkpoints/step-2/learner/r0"), str(run_dir / "checkpoints/latest"))

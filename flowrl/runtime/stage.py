@@ -80,10 +80,14 @@ class Stage:
             self.op.load(path)
             state = pickle.loads((path / "state.pkl").read_bytes())
             self.op.load_state_dict(state["op"])
-        except Exception as e:  # noqa: BLE001 - any failure to read it is reported the same way
+        except (KeyboardInterrupt, SystemExit, asyncio.CancelledError):
+            raise
+        except BaseException as e:  # torch's CheckpointException is a BaseException
+            lines = str(e).strip().splitlines() or [""]  # some carry a whole traceback: its first and last lines
+            why = lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"
             raise ResumeError(f"cannot restore node '{self.node.name}' (replica {self.replica}) from {path}: "
-                              f"{type(e).__name__}: {e}; resume from an older checkpoint (write its name into "
-                              f"{path.parents[1] / 'latest'}) or start a new run") from None
+                              f"{type(e).__name__}: {why}; resume from an older checkpoint (write its name into "
+                              f"{path.parents[2] / 'latest'}) or start a new run") from None
         # self.version stays 0: an engine is rebuilt from model.path, whatever it held before;
         # the coordinator has it load the restored policy before any work (runtime/snapshot.py).
 
