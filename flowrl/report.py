@@ -147,6 +147,9 @@ def render_text(phases: list[Phase]) -> str:
         s = summary(p)
         lines.append(f"{s['name']} · phase {p.name}: {s['steps']} steps in {s['seconds']} s, "
                      f"{s['samples_per_s']} samples/s, dropped {s['dropped_total']}")
+        failed = p.directory / "error.txt"  # what stopped a failed run (flowrl/runtime/run.py)
+        if failed.is_file():
+            lines.append(f"  failed: {_clip(failed.read_text(errors='replace').strip(), 200)} (all of it in {failed})")
         lines.append(f"  reward {_fmt(s['first_reward'])} -> {_fmt(s['last_reward'])}; "
                      f"eval reward last {_fmt(s['last_eval_reward'])}, best {_fmt(s['best_eval_reward'])}")
         lines.append("  staleness (lag: groups): " + (", ".join(f"{k}: {v}" for k, v in s["staleness"].items()) or "-"))

@@ -49,16 +49,25 @@ def test_workflows_that_return_no_trajectory_fail_the_run_with_their_errors(tmp_
     assert "returned str" in texts and "returned int 42" in texts and "returned None" in texts
     assert "behaviour_logprobs has 3 entries" not in texts and "loss_mask has 2 entries, response has 3" in texts
     assert not (run_dir / "export").exists()
+    shown = subprocess.run([sys.executable, "-m", "flowrl.cli", "inspect", str(run_dir)], capture_output=True,
+                           text=True, timeout=120)
+    assert "failed: nothing was trained" in shown.stdout, shown.stdout
 
 
 @pytest.mark.slow
-def test_an_unknown_port_is_an_error_where_it_is_returned(tmp_path):
-    spec = BASE.read_text().replace("  learner:\n", "  tag:\n    op: user_code:WrongPort\n  learner:\n").replace(
+@pytest.mark.parametrize(("op", "words"), [
+    ("WrongPort", ["WrongPort.process() returned port 'trajectory' on sample 0:",
+                   "which node 'tag' does not have (its outputs: trajectories)"]),
+    ("RaisingOp", ["RaisingOp.process() on sample 0:", "user_code.py", "in process", "in lookup",
+                   "KeyError: 'weights'"]),
+])
+def test_an_operators_own_mistake_is_named_where_it_happens(tmp_path, op, words):
+    spec = BASE.read_text().replace("  learner:\n", f"  tag:\n    op: user_code:{op}\n  learner:\n").replace(
         "  - score -> learner\n", "  - score -> tag\n  - tag -> learner\n")
-    (tmp_path / "wrong_port.yaml").write_text(spec)
-    proc = flowrl("run", str(tmp_path / "wrong_port.yaml"), *TINY, "run.steps=2", "--run-dir", str(tmp_path / "run"))
-    failed(proc, "node 'tag' (replica 0) failed", "WrongPort.process() returned port 'trajectory' on sample 0:",
-           "which node 'tag' does not have (its outputs: trajectories)")
+    (tmp_path / "user_op.yaml").write_text(spec)
+    proc = flowrl("run", str(tmp_path / "user_op.yaml"), *TINY, "run.steps=2", "--run-dir", str(tmp_path / "run"))
+    failed(proc, "node 'tag' (replica 0) failed", *words)
+    assert "stage.py" not in proc.stderr
 
 
 @pytest.mark.slow

@@ -42,3 +42,17 @@ class WrongPort(Operator):
 
     async def process(self, inputs: dict[str, Any]) -> dict[str, Any]:
         return {"trajectory": inputs["trajectories"]}
+
+
+def lookup(table: dict, key: str) -> Any:
+    return table[key]
+
+
+class RaisingOp(Operator):
+    """A transform whose own code raises on every group."""
+
+    inputs: ClassVar = {"trajectories": TRAJECTORIES}
+    outputs: ClassVar = {"trajectories": TRAJECTORIES}
+
+    async def process(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        return lookup({}, "weights")
