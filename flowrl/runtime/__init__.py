@@ -44,10 +44,10 @@ Run directory layout (all written by the coordinator or by run()):
 
     plan.json          the Plan (msgspec JSON); `load_plan(run_dir)` reads it for `--resume`
     meta.json          {"name", "origin" (epoch seconds; trace timestamps count from it),
-                        "executor", "steps", "format": 1}
+                        "executor", "steps", "format": 3 (3: checkpoints hold manifest.json)}
     ledger.jsonl       one event per line, see ledger.py; `ledger.check(run_dir)` verifies it
                        (this file, metrics.jsonl, trace.json and tensorboard/ are appended at
-                       least every 2 s while the run goes on)
+                       least every 2 s while the run goes on, and with each train step)
     trace.json         Chrome trace-event JSON, see observe.py (valid after every append)
     metrics.jsonl      one object per train step:
                          step, version (published), node, time (s since origin), step_seconds,
@@ -69,11 +69,17 @@ Run directory layout (all written by the coordinator or by run()):
     placement.json     Ray executor: the Ray node (id, address, custom resources, labels) and
                        process each stage replica runs on; ray_placement.py
     trackers.json      each tracker's run id and last step sent (not cut back on resume: tracking.py)
+    errors.jsonl       the first 20 failures of user code each node isolated (node, replica, time,
+                       error), from Operator.errors(); untrained.py
+    error.txt          what stopped a run that failed (the message on screen)
+    earlier-<n>/       the records of an attempt that stopped before its first checkpoint, kept
+                       when `--resume` starts the run again from step 0 (resume.py)
     checkpoints/latest names the newest checkpoints/step-<version>/, which holds
                        coordinator.pkl (channels with their waiting records, versions, sample
                        cursor, samples to re-issue; snapshot.py), streams.json (the size of each
                        record file above at that moment) and <node>/r<replica>/ (state.pkl with
-                       the operator's state_dict, plus whatever Operator.save wrote)
+                       the operator's state_dict, plus whatever Operator.save wrote) and
+                       manifest.json (size and sha256 of every other file, checked on resume)
     train-*.jsonl, ... files operators write themselves (`OperatorContext.run_dir`)
 
 Edge labels are `EdgePlan.label` ("src.port -> dst.port"); samples are on "data -> <node>".
