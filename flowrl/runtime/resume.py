@@ -157,7 +157,7 @@ def _same_plan(plan: Plan, run_dir: Path) -> None:
     if changed:
         shown = "; ".join(changed[:SHOWN]) + (f"; and {len(changed) - SHOWN} more" if len(changed) > SHOWN else "")
         raise ResumeError(f"the pipeline in {run_dir} is not the one its run started with ({run_dir / 'plan.json'}): "
-                          f"{shown}. --resume continues a run unchanged: restore its spec.yaml, or " + NEW_RUN)
+                          f"{shown}. --resume continues a run unchanged: restore its spec.yaml (and launch.json), or " + NEW_RUN)
 
 
 def _diff(then: Any, now: Any, path: str, out: list[str]) -> None:
