@@ -8,6 +8,7 @@ import io
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from PIL import Image
@@ -190,3 +191,23 @@ def test_a_source_of_images_needs_a_vision_language_model(tmp_path, store):
     # A visual task: its episodes render the pictures, its samples hold none.
     [(key, message)] = problems({"source": "builtin:grid_nav", "batch_size": 4}, 0, {"path": "builtin:tiny-qwen2"})
     assert key == ("model", "path") and message.startswith("builtin:grid_nav gives the model images")
+
+
+def test_check_images_reads_a_spread_sample_of_a_large_file_and_says_so(tmp_path, store, capsys):
+    (tmp_path / "ok.png").write_bytes(png(COLORS[0]))
+    rows = [{"messages": chat(1), "images": ["ok.png"]} for _ in range(10)]
+    rows[2] = {"messages": chat(1), "images": ["gone.png"]}  # between the rows sampled: 0, 4, 9 (k=3 over 10)
+    (tmp_path / "r.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    source(file=str(tmp_path / "r.jsonl"), check_images=3)
+    assert "the images of 3 of its 10 rows were checked (data.source.check_images)" in capsys.readouterr().err
+    with pytest.raises(SourceError, match="row 3: column 'images': no image file"):
+        source(file=str(tmp_path / "r.jsonl"))  # the default: every row
+    rows[2], rows[9] = rows[0], rows[2]  # the last row is always among those sampled
+    (tmp_path / "r.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(SourceError, match="row 10: column 'images': no image file"):
+        source(file=str(tmp_path / "r.jsonl"), check_images=3)
+    base = Path(__file__).parent / "specs/good/base.yaml"
+    proc = subprocess.run([sys.executable, "-m", "flowrl.cli", "validate", str(base),
+                           f"data.source={{file: {tmp_path / 'r.jsonl'}, check_images: 0}}"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "check_images" in proc.stderr, proc.stderr  # a positive count

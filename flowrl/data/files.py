@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -50,8 +51,10 @@ class FileSource:
     def __init__(self, seed: int = 0, batch_size: int = 1, *, file: str, format: str | None = None,
                  prompt: str | None = None, messages: str | None = None, split: str | None = None,
                  eval_file: str | None = None, eval_split: str | None = None, eval_rows: int | None = None,
-                 eval_fraction: float | None = None, shuffle: bool = True, images: str | None = None) -> None:
+                 eval_fraction: float | None = None, shuffle: bool = True, images: str | None = None,
+                 check_images: int | None = None) -> None:
         self.seed, self.batch_size, self.shuffle = seed, batch_size, shuffle
+        self.check_images = check_images
         self.file = file
         rows = read_rows(file, format, split)
         if len(rows) == 0:
@@ -129,7 +132,7 @@ class FileSource:
         file, or a wrong image count, deep in the file is found at load, located, not at its step."""
         if self.images is None:
             return
-        for number in range(len(rows)):
+        for number in _spread(len(rows), self.check_images, file):
             row = rows[number]
             try:
                 image_columns.check_cell(row.get(self.images), base, self.images)
@@ -137,6 +140,20 @@ class FileSource:
                 _check_image_count(self.key, row.get(self.column), count, self.images)
             except SourceError as e:
                 raise SourceError(e.key, f"{file}: row {number + 1}: {e.detail}") from None
+
+
+_SAID: set[tuple[str, int]] = set()  # (file, rows) sampled and said so, once per process
+
+
+def _spread(n: int, k: int | None, file: str) -> list[int]:
+    """Which of `n` rows to check: all, or `k` spread evenly (first and last included), said once."""
+    if k is None or k >= n:
+        return list(range(n))
+    if (file, k) not in _SAID:
+        _SAID.add((file, k))
+        print(f"flowrl: {file}: the images of {k} of its {n} rows were checked (data.source.check_images); "
+              "a bad image in another row stops the run when that row is drawn", file=sys.stderr)
+    return sorted({round(i * (n - 1) / max(k - 1, 1)) for i in range(k)})
 
 
 def _prompt_column(row: dict[str, Any], prompt: str | None, messages: str | None, where: str) -> tuple[str, str]:

@@ -47,6 +47,9 @@ class FileSourceSpec(Strict):
     prompt: str | None = None  # column of prompt text (default: a column named prompt)
     messages: str | None = None  # column of chat messages (default: a column named messages)
     images: str | None = None  # column of images, for vision-language rows (default: a column named images)
+    # Rows whose images are read at load (validate and each run's start), as every row's prompt is:
+    # every row (default), or this many spread over a large file, said on stderr; flowrl/data/files.py.
+    check_images: PositiveInt | None = None
     split: str | None = None  # the split of a datasets folder with several (default: train)
     shuffle: bool = True  # a new order every epoch, drawn from run.seed
     # Held-out rows for data.eval: another file, a split of the datasets folder, or rows of this file.
