@@ -28,7 +28,7 @@ from typing import Any
 
 import msgspec
 import ray
-from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
@@ -38,6 +38,7 @@ from flowrl.runtime.coordinator import Coordinator
 from flowrl.runtime.ray_local import init_ray
 from flowrl.runtime.ray_stage import StageActor
 from flowrl.runtime.run import StageFailed
+from flowrl.spec.errors import UserError
 
 
 class RayExecutor:
@@ -88,10 +89,15 @@ class RayExecutor:
                     env[(name, r)] = {"MASTER_ADDR": host, "MASTER_PORT": str(port), "RANK": str(r),
                                       "WORLD_SIZE": str(size), "LOCAL_RANK": str(r)}
         # Started together: the ranks of a group meet in their operators' setup().
-        where = await asyncio.gather(*(
-            actor.start.remote(self.coord, str(checkpoint / name / f"r{r}") if checkpoint else None,
-                               env.get((name, r)))
-            for (name, r), actor in self.actors.items()))
+        try:
+            where = await asyncio.gather(*(
+                actor.start.remote(self.coord, str(checkpoint / name / f"r{r}") if checkpoint else None,
+                                   env.get((name, r)))
+                for (name, r), actor in self.actors.items()))
+        except RayTaskError as e:  # a user's mistake (a checkpoint it cannot load): its own message
+            if isinstance(e.cause, UserError):
+                raise e.cause from None
+            raise
         self.where = dict(zip(self.actors, where, strict=True))
         placement.write(self.run_dir, self.where, self.attached)
         self.tasks = {asyncio.get_running_loop().create_task(self._supervise(key)): key for key in self.actors}
