@@ -169,7 +169,7 @@ def verl_bypass_reinforce(x, level, threshold, mode="token-mean"):
     return verl_agg(-A * x * w.clamp(max=threshold), M, mode)
 
 
-def verl_dppo(x, kind, low, high, c=20.0):
+def verl_dppo(x, kind, low, high, c=3.0):
     ratio = torch.exp((x - OLD64).clamp(-20, 20))
     w = ratio.clamp(max=c).detach()
     p, q = torch.exp(x.detach()), torch.exp(OLD64)

@@ -62,7 +62,7 @@ class TIS(CorrectionConfig):
     threshold: Positive = 2.0
     batch_normalize: bool = False  # weights / their batch mean, so that they average 1
     reject: list[RejectCheck] = []  # also mask tokens (or sequences) that fail any of these checks
-    normalise: Normalise = "all"
+    normalise: Normalise = "all"  # kept: the loss and aggregation count only the tokens kept (verl)
 
 
 class MIS(CorrectionConfig):
@@ -72,7 +72,7 @@ class MIS(CorrectionConfig):
     level: Literal["token", "sequence"] = "token"
     threshold: Positive = 2.0
     floor: NonNegative = 0.0  # weights below it are masked too
-    normalise: Normalise = "all"
+    normalise: Normalise = "all"  # kept: the loss and aggregation count only the tokens kept (verl)
 
     def __post_init__(self) -> None:
         if self.floor >= self.threshold:
@@ -87,7 +87,7 @@ class Geometric(CorrectionConfig):
     action: Literal["truncate", "mask"] = "truncate"
     threshold: Positive = 2.0
     floor: NonNegative = 0.0
-    normalise: Normalise = "all"
+    normalise: Normalise = "all"  # kept: the loss and aggregation count only the tokens kept (verl)
 
     def __post_init__(self) -> None:
         if self.floor >= self.threshold:
@@ -99,7 +99,7 @@ class Reject(CorrectionConfig, kw_only=True):
     rollout_rs with rollout_is off; several checks combine as verl's comma-separated list)."""
 
     checks: list[RejectCheck]
-    normalise: Normalise = "all"
+    normalise: Normalise = "all"  # kept: the loss and aggregation count only the tokens kept (verl)
 
 
 def _log_w(proximal: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

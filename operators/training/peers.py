@@ -16,9 +16,8 @@ DIFFERENCES: dict[str, str] = {
                      "every row, an all-masked one as 0)",
     "loss:reinforce_bypass": "no rejection (verl bypass_mode's rollout_rs): use a correction with a "
                              "proximal pass for it",
-    "loss:dppo_tv": "truncation defaults to 20 (verl reads clip_ratio_c, 20 when unset, the actor "
-                    "config's 3.0 when set); surrogate ratio with kl_coef 1e-3 is prime-rl's loss; no "
-                    "Top-K approximation",
+    "loss:dppo_tv": "surrogate ratio with kl_coef 1e-3 and max_log_ratio null is prime-rl's loss (verl's "
+                    "is log_prob); no Top-K approximation (a trajectory holds no top-K probabilities)",
     "loss:dppo_kl": "as dppo_tv",
     "correction:tis": "masked tokens count in N and S unless normalise: kept (verl's rejection shrinks "
                       "the mask the aggregation reads)",

@@ -21,6 +21,10 @@ behaviour weight w = exp(prox - behav) per token, or exp(sum_t m (prox - behav))
     correction: {kind: mis}     w if floor <= w <= threshold else 0  (masked importance sampling)
     any other registered correction (geometric, reject, ...; see corrections.py)
 `set_behaviour_weights(batch, config)` stores w on the batch once the proximal logprobs are known.
+A loss whose config says `weighting = "geometric"` (geo_mean) gets one weight per sequence instead,
+the geometric mean of its tokens' weights. A correction with `normalise: kept` hands the loss and
+its aggregation the kept tokens (w > 0) as the mask, with the counts N and S over them (verl's
+rejection); by default masked tokens still count (AReaL's).
 
 KL to the reference: `apply_as: loss` adds coef * aggregate(k) to the loss; `apply_as: reward`
 subtracts coef * k (of the behaviour logprobs) from the token rewards before the advantages

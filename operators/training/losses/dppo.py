@@ -40,9 +40,9 @@ class DPPO(LossConfig):
     delta_low: Delta = 0.2  # the trust region where A <= 0 (verl clip_ratio_low, prime-rl dppo_mask_low)
     delta_high: Delta = 0.2  # the trust region where A > 0 (verl clip_ratio_high, prime-rl dppo_mask_high)
     surrogate: Literal["log_prob", "ratio"] = "log_prob"  # log_prob: verl's; ratio: prime-rl's
-    # log_prob surrogate: the detached ratio is truncated to at most this (verl reads clip_ratio_c,
-    # 20 when unset); None: not truncated.
-    truncation: Bound | None = 20.0
+    # log_prob surrogate: the detached ratio is truncated to at most this (verl's clip_ratio_c, 3.0 in
+    # its actor config; the paper advises a large one); None: not truncated.
+    truncation: Bound | None = 3.0
     max_log_ratio: Bound | None = 20.0  # log(r) clamped to +-this before exp (verl); None: no clamp
     kl_coef: Annotated[float, Meta(ge=0)] = 0.0  # + kl_coef (logp - old)^2 on every loss token (prime-rl 1e-3)
 
