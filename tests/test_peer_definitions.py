@@ -441,10 +441,13 @@ def names_a_peer(doc: str) -> bool:
     return bool(re.search(r"\b(verl|AReaL)\b", doc))
 
 
+CONCEPTS = {LOSSES.group: "loss", KL.group: "kl", CORRECTIONS.group: "correction",
+            AGGREGATIONS.group: "aggregation", ADVANTAGES.group: "advantage"}
+
+
 @pytest.mark.parametrize("registry", [LOSSES, KL, CORRECTIONS, AGGREGATIONS, ADVANTAGES], ids=lambda r: r.group)
 def test_every_entry_that_names_a_peer_is_checked_here(registry):
-    concept = registry.group.split(".")[1].rstrip("s").replace("aggregation", "aggregation")
-    concept = {"losse": "loss", "advantage": "advantage"}.get(concept, concept)
+    concept = CONCEPTS[registry.group]
     tests = {node.name for node in ast.parse(Path(__file__).with_name("test_advantages.py").read_text()).body
              if isinstance(node, ast.FunctionDef)}
     for name, entry in registry.entries().items():
@@ -457,8 +460,8 @@ def test_every_entry_that_names_a_peer_is_checked_here(registry):
 
 
 def test_every_listed_difference_is_a_registered_entry():
-    registries = {"loss": LOSSES, "kl": KL, "correction": CORRECTIONS, "aggregation": AGGREGATIONS,
-                  "advantage": ADVANTAGES}
+    registries = {concept: registry for registry in (LOSSES, KL, CORRECTIONS, AGGREGATIONS, ADVANTAGES)
+                  for group, concept in CONCEPTS.items() if registry.group == group}
     for key in DIFFERENCES:
         concept, name = key.split(":")
         assert name in registries[concept].names(), key
