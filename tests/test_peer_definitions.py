@@ -149,15 +149,15 @@ def verl_cispo(x, low=0.2, high=0.2):
     return verl_agg(-ratio.clamp(1 - low, 1 + high).detach() * A * x, M, "token-mean")
 
 
-def verl_geo_mean(x, old=OLD64, low=0.2, high=0.2, is_w=None):
+def verl_geo_mean(x, old=OLD64, low=0.2, high=0.2, is_w=None, mask=M):
     d = x - old
     sign = torch.sign(A)
     d_min = sign * torch.min(sign * d, sign * d.clamp(-low, high))
-    n = M.sum(-1)
-    ratio = torch.exp((d_min * M).sum(-1) / (n + 1e-8))
-    loss = -(A * M).sum(-1) / (n + 1e-8) * ratio
+    n = mask.sum(-1)
+    ratio = torch.exp((d_min * mask).sum(-1) / (n + 1e-8))
+    loss = -(A * mask).sum(-1) / (n + 1e-8) * ratio
     if is_w is not None:
-        loss = loss * torch.exp((torch.log(is_w + 1e-10) * M).sum(-1) / (n + 1e-8))
+        loss = loss * torch.exp((torch.log(is_w + 1e-10) * mask).sum(-1) / (n + 1e-8))
     return loss.mean()
 
 
@@ -311,6 +311,12 @@ CASES: dict[str, list[tuple[dict, object, object]]] = {
         ({**decoupled()}, prox_batch, lambda x: verl_geo_mean(x, is_w=torch.exp(OLD64 - BEHAV64) * M)),
         ({"correction": {"kind": "tis", "threshold": 1.2}}, prox_batch,
          lambda x: verl_geo_mean(x, is_w=verl_is_weights(OLD64 - BEHAV64, "token", 1.2))),
+        # verl's rollout_rs rejects row 1 whole and one token of row 0: the mean still counts 3 rows.
+        ({"correction": {"kind": "tis", "threshold": 1.2, "normalise": "kept", "reject": [
+            {"check": "seq_mean_k3", "threshold": 0.05}, {"check": "token_k1", "threshold": 1.4, "floor": 0.7}]}},
+         prox_batch, lambda x: verl_geo_mean(x, is_w=verl_is_weights(OLD64 - BEHAV64, "token", 1.2), mask=(
+             verl_rs_mask(OLD64 - BEHAV64, "seq_mean_k3", None, 0.05)
+             * verl_rs_mask(OLD64 - BEHAV64, "token_k1", 0.7, 1.4)))),
     ],
     "loss:reinforce": [({}, batch_of, lambda x: verl_agg(-A * x, M, "token-mean"))],
     "loss:gpg": [({}, batch_of, lambda x: verl_agg(-x * A, M, "token-mean"))],

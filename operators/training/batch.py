@@ -142,9 +142,11 @@ class Normaliser(msgspec.Struct, frozen=True):
         return Normaliser(tokens=float(per_row.sum()), sequences=float((per_row > 0).sum()),
                           weighted_tokens=float(weighted.sum()), weighted_sequences=float((weighted > 0).sum()))
 
-    def kept(self) -> Normaliser:
-        """The counts over the tokens that carry weight alone."""
-        return Normaliser(tokens=self.weighted_tokens, sequences=self.weighted_sequences,
+    def kept(self, sequences: bool = True) -> Normaliser:
+        """The counts over the tokens that carry weight alone (and the sequences that keep one, unless
+        `sequences` is false: then every sequence with a loss token still counts)."""
+        kept_rows = self.weighted_sequences if sequences else self.sequences
+        return Normaliser(tokens=self.weighted_tokens, sequences=kept_rows,
                           weighted_tokens=self.weighted_tokens, weighted_sequences=self.weighted_sequences)
 
 

@@ -12,8 +12,8 @@ DIFFERENCES: dict[str, str] = {
     "loss:gspo": "aggregates token_mean unless told (verl forces seq_mean_token_mean)",
     "loss:sapo": "aggregates token_mean unless told (verl forces seq_mean_token_mean); the +-20 log-ratio "
                  "clamp is verl's (AReaL: none, max_log_ratio: null; level sequence clamps the mean)",
-    "loss:geo_mean": "the mean over sequences counts those with a loss token (verl's torch.mean counts "
-                     "every row, an all-masked one as 0)",
+    "loss:geo_mean": "the mean over sequences counts those with a loss token, rejected or not (verl's "
+                     "torch.mean also counts a row that had no loss token at all, as 0)",
     "loss:reinforce_bypass": "no rejection (verl bypass_mode's rollout_rs): use a correction with a "
                              "proximal pass for it",
     "loss:dppo_tv": "surrogate ratio with kl_coef 1e-3 and max_log_ratio null is prime-rl's loss (verl's "

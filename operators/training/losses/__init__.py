@@ -160,6 +160,7 @@ def policy_loss(config: LossConfig) -> LossFn:
     correction = correction_config(config) if needs_proximal(config) else None
     kept_only = getattr(correction, "normalise", "all") == "kept"
     geometric = getattr(config, "weighting", "token") == "geometric"
+    count_rejected = getattr(config, "counts_rejected_sequences", False)
 
     def fn(output: dict[str, torch.Tensor], batch: Batch, normaliser: Normaliser):
         logprobs, mask = output["logprobs"], batch.loss_mask
@@ -172,7 +173,7 @@ def policy_loss(config: LossConfig) -> LossFn:
                                  "Trainer.compute_logprobs, then set_behaviour_weights")
             old, weight = batch.proximal_logprobs, batch.behaviour_weights
             if kept_only:  # verl: the rejection-modified mask is the loss mask from here on
-                mask, normaliser = weighted_mask(batch), normaliser.kept()
+                mask, normaliser = weighted_mask(batch), normaliser.kept(sequences=not count_rejected)
         per_token, clipped = loss_per_token(logprobs, old, batch.advantages, mask, config)
         if weight is not None:
             per_token = per_token * (geometric_mean(weight, mask) if geometric else weight)

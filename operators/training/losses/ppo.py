@@ -70,14 +70,18 @@ class GMPO(ClipConfig):
     R_i = exp(sum_t m d'_t / (n_i + 1e-8)) and A_i the mean of A over the sequence: l_i = -A_i R_i,
     placed on each token of the sequence; with the default seq_mean_token_mean the loss is mean_i l_i.
     A behaviour weight w_t (correction / decoupled) scales l_i by the geometric mean of the
-    sequence's weights, exp(sum_t m log(w_t + 1e-10) / (n_i + 1e-8)) (GMPO, arXiv 2507.20673;
-    verl geo_mean, which applies no log-ratio clamp)."""
+    sequence's weights, exp(sum_t m log(w_t + 1e-10) / (n_i + 1e-8)); a sequence a correction
+    rejects whole counts in the mean as 0 (GMPO, arXiv 2507.20673; verl geo_mean, which applies no
+    log-ratio clamp)."""
 
     aggregation: str | dict[str, Any] = "seq_mean_token_mean"
     max_log_ratio: Bound | None = None
     # How a per-token behaviour weight enters the loss: "geometric" = one weight per sequence, the
     # geometric mean of its tokens' weights (read by policy_loss; other losses: per token).
     weighting: ClassVar[str] = "geometric"
+    # A sequence a correction rejects whole still counts in the mean over sequences (verl's geo_mean
+    # takes torch.mean over every row), also under `normalise: kept` (read by policy_loss).
+    counts_rejected_sequences: ClassVar[bool] = True
 
 
 class SFT(LossConfig):
