@@ -25,7 +25,9 @@ DIFFERENCES: dict[str, str] = {
                       "token weights (AReaL's sequence ratio is the geometric mean: `geometric`)",
     "correction:geometric": "as tis",
     "correction:reject": "as tis; checks take verl's sign of r unless sign: areal (AReaL's kl_k1 / kl_k3 "
-                         "metrics, r unclamped); sequence means divide by max(n, 1) (verl: n + 1e-8)",
+                         "metrics, r unclamped); sequence means divide by max(n, 1) (verl: n + 1e-8); "
+                         "weight 1 on kept tokens (AReaL's mask mode keeps the raw ratio: tis with a large "
+                         "threshold and these checks as its reject gives that)",
     "kl:k3": "clamps of verl's low_var_kl (d to +-20, estimate at most 10); AReaL clamps every estimator "
              "to +-10 and d not at all",
     "aggregation:seq_mean_token_sum_norm": "norm_length is required (verl defaults to the padded "
