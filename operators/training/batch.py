@@ -127,17 +127,27 @@ class Batch:
 
 class Normaliser(msgspec.Struct, frozen=True):
     """Global counts the loss divides by: loss tokens and sequences with at least one; and the loss
-    tokens that carry weight (behaviour weight > 0), which per-token metrics average over."""
+    tokens that carry weight (behaviour weight > 0), which per-token metrics average over, and the
+    sequences with at least one of those (a correction's `normalise: kept` divides by these two)."""
 
     tokens: float
     sequences: float
     weighted_tokens: float
+    weighted_sequences: float = 0.0
 
     @staticmethod
     def of(batch: Batch) -> Normaliser:
         per_row = batch.loss_mask.sum(dim=1)
+        weighted = weighted_mask(batch).sum(dim=1)
         return Normaliser(tokens=float(per_row.sum()), sequences=float((per_row > 0).sum()),
-                          weighted_tokens=float(weighted_mask(batch).sum()))
+                          weighted_tokens=float(weighted.sum()), weighted_sequences=float((weighted > 0).sum()))
+
+    def kept(self, sequences: bool = True) -> Normaliser:
+        """The counts over the tokens that carry weight alone (and the sequences that keep one, unless
+        `sequences` is false: then every sequence with a loss token still counts)."""
+        kept_rows = self.weighted_sequences if sequences else self.sequences
+        return Normaliser(tokens=self.weighted_tokens, sequences=kept_rows,
+                          weighted_tokens=self.weighted_tokens, weighted_sequences=self.weighted_sequences)
 
 
 def weighted_mask(batch: Batch) -> torch.Tensor:

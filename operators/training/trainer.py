@@ -248,8 +248,10 @@ class Trainer:
         if not self.trainable:
             raise RuntimeError("this model is frozen (a Reference); it has no backward pass")
         counts = Normaliser.of(batch)
-        tokens, sequences, weighted = self._all_reduce([counts.tokens, counts.sequences, counts.weighted_tokens])
-        normaliser = Normaliser(tokens=tokens, sequences=sequences, weighted_tokens=weighted)
+        tokens, sequences, weighted, weighted_rows = self._all_reduce(
+            [counts.tokens, counts.sequences, counts.weighted_tokens, counts.weighted_sequences])
+        normaliser = Normaliser(tokens=tokens, sequences=sequences, weighted_tokens=weighted,
+                                weighted_sequences=weighted_rows)
         rows, count = self._plan(batch)
         metrics: dict[str, float] = defaultdict(float)
         peaks: dict[str, float] = defaultdict(lambda: -math.inf)
