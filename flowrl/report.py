@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import html
 import json
+import math
 import shutil
 import subprocess
 import tempfile
@@ -96,10 +97,12 @@ def summary(phase: Phase) -> dict[str, Any]:
     for r in rows:
         staleness.update({k: int(v) for k, v in (r.get("staleness") or {}).items()})
     last = rows[-1] if rows else {}
+    best = max(evals, key=lambda e: e[1], default=None)
     return {
         "phase": phase.name, "name": phase.meta.get("name"), "steps": len(rows),
         "seconds": round(last.get("time", 0.0), 1), "first_reward": rewards[0] if rewards else None,
-        "last_reward": rewards[-1] if rewards else None, "best_eval_reward": max((v for _, v in evals), default=None),
+        "last_reward": rewards[-1] if rewards else None, "best_eval_reward": best[1] if best else None,
+        "best_eval_version": best[0] if best else None,
         "last_eval_reward": evals[-1][1] if evals else None,
         "samples_per_s": round(sum(r.get("samples_per_s", 0) for r in rows) / max(len(rows), 1), 2),
         "dropped_total": last.get("dropped_total", 0), "staleness": dict(sorted(staleness.items(), key=lambda kv: int(kv[0]))),
@@ -142,23 +145,140 @@ def samples_text(phase: Phase) -> list[str]:
 
 
 def render_text(phases: list[Phase]) -> str:
+    """A screenful per run: each phase's totals, where its time went, its curves downsampled to at most
+    TABLE_ROWS spans of steps, its health findings with the step each began, and the last step's samples."""
     lines = []
+    spans = TABLE_ROWS if len(phases) <= 2 else TABLE_ROWS // 2
     for p in phases:
         s = summary(p)
         lines.append(f"{s['name']} · phase {p.name}: {s['steps']} steps in {s['seconds']} s, "
                      f"{s['samples_per_s']} samples/s, dropped {s['dropped_total']}")
+        best = f", best {_fmt(s['best_eval_reward'])} at v{s['best_eval_version']}" if s["best_eval_version"] else ""
         lines.append(f"  reward {_fmt(s['first_reward'])} -> {_fmt(s['last_reward'])}; "
-                     f"eval reward last {_fmt(s['last_eval_reward'])}, best {_fmt(s['best_eval_reward'])}")
+                     f"eval reward last {_fmt(s['last_eval_reward'])}{best}")
         lines.append("  staleness (lag: groups): " + (", ".join(f"{k}: {v}" for k, v in s["staleness"].items()) or "-"))
-        lines.append("  idle fraction at the last step: " + (", ".join(f"{k} {v:.2f}" for k, v in s["idle"].items()) or "-"))
+        lines.append("  " + time_line(p))
         lines += placement_lines(p.placement)
-        evals = {e["version"]: e["eval_reward"] for e in p.evals}
-        lines.append(f"  {'step':>5} {'time_s':>8} {'reward':>8} {'eval':>8} {'samples/s':>10}")
-        for r in p.rows:  # eval of the policy this step published (version step + 1)
-            lines.append(f"  {r['step']:>5} {r.get('time', 0):>8.1f} {_fmt(r.get('reward')):>8} "
-                         f"{_fmt(evals.get(r['step'] + 1)):>8} {r.get('samples_per_s', 0):>10.1f}")
+        lines += curve_table(p, spans)
+        lines += health_lines(p)
         lines += samples_text(p)
     return "\n".join(lines) + "\n"
+
+
+TABLE_ROWS = 10  # spans of steps in a phase's table (5 when a run has more than two phases)
+HEALTH_LINES = 6  # findings listed per phase; the rest are counted
+CURVES = (  # (column, width, metric: a row key or train.<key>, format)
+    ("reward", 7, "reward", ".3f"), ("entropy", 8, "train.entropy", ".3g"),
+    ("tied", 5, "train.tied_group_fraction", ".2f"), ("clip", 6, "train.clip_fraction", ".3f"),
+    ("kl", 8, "train.policy_kl", ".2g"), ("grad", 8, "train.grad_norm", ".3g"),
+    ("mismatch", 8, "train.mismatch_logprob_mean", ".2g"),
+)
+
+
+def metric(row: dict[str, Any], key: str) -> float | None:
+    """A number of a metrics row: `reward`, or `train.<name>` for the train operator's."""
+    value = (row.get("train") or {}).get(key[6:]) if key.startswith("train.") else row.get(key)
+    return float(value) if isinstance(value, int | float) and math.isfinite(value) else None
+
+
+def spans_of(rows: list[dict[str, Any]], count: int) -> list[list[dict[str, Any]]]:
+    """The rows cut into at most `count` consecutive spans of (nearly) equal length."""
+    count = max(1, min(count, len(rows)))
+    return [rows[len(rows) * i // count: len(rows) * (i + 1) // count] for i in range(count)]
+
+
+def mean_of(rows: list[dict[str, Any]], key: str) -> float | None:
+    values = [v for v in (metric(r, key) for r in rows) if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def curve_table(p: Phase, count: int) -> list[str]:
+    """The phase's curves, each row the mean over a span of steps (eval: the last in the span)."""
+    if not p.rows:
+        return []
+    evals = {e["version"]: e["eval_reward"] for e in p.evals}
+    shown = [c for c in CURVES if any(metric(r, c[2]) is not None for r in p.rows)]
+    head = f"  {'steps':>9} {'time_s':>7} " + " ".join(f"{c[0]:>{c[1]}}" for c in shown) + (" eval" if evals else "")
+    lines = [head + ("   (means over each span of steps)" if len(p.rows) > count else "")]
+    for span in spans_of(p.rows, count):
+        first, last = span[0]["step"], span[-1]["step"]
+        label = str(first) if first == last else f"{first}-{last}"
+        inside = [evals[v] for v in range(first + 1, last + 2) if v in evals]
+        cells = " ".join(f"{_number(mean_of(span, key), fmt):>{width}}" for _, width, key, fmt in shown)
+        shown_eval = f" {_number(inside[-1] if inside else None, '.3f'):>5}" if evals else ""
+        lines.append(f"  {label:>9} {span[-1].get('time', 0):>7.1f} {cells}{shown_eval}")
+    return lines
+
+
+def _number(value: float | None, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def health_events(p: Phase) -> list[dict[str, Any]]:
+    """The phase's health events: as the run recorded them, or found afresh in a run from before
+    flowrl recorded them (flowrl/health.py)."""
+    from flowrl.health import recorded, replay
+
+    return recorded(p.rows) if p.meta.get("health") else replay(p.rows)
+
+
+def health_lines(p: Phase) -> list[str]:
+    from flowrl.health import CONDITIONS
+
+    began = [e for e in health_events(p) if e["event"] == "began"]
+    if not began:
+        return ["  health: nothing found (" + ", ".join(c.replace("_", " ") for c in CONDITIONS) + ")"]
+    ends = {}  # (node, condition, began step) -> the step it ended
+    for e in health_events(p):
+        if e["event"] == "ended":
+            match = [b for b in began if b["condition"] == e["condition"] and b.get("node") == e.get("node")
+                     and b["step"] <= e["step"] and (b.get("node"), b["condition"], b["step"]) not in ends]
+            if match:
+                ends[(match[-1].get("node"), e["condition"], match[-1]["step"])] = e["step"]
+    lines = [f"  health: {len(began)} finding{'s' if len(began) > 1 else ''}"]
+    for e in began[:HEALTH_LINES]:
+        end = ends.get((e.get("node"), e["condition"], e["step"]))
+        lines.append(f"    ! {e['message']}" + (f" (ended at step {end})" if end is not None else ""))
+    if len(began) > HEALTH_LINES:
+        lines.append(f"    ... and {len(began) - HEALTH_LINES} more (the `health` entries of metrics.jsonl)")
+    return lines
+
+
+def time_line(p: Phase) -> str:
+    """Where the phase's wall time went: each stage's busy share by kind of work (overlapping spans
+    merged), and the longest setup."""
+    busy, wall = busy_time(p.events)
+    if not busy or wall <= 0:
+        return "time: - (no trace)"
+    setup = max((t for (_, kind), t in busy.items() if kind == "setup"), default=0.0)
+    parts: dict[str, list[str]] = {}
+    for (lane, kind), t in sorted(busy.items(), key=lambda kv: -kv[1]):
+        if kind not in ("setup", "wait", "step") and t / wall >= 0.005:
+            parts.setdefault(lane, []).append(f"{kind} {t / wall:.0%}")
+    stages = "; ".join(f"{lane} {', '.join(kinds)}" for lane, kinds in parts.items())
+    return f"time ({wall:.1f} s, setup {setup:.1f} s): {stages or '-'}"
+
+
+def busy_time(events: list[dict[str, Any]]) -> tuple[dict[tuple[str, str], float], float]:
+    """Seconds each (stage, kind of span) was busy, overlapping spans counted once, and the trace's span."""
+    names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M"}
+    intervals: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    wall = 0.0
+    for e in events:
+        if e.get("ph") == "X":
+            start, end = e["ts"] / 1e6, (e["ts"] + e.get("dur", 0.0)) / 1e6
+            intervals.setdefault((names.get(e["pid"], str(e["pid"])), e["name"]), []).append((start, end))
+            wall = max(wall, end)
+    return {key: _union(spans) for key, spans in intervals.items()}, wall
+
+
+def _union(spans: list[tuple[float, float]]) -> float:
+    total, reach = 0.0, -math.inf
+    for start, end in sorted(spans):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
 
 
 def placement_lines(placement: dict[str, Any]) -> list[str]:

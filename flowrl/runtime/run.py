@@ -155,7 +155,8 @@ def _prepare(plan: Plan, run_dir: Path, executor: str, steps: int, resume: bool,
         raise FileExistsError(f"{run_dir} already holds a run; resume it or choose another run directory")
     streams.truncate(run_dir, {})
     (run_dir / "plan.json").write_bytes(plan.record())  # environment values redacted
-    meta = {"name": plan.name, "origin": started, "executor": executor, "steps": steps, "format": 2}
+    meta = {"name": plan.name, "origin": started, "executor": executor, "steps": steps, "format": 2,
+            "health": 1}  # its metrics rows carry the health events (flowrl/health.py)
     (run_dir / "meta.json").write_text(json.dumps(meta, indent=1))
     return None, None, started
 
