@@ -62,11 +62,11 @@ def health_list(p: Phase) -> str:
     return f'<ul class="health">{items}</ul>'
 
 
-def _points(rows: list[dict[str, Any]], key: str, x: str) -> list[tuple[float, float]]:
-    """(x, mean of `key`) over at most MAX_POINTS spans of the rows that report `key`."""
+def _points(rows: list[dict[str, Any]], key: str, x: str, count: int = MAX_POINTS) -> list[tuple[float, float]]:
+    """(x, mean of `key`) over at most `count` spans of the rows that report `key`."""
     have = [r for r in rows if metric(r, key) is not None and r.get(x) is not None]
     out = []
-    for span in spans_of(have, MAX_POINTS):
+    for span in spans_of(have, count):
         values = [metric(r, key) for r in span]
         out.append((float(span[-1][x]), sum(values) / len(values)))  # type: ignore[arg-type]
     return out if have else []
@@ -92,9 +92,10 @@ def _svg(w: int, h: int, inner: str, cls: str = "chart") -> str:
 def reward_chart(phases: list[Phase], w: int = 900, h: int = 300) -> str:
     """Reward (training batches) and eval reward against wall time, phases end to end."""
     train, evals, bounds, marks, offset = [], [], [], [], 0.0
+    share = MAX_POINTS // len(phases)  # each curve at most MAX_POINTS points, the phases' together
     for p in phases:
-        train += [(offset + t, v) for t, v in _points(p.rows, "reward", "time")]
-        picked = spans_of(p.evals, MAX_POINTS) if p.evals else []
+        train += [(offset + t, v) for t, v in _points(p.rows, "reward", "time", share)]
+        picked = spans_of(p.evals, share)
         evals += [(offset + span[-1]["time"], span[-1]["eval_reward"]) for span in picked]
         times = {r["step"]: r.get("time", 0.0) for r in p.rows}
         marks += [(offset + times.get(e["step"], 0.0), e["condition"]) for e in health_events(p) if e["event"] == "began"]
@@ -110,10 +111,10 @@ def reward_chart(phases: list[Phase], w: int = 900, h: int = 300) -> str:
         x = 40 + end / x1 * (w - 80)
         out.append(f'<line x1="{x:.1f}" y1="40" x2="{x:.1f}" y2="{h - 40}" stroke="#bbb" stroke-dasharray="4 3"/>'
                    f'<text x="{x - 4:.1f}" y="52" text-anchor="end" fill="#777">{html.escape(name)}</text>')
-    for t, condition in marks:
-        x = 40 + t / x1 * (w - 80)
+    for i, (t, condition) in enumerate(sorted(marks)):
+        x, y = 40 + t / x1 * (w - 80), h - 46 - 13 * (i % 6)  # labels stacked: findings may be close
         out.append(f'<line x1="{x:.1f}" y1="40" x2="{x:.1f}" y2="{h - 40}" stroke="#b03a2e" stroke-width="1.5">'
-                   f'<title>{html.escape(condition)}</title></line><text x="{x + 3:.1f}" y="{h - 46}" fill="#b03a2e" '
+                   f'<title>{html.escape(condition)}</title></line><text x="{x + 3:.1f}" y="{y}" fill="#b03a2e" '
                    f'font-size="10">{html.escape(condition.replace("_", " "))}</text>')
     out.append(_polyline(train, (0, x1, y0, y1), w, h, "#2e86de"))
     out.append(_polyline(evals, (0, x1, y0, y1), w, h, "#c0392b"))
@@ -209,19 +210,20 @@ def _binned(spans: list[dict[str, Any]], rows: dict[int, int], end: float, w: in
     neighbouring bins alike merge into one rect."""
     width = end / TIMELINE_BINS
     busy: dict[tuple[int, int], dict[str, float]] = {}
-    for e in spans:
-        if e["pid"] not in rows:
+    for (pid, kind), intervals in _merged(spans).items():  # concurrent calls of a stage count once
+        if pid not in rows:
             continue
-        start, stop = e["ts"], e["ts"] + e.get("dur", 0.0)
-        for b in range(int(start // width), min(int(stop // width), TIMELINE_BINS - 1) + 1):
-            overlap = min(stop, (b + 1) * width) - max(start, b * width)
-            if overlap > 0:
-                kinds = busy.setdefault((rows[e["pid"]], b), {})
-                kinds[e["name"]] = kinds.get(e["name"], 0.0) + overlap
+        for start, stop in intervals:
+            for b in range(int(start // width), min(int(stop // width), TIMELINE_BINS - 1) + 1):
+                overlap = min(stop, (b + 1) * width) - max(start, b * width)
+                if overlap > 0:
+                    kinds = busy.setdefault((rows[pid], b), {})
+                    kinds[kind] = kinds.get(kind, 0.0) + overlap
     cells: dict[int, list[tuple[int, str, float]]] = {}
     for (row, b), kinds in sorted(busy.items()):
         kind = max(kinds, key=kinds.__getitem__)
-        cells.setdefault(row, []).append((b, kind, round(min(1.0, sum(kinds.values()) / width) * 5) / 5))
+        # Opacity in fifths, a fifth at least: a short span (a reward call) stays visible.
+        cells.setdefault(row, []).append((b, kind, max(0.2, round(min(1.0, sum(kinds.values()) / width) * 5) / 5)))
     out, scale = [], w / TIMELINE_BINS
     for row, items in cells.items():
         run: list[Any] = []  # [first bin, last bin, kind, opacity]
@@ -229,11 +231,28 @@ def _binned(spans: list[dict[str, Any]], rows: dict[int, int], end: float, w: in
             if run and b == run[1] + 1 and (kind, share) == (run[2], run[3]):
                 run[1] = b
                 continue
-            if run and run[3] > 0:
+            if run:
                 out.append(f'<rect x="{run[0] * scale:.1f}" y="{row * lane + 2}" width="{(run[1] - run[0] + 1) * scale:.1f}" '
-                           f'height="{lane - 8}" fill="{COLORS.get(run[2], "#7f8c8d")}" opacity="{max(run[3], 0.2):.1f}"/>')
+                           f'height="{lane - 8}" fill="{COLORS.get(run[2], "#7f8c8d")}" opacity="{run[3]:.1f}"/>')
             run = [b, b, kind, share]
     return "".join(out)
+
+
+def _merged(spans: list[dict[str, Any]]) -> dict[tuple[int, str], list[tuple[float, float]]]:
+    """Each (stage, kind)'s spans as disjoint intervals (overlapping ones joined)."""
+    by: dict[tuple[int, str], list[tuple[float, float]]] = {}
+    for e in spans:
+        by.setdefault((e["pid"], e["name"]), []).append((e["ts"], e["ts"] + e.get("dur", 0.0)))
+    out = {}
+    for key, intervals in by.items():
+        joined: list[list[float]] = []
+        for start, stop in sorted(intervals):
+            if joined and start <= joined[-1][1]:
+                joined[-1][1] = max(joined[-1][1], stop)
+            else:
+                joined.append([start, stop])
+        out[key] = [(a, b) for a, b in joined]
+    return out
 
 
 def staleness_chart(phase: Phase, w: int = 420, h: int = 200) -> str:
