@@ -108,7 +108,8 @@ def summary(phase: Phase) -> dict[str, Any]:
 def render_run(run_dir: Path, fmt: str = "text") -> str | bytes:
     phases = load_run(Path(run_dir))
     if fmt == "json":
-        return json.dumps([summary(p) | {"metrics": p.rows, "evals": p.evals, "samples": p.samples} for p in phases],
+        return json.dumps([summary(p) | {"health": health_events(p), "metrics": p.rows, "evals": p.evals,
+                                         "samples": p.samples} for p in phases],
                           indent=1) + "\n"
     if fmt in ("html", "png"):
         from flowrl.report_html import render_html

@@ -161,3 +161,21 @@ def test_html_renders_in_headless_chromium(long_run: Path, tmp_path: Path, capsy
         ["entropy collapse from step 437", "tied groups from step 424", "reward plateau from step 400"])
     assert seen["after"] == pytest.approx(16 * seen["before"], rel=0.02) and seen["scrolls"]
     assert seen["lanes"] == 5  # runtime, rollout, score, learner, publish
+
+
+def test_a_run_from_before_health_was_recorded_is_judged_afresh(long_run: Path, tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    old = tmp_path / "old"
+    shutil.copytree(long_run, old)
+    for phase in (old / "phases").iterdir():
+        meta = json.loads((phase / "meta.json").read_text())
+        (phase / "meta.json").write_text(json.dumps({k: v for k, v in meta.items() if k != "health"}))
+        rows = [json.loads(line) for line in (phase / "metrics.jsonl").read_text().splitlines()]
+        (phase / "metrics.jsonl").write_text("".join(json.dumps({k: v for k, v in r.items() if k != "health"}) + "\n"
+                                                    for r in rows))
+    assert main(["inspect", str(old), "--format", "json"]) == 0
+    replayed = json.loads(capsys.readouterr().out)[1]["health"]
+    assert main(["inspect", str(long_run), "--format", "json"]) == 0
+    recorded = json.loads(capsys.readouterr().out)[1]["health"]
+    assert [{k: e[k] for k in ("condition", "event", "step", "at")} for e in replayed] == \
+        [{k: e[k] for k in ("condition", "event", "step", "at")} for e in recorded] and len(recorded) == 3

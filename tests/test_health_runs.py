@@ -56,13 +56,15 @@ def collapse_began(rows: list[dict]) -> int | None:
 def test_a_collapsing_run_is_named_with_the_step_it_began(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     spec = copy.deepcopy(GRPO) | {"run": GRPO["run"] | {"steps": 20}}
     spec["nodes"]["learner"] |= {
-        "loss": {"kind": "ppo_clip", "clip_low": 0.2, "clip_high": 0.28, "entropy_coef": 0.0}, "optim": {"lr": 3.0e-2}}
+        "loss": {"kind": "ppo_clip", "clip_low": 0.2, "clip_high": 0.28, "entropy_coef": 0.0}, "optim": {"lr": 3.0e-2},
+        "policy_kl_every": 0}
     (tmp_path / "collapse.yaml").write_text(yaml.safe_dump(spec))
     run_dir = tmp_path / "run"
     assert main(["run", str(tmp_path / "collapse.yaml"), "--run-dir", str(run_dir)]) == 0  # with the live view
     shown = capsys.readouterr().out
     rows = rows_of(run_dir)
     assert rows[-1]["train"]["entropy"] < 0.01 * rows[0]["train"]["entropy"]  # it did collapse
+    assert not any("policy_kl" in r["train"] for r in rows)  # policy_kl_every: 0
     began = collapse_began(rows)
     assert began is not None
     events = [e for r in rows for e in r.get("health", []) if e["condition"] == "entropy_collapse"]
