@@ -209,7 +209,8 @@ def replay(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     detectors: dict[str, Health] = {}
     events = []
     for row in rows:
-        events += detectors.setdefault(str(row.get("node")), Health()).update(row)
+        node = str(row.get("node"))
+        events += [e | {"node": node} for e in detectors.setdefault(node, Health()).update(row)]
     return events
 
 

@@ -223,11 +223,12 @@ def health_events(p: Phase) -> list[dict[str, Any]]:
 def health_lines(p: Phase) -> list[str]:
     from flowrl.health import CONDITIONS
 
-    began = [e for e in health_events(p) if e["event"] == "began"]
+    events = health_events(p)
+    began = [e for e in events if e["event"] == "began"]
     if not began:
         return ["  health: nothing found (" + ", ".join(c.replace("_", " ") for c in CONDITIONS) + ")"]
     ends = {}  # (node, condition, began step) -> the step it ended
-    for e in health_events(p):
+    for e in events:
         if e["event"] == "ended":
             match = [b for b in began if b["condition"] == e["condition"] and b.get("node") == e.get("node")
                      and b["step"] <= e["step"] and (b.get("node"), b["condition"], b["step"]) not in ends]
