@@ -68,7 +68,8 @@ HINTS = {
     "tied_groups": "these groups get zero advantage: sample more per group, use harder or easier prompts, "
                    "or drop them (op: dynamic_sampling)",
     "reward_plateau": "the batch reward stopped rising",
-    "mismatch_growth": "the trainer and the engine disagree more and more on the sampled tokens' logprobs",
+    "mismatch_growth": "the trainer and the engine disagree more and more on the sampled tokens' logprobs "
+                       "(behind an async edge this includes how far the policy moved over the staleness)",
     "high_clip": "steps leave the trust region: lower the learning rate or the staleness",
 }
 
