@@ -65,8 +65,8 @@ CONDITIONS = ("entropy_collapse", "tied_groups", "reward_plateau", "mismatch_gro
 HINTS = {
     "entropy_collapse": "the policy samples almost greedily and stops exploring: raise the entropy bonus "
                         "(loss.entropy_coef) or lower the learning rate",
-    "tied_groups": "these groups get zero advantage: sample more per group, use harder or easier prompts, "
-                   "or drop them (op: dynamic_sampling)",
+    "tied_groups": "no sample in them did better than another, so they carry no learning signal: sample more "
+                   "per group, use harder or easier prompts, or drop them (op: dynamic_sampling)",
     "reward_plateau": "the batch reward stopped rising",
     "mismatch_growth": "the trainer and the engine disagree more and more on the sampled tokens' logprobs "
                        "(behind an async edge this includes how far the policy moved over the staleness)",
