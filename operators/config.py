@@ -220,6 +220,9 @@ class TrainConfig(Strict):
     max_nonfinite_steps: PositiveInt = 3  # consecutive NaN/Inf steps before the run stops
     # Also export every N steps to export/<node>-step-<version>; 0: only at the end, to export/<node>.
     export_every: Annotated[int, Meta(ge=0)] = 0
+    # Every N steps, one forward pass without gradients after the update measures the KL between
+    # the policy before and after it (metric `policy_kl`, flowrl/health.py); 0: never.
+    policy_kl_every: Annotated[int, Meta(ge=0)] = 10
     # The trainer in a child process of its own, e.g. {threads: 1}: under the in-process executor
     # training then overlaps generation without sharing the GIL (flowrl_operators.training.process).
     own_process: OwnProcess | None = None

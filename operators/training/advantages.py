@@ -286,6 +286,25 @@ def compute_advantages(batch: Batch, config: AdvantageConfig) -> Batch:
     return batch
 
 
+def tied_group_fraction(batch: Batch) -> float | None:
+    """The share of groups (of at least two sampled trajectories) whose trajectories all got the same
+    rewards: zero reward variance across the group, no sample did better than another, so the group
+    carries no comparison to learn from (a group-relative estimator gives a sequence reward's group
+    zero advantage). With turn or token rewards: the same rewards, in the same order. Greedy
+    baseline rows are no samples and are left out. None: no such group."""
+    sampled = torch.ones(batch.size, dtype=torch.bool) if batch.baseline is None else batch.baseline == 0
+    tied = groups = 0
+    for g in batch.group_index[sampled].unique():
+        rows = ((batch.group_index == g) & sampled).nonzero().squeeze(1).tolist()
+        if len(rows) < 2:
+            continue
+        values = [batch.rewards[r][batch.reward_mask[r] > 0] for r in rows]
+        groups += 1
+        tied += all(v.shape == values[0].shape and bool(torch.allclose(v, values[0], rtol=0.0, atol=1e-6))
+                    for v in values[1:])
+    return tied / groups if groups else None
+
+
 TOKEN_REWARDS = frozenset({"token_rewards"})
 GRPO_ESTIMATOR = Algorithm("grpo", GRPO, grpo)
 DR_GRPO_ESTIMATOR = Algorithm("dr_grpo", DrGRPO, dr_grpo)
