@@ -31,6 +31,10 @@ class SamplingConfig(Strict):
     top_k: int = -1  # -1 = no limit
     max_new_tokens: PositiveInt = 64
     stop_token_ids: list[Annotated[int, Meta(ge=0)]] = []  # token ids (the vocabulary's bound is checked by the engine)
+    # K > 0: record the behaviour policy's K most likely tokens and their logprobs at every generated
+    # token (softmax(logits / temperature), before top_k / top_p), for a top-K divergence loss
+    # (dppo_tv_topk, dppo_kl_topk). Both engines honour it (SGLang: top_logprobs_num).
+    top_logprobs: Annotated[int, Meta(ge=0)] = 0
 
 
 class EngineConfig(Strict):

@@ -409,8 +409,8 @@ def _placeholder(batch: Batch) -> Batch:
             fields[name] = torch.full((1,), 2, dtype=value.dtype)
         elif name in SAMPLING_DEFAULTS:
             fields[name] = torch.full((1, 1), SAMPLING_DEFAULTS[name], dtype=value.dtype)
-        elif name in TOKEN_FIELDS:
-            fields[name] = torch.zeros(1, 1, dtype=value.dtype)
+        elif name in TOKEN_FIELDS:  # top_ids / top_logprobs keep their K
+            fields[name] = torch.zeros(1, 1, *value.shape[2:], dtype=value.dtype)
         else:
             fields[name] = torch.zeros(1, 2, dtype=value.dtype)
     fields["attention_mask"] = torch.ones(1, 2, dtype=torch.long)
