@@ -176,7 +176,7 @@ def policy_loss(config: LossConfig) -> LossFn:
         logprobs, mask = output["logprobs"], batch.loss_mask
         if batch.advantages is None and not config.supervised:
             raise ValueError("the batch has no advantages: call compute_advantages first")
-        old, weight = batch.behaviour_logprobs, None
+        old, weight, counts = batch.behaviour_logprobs, None, normaliser  # counts: every loss token
         if needs_proximal(config):
             if batch.proximal_logprobs is None or batch.behaviour_weights is None:
                 raise ValueError(f"loss {config.kind!r} needs proximal logprobs and behaviour weights: call "
@@ -193,7 +193,7 @@ def policy_loss(config: LossConfig) -> LossFn:
             return aggregate(x, mask, normaliser, aggregation)
 
         loss = agg(per_token)
-        metrics = {"policy_loss": loss.item()} | token_metrics(output, batch, normaliser, clipped, config)
+        metrics = {"policy_loss": loss.item()} | token_metrics(output, batch, counts, clipped, config)
         if kl.apply_as == "loss" and kl.coef > 0:
             if batch.reference_logprobs is None:
                 raise ValueError("kl in loss needs reference logprobs: add a reference node before the trainer")
