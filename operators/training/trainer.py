@@ -316,6 +316,7 @@ class Trainer:
         for k in range(count):
             real = k < len(rows)
             mb = batch.select(rows[k]) if real else _placeholder(batch)
+            mb.top_ids = mb.top_logprobs = None  # a top-K loss reads the current policy's, in its own forward
             values = self._forward(mb)[key].float().cpu()
             if real:  # a micro-batch's rows need not be consecutive
                 out[torch.as_tensor(rows[k])[:, None], torch.arange(values.shape[1])] = torch.where(
