@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from flowrl.cli import main
-from flowrl.data.trajectory import decode_group, encode_group
+from flowrl.data.trajectory import Trajectory, decode_group, encode_group
 from flowrl.operator import OperatorContext
 from flowrl_operators.config import GenerateConfig
 from flowrl_operators.generate import Generate
@@ -117,3 +117,23 @@ def test_a_tiny_run_trains_with_a_top_k_loss(tmp_path: Path):
     for row in rows:
         train = row["train"]
         assert train["tokens"] > 0 and math.isfinite(train["policy_loss"]) and 0.0 <= train["clip_fraction"] <= 1.0
+
+
+def _trajectory(top_ids, top_logprobs, n=3, prompt=(1, 2)):
+    return Trajectory(id="t", group_id="g", sample_id="g", prompt_ids=list(prompt), response_ids=[5] * n,
+                      loss_mask=[1] * n, behaviour_logprobs=[-1.0] * n, versions=[0] * n, reward=1.0,
+                      top_ids=top_ids, top_logprobs=top_logprobs)
+
+
+def test_pack_pads_shorter_and_missing_records_with_no_mass():
+    one = _trajectory([[5, 7], [5], []], [[-0.1, -2.5], [-0.2], []])  # an environment-like token: no record
+    other = _trajectory(None, None, n=2, prompt=(1, 2, 3))
+    batch = pack([one, other])
+    assert batch.top_ids.shape == (2, 4, 2)
+    assert batch.top_ids[0, 1:4].tolist() == [[5, 7], [5, 0], [0, 0]]
+    assert batch.top_logprobs[0, 1:3].tolist() == [[pytest.approx(-0.1), -2.5], [pytest.approx(-0.2), -math.inf]]
+    assert not torch.isfinite(batch.top_logprobs[0, 3]).any() and not torch.isfinite(batch.top_logprobs[1]).any()
+    with pytest.raises(ValueError, match="top_ids / top_logprobs need one equal-length list per response token"):
+        _trajectory([[5], [5]], [[-0.1], [-0.2]]).validate()
+    with pytest.raises(ValueError, match="set together"):
+        _trajectory([[5]] * 3, None).validate()
