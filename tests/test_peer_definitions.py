@@ -460,7 +460,12 @@ ADVANTAGE_TESTS = {
 
 
 def names_a_peer(doc: str) -> bool:
-    return bool(re.search(r"\b(verl|AReaL)\b", doc))
+    return bool(re.search(r"\b(verl|AReaL|TRL)\b", doc))
+
+
+# Entries whose check needs more than CASES' inputs (the top-K losses read top logprobs): their tests.
+SEPARATE_CHECKS = {"loss:dppo_tv_topk": "test_top_k_entries_match_trls_definition",
+                   "loss:dppo_kl_topk": "test_top_k_entries_match_trls_definition"}
 
 
 CONCEPTS = {LOSSES.group: "loss", KL.group: "kl", CORRECTIONS.group: "correction",
@@ -477,6 +482,8 @@ def test_every_entry_that_names_a_peer_is_checked_here(registry):
             continue
         if registry is ADVANTAGES:
             assert ADVANTAGE_TESTS.get(name) in tests, f"advantage {name!r} names a peer but has no check"
+        elif f"{concept}:{name}" in SEPARATE_CHECKS:
+            assert SEPARATE_CHECKS[f"{concept}:{name}"] in globals(), name
         else:
             assert f"{concept}:{name}" in CASES, f"{concept} {name!r} names a peer but has no check here"
 
