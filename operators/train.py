@@ -167,6 +167,9 @@ class Learner:
         # Not for a supervised step: its targets are no samples of the policy, so k1 would not estimate a KL.
         measure = bool(self.kl_every) and step % self.kl_every == 0 and not supervised
         for epoch in range(self.epochs):
+            if epoch > 0 and needs_proximal(self.loss) and self.loss.proximal_each_epoch:
+                batch.proximal_logprobs = self.trainer.compute_logprobs(batch)  # the current policy
+                set_behaviour_weights(batch, self.loss, self.trainer.all_reduce)
             metrics = self.trainer.forward_backward(batch, _with_logprob_sum(self.loss_fn)
                                                     if measure and epoch == 0 else self.loss_fn)
             if epoch == 0:  # before any update: the mismatch (and the policy's logprobs) at the step's start
@@ -261,6 +264,12 @@ class Train(Operator):
         elif has and not needs:
             out.append((where, f"the generate node's greedy_baseline: true adds greedy rows that advantage "
                         f"{advantage.estimator} would count as samples; use advantage remax, or drop the option"))
+        if objective.needs_top_logprobs(loss) and "top_logprobs" not in facts.upstream_provides:
+            kind = ("loss", "kind") if isinstance(config.loss, dict) else ("loss",)
+            out.append((kind, f"loss {loss.kind} compares the policy with the behaviour policy over its top-K "
+                        "tokens, which the generate node does not record: set sampling.top_logprobs: K "
+                        "(e.g. 8) on the generate node, or use the binary approximation "
+                        f"({loss.kind.removesuffix('_topk')})"))
         # With lora the train node scores the reference itself: its base, adapters disabled.
         if objective.needs_reference(loss) and "reference_logprobs" not in facts.upstream_provides \
                 and config.lora is None:

@@ -161,12 +161,21 @@ def verl_geo_mean(x, old=OLD64, low=0.2, high=0.2, is_w=None, mask=M):
     return loss.mean()
 
 
-def verl_bypass_reinforce(x, level, threshold, mode="token-mean"):
+def verl_bypass_reinforce(x, level, threshold, mode="token-mean", reject=None):
+    """verl bypass mode, loss_type reinforce: IS weights from the current policy; with rollout_rs
+    (`reject`: (option, low, high)) the rejection mask, also from the current policy, is the mask the
+    aggregation reads."""
     log_ratio = (x.detach() - BEHAV64) * M
+    mask = M if reject is None else M * verl_rs_mask(x.detach() - BEHAV64, *reject)
     if level == "sequence":
         log_ratio = log_ratio.sum(-1, keepdim=True).expand_as(x)
     w = torch.exp(log_ratio.clamp(-20, 20)) * M
-    return verl_agg(-A * x * w.clamp(max=threshold), M, mode)
+    return verl_agg(-A * x * w.clamp(max=threshold), mask, mode)
+
+
+def current_batch():
+    """The proximal pass reinforce_bypass runs before each epoch: the current policy's logprobs."""
+    return batch_of(old=BEHAV, proximal=LOGP)
 
 
 def verl_dppo(x, kind, low, high, c=3.0):
@@ -324,6 +333,13 @@ CASES: dict[str, list[tuple[dict, object, object]]] = {
         ({"level": "token", "threshold": 1.5}, lambda: batch_of(old=BEHAV), lambda x: verl_bypass_reinforce(x, "token", 1.5)),
         ({"level": "sequence", "threshold": 2.0, "aggregation": "seq_mean_token_sum"}, lambda: batch_of(old=BEHAV),
          lambda x: verl_bypass_reinforce(x, "sequence", 2.0, "seq-mean-token-sum")),
+        # With rollout_rs: a correction, whose pass before the epoch is the current policy.
+        ({"correction": {"kind": "tis", "threshold": 1.5, "normalise": "kept", "reject": [
+            {"check": "token_k1", "threshold": 1.4, "floor": 0.7}]}}, current_batch,
+         lambda x: verl_bypass_reinforce(x, "token", 1.5, reject=("token_k1", 0.7, 1.4))),
+        ({"correction": {"kind": "tis", "level": "sequence", "threshold": 2.0, "normalise": "kept", "reject": [
+            {"check": "seq_mean_k3", "threshold": 0.2}]}, "aggregation": "seq_mean_token_mean"}, current_batch,
+         lambda x: verl_bypass_reinforce(x, "sequence", 2.0, "seq-mean-token-mean", ("seq_mean_k3", None, 0.2))),
     ],
     "loss:dppo_tv": [
         ({}, batch_of, lambda x: verl_dppo(x, "tv", 0.2, 0.2)),
@@ -444,7 +460,12 @@ ADVANTAGE_TESTS = {
 
 
 def names_a_peer(doc: str) -> bool:
-    return bool(re.search(r"\b(verl|AReaL)\b", doc))
+    return bool(re.search(r"\b(verl|AReaL|TRL)\b", doc))
+
+
+# Entries whose check needs more than CASES' inputs (the top-K losses read top logprobs): their tests.
+SEPARATE_CHECKS = {"loss:dppo_tv_topk": "test_top_k_entries_match_trls_definition",
+                   "loss:dppo_kl_topk": "test_top_k_entries_match_trls_definition"}
 
 
 CONCEPTS = {LOSSES.group: "loss", KL.group: "kl", CORRECTIONS.group: "correction",
@@ -461,6 +482,8 @@ def test_every_entry_that_names_a_peer_is_checked_here(registry):
             continue
         if registry is ADVANTAGES:
             assert ADVANTAGE_TESTS.get(name) in tests, f"advantage {name!r} names a peer but has no check"
+        elif f"{concept}:{name}" in SEPARATE_CHECKS:
+            assert SEPARATE_CHECKS[f"{concept}:{name}"] in globals(), name
         else:
             assert f"{concept}:{name}" in CASES, f"{concept} {name!r} names a peer but has no check here"
 
@@ -479,3 +502,104 @@ def test_the_k3_sign_is_what_separates_verl_and_areal_here():
     keys = {"max_log_ratio": None, "correction": {"kind": "tis", "threshold": 1e9, "reject": [
         {"check": "seq_mean_k3", "threshold": 0.12}]}}
     assert abs(flowrl(keys, prox_batch())[0] - peer(areal_k3_rejection)[0]) > 1e-3
+
+
+# ---- DPPO's top-K approximation, against TRL's DPPOTrainer (topk_tv / topk_kl) ----
+# The behaviour policy's top-3 tokens at every position (probabilities q) and the current policy's
+# probabilities of the same ids (p); what the engine records and the trainer gathers.
+TOP_Q = [[[0.5, 0.2, 0.1], [0.7, 0.1, 0.05], [0.3, 0.3, 0.2], [0.4, 0.35, 0.1]],
+         [[0.6, 0.2, 0.1], [0.45, 0.4, 0.05], [0.5, 0.25, 0.2], [0.9, 0.05, 0.01]],
+         [[0.95, 0.03, 0.01], [0.3, 0.1, 0.08], [0.25, 0.25, 0.2], [0.6, 0.3, 0.05]]]
+TOP_P = [[[0.6, 0.15, 0.1], [0.5, 0.2, 0.1], [0.3, 0.32, 0.2], [0.2, 0.5, 0.1]],
+         [[0.55, 0.2, 0.12], [0.2, 0.6, 0.05], [0.5, 0.25, 0.18], [0.85, 0.05, 0.02]],
+         [[0.9, 0.05, 0.02], [0.3, 0.12, 0.08], [0.4, 0.2, 0.1], [0.6, 0.3, 0.05]]]
+
+
+def flowrl_top(keys: dict, q=TOP_Q, p=TOP_P, batch: Batch | None = None, logp=LOGP) -> tuple[float, torch.Tensor]:
+    """(loss, d loss / d logp) of a top-K loss, the current top logprobs given as the trainer's output."""
+    config = loss_config(keys)
+    batch = batch or batch_of()
+    batch.top_logprobs = torch.log(T(q))
+    x = T(logp, requires_grad=True)
+    output = {"logprobs": x, "entropy": torch.zeros_like(x), "top_logprobs": torch.log(T(p))}
+    loss, _ = policy_loss(config)(output, batch, Normaliser.of(batch))
+    loss.backward()
+    return loss.item(), x.grad
+
+
+def trl_dppo_topk(x, kind, low, high, c=3.0, q=TOP_Q, p=TOP_P, old=OLD64, adv=A, mask=M):
+    """TRL DPPOTrainer._compute_divergence_mask (topk_*) and _compute_loss, over the loss tokens' count."""
+    q, p = f64(q), f64(p)
+    q_rest, p_rest = (1.0 - q.sum(-1)).clamp(min=1e-12), (1.0 - p.sum(-1)).clamp(min=1e-12)
+    if kind == "tv":
+        divergence = ((p - q).abs().sum(-1) + (p_rest - q_rest).abs()) / 2.0
+    else:
+        divergence = (q * (q.log() - p.log())).sum(-1) + q_rest * (q_rest.log() - p_rest.log())
+    prob, old_prob = torch.exp(x.detach()), torch.exp(old)
+    invalid_pos = (divergence > high) & (prob > old_prob)
+    invalid_neg = (divergence > low) & (prob < old_prob)
+    keep = torch.where(adv > 0, ~invalid_pos, ~invalid_neg).double() * mask
+    ratio = torch.exp((x - old).clamp(max=math.log(c))).detach()
+    return (-adv * ratio * keep * x * mask).sum() / mask.sum()
+
+
+@pytest.mark.parametrize("kind,keys,low,high", [
+    ("tv", {}, 0.2, 0.2), ("tv", {"delta_low": 0.05, "delta_high": 0.1}, 0.05, 0.1),
+    ("tv", {"delta_low": 0.12, "delta_high": 0.02, "truncation": 1.3}, 0.12, 0.02),
+    ("kl", {}, 0.2, 0.2), ("kl", {"delta_low": 0.01, "delta_high": 0.02}, 0.01, 0.02),
+    ("kl", {"delta_low": 0.05, "delta_high": 0.005, "truncation": 1.3}, 0.05, 0.005),
+])
+def test_top_k_entries_match_trls_definition(kind, keys, low, high):
+    c = keys.get("truncation", 3.0)
+    same(flowrl_top({"kind": f"dppo_{kind}_topk", **keys}), peer(lambda x: trl_dppo_topk(x, kind, low, high, c)))
+
+
+def test_the_top_k_cases_mask_some_tokens_and_keep_others():
+    """The fixed tensors straddle the trust regions: each parametrised case above masks some of the
+    nine loss tokens and keeps others, so a wrong divergence would show."""
+    for kind, low, high in (("tv", 0.05, 0.1), ("kl", 0.01, 0.02)):
+        q, p = f64(TOP_Q), f64(TOP_P)
+        qr, pr = 1 - q.sum(-1), 1 - p.sum(-1)
+        d = ((p - q).abs().sum(-1) + (pr - qr).abs()) / 2 if kind == "tv" else \
+            (q * (q / p).log()).sum(-1) + qr * (qr / pr).log()
+        outside = (d > torch.where(A > 0, high, low)) & (M > 0)
+        assert 0 < int(outside.sum()) < int(M.sum())
+
+
+def test_the_minimal_top_k_case():
+    """One token, K = 2: q = (0.5, 0.3), p = (0.6, 0.2), the sampled token the first (p_old 0.5,
+    p 0.6), A = 1. TV = (0.1 + 0.1 + |0.2 - 0.2|) / 2 = 0.1; KL = 0.5 ln(0.5/0.6) + 0.3 ln(0.3/0.2)
+    + 0.2 ln(0.2/0.2) = 0.030479. With delta 0.05 TV masks it (loss 0, no gradient); KL keeps it:
+    loss -A min(r, 3) logp = -1.2 ln 0.6 = 0.612991, gradient -1.2."""
+    one = {"old": [[math.log(0.5)]], "mask": [[1]], "adv": [[1.0]]}
+    args = {"q": [[[0.5, 0.3]]], "p": [[[0.6, 0.2]]], "logp": [[math.log(0.6)]]}
+    kl = 0.5 * math.log(0.5 / 0.6) + 0.3 * math.log(0.3 / 0.2)
+    assert kl == pytest.approx(0.030479, abs=1e-6)
+    tv_loss, tv_grad = flowrl_top({"kind": "dppo_tv_topk", "delta_high": 0.05}, batch=batch_of(**one), **args)
+    assert tv_loss == 0.0 and tv_grad.item() == 0.0
+    kl_loss, kl_grad = flowrl_top({"kind": "dppo_kl_topk", "delta_high": 0.05}, batch=batch_of(**one), **args)
+    assert kl_loss == pytest.approx(-1.2 * math.log(0.6), abs=1e-6) and kl_loss == pytest.approx(0.612991, abs=1e-6)
+    assert kl_grad.item() == pytest.approx(-1.2, abs=1e-6)
+    # A wider region (delta_high 0.11 > 0.1) keeps the TV token too.
+    assert flowrl_top({"kind": "dppo_tv_topk", "delta_high": 0.11}, batch=batch_of(**one), **args)[0] == \
+        pytest.approx(0.612991, abs=1e-6)
+
+
+def test_an_unrecorded_top_k_entry_counts_no_mass():
+    """A padded entry (-inf, as pack writes for a shorter record) adds nothing to either side: K = 3
+    with the last entry padded gives what K = 2 gives."""
+    one = {"old": [[math.log(0.5)]], "mask": [[1]], "adv": [[1.0]]}
+    two = flowrl_top({"kind": "dppo_kl_topk", "delta_high": 0.02}, q=[[[0.5, 0.3]]], p=[[[0.6, 0.2]]],
+                     batch=batch_of(**one), logp=[[math.log(0.6)]])
+    padded = flowrl_top({"kind": "dppo_kl_topk", "delta_high": 0.02}, q=[[[0.5, 0.3, 0.0]]], p=[[[0.6, 0.2, 0.7]]],
+                        batch=batch_of(**one), logp=[[math.log(0.6)]])
+    assert two[0] == padded[0] == 0.0 and torch.equal(two[1], padded[1])  # KL 0.0305 > 0.02 with p > p_old: masked both ways
+
+
+def test_a_top_k_loss_refuses_a_proximal_policy_and_missing_records():
+    with pytest.raises(Exception, match="behaviour policy"):
+        loss_config({"kind": "dppo_tv_topk", "correction": {"kind": "tis"}})
+    with pytest.raises(ValueError, match="sampling.top_logprobs"):
+        flowrl({"kind": "dppo_kl_topk"})  # the batch has no top logprobs
+    with pytest.raises(ValueError, match="no recorded top logprobs"):
+        flowrl_top({"kind": "dppo_tv_topk"}, q=[[[0.0] * 3] * 4] * 3)  # every entry -inf

@@ -14,11 +14,18 @@ DIFFERENCES: dict[str, str] = {
                  "clamp is verl's (AReaL: none, max_log_ratio: null; level sequence clamps the mean)",
     "loss:geo_mean": "the mean over sequences counts those with a loss token, rejected or not (verl's "
                      "torch.mean also counts a row that had no loss token at all, as 0)",
-    "loss:reinforce_bypass": "no rejection (verl bypass_mode's rollout_rs): use a correction with a "
-                             "proximal pass for it",
+    "loss:reinforce_bypass": "verl bypass_mode's rollout_rs is a correction (tis with reject checks, "
+                             "normalise: kept); its weights and rejection come from a no-grad pass of the "
+                             "current policy before every epoch (verl: inside the forward pass), the same "
+                             "values with one optimizer step per epoch",
     "loss:dppo_tv": "surrogate ratio with kl_coef 1e-3 and max_log_ratio null is prime-rl's loss (verl's "
-                    "is log_prob); no Top-K approximation (a trajectory holds no top-K probabilities)",
-    "loss:dppo_kl": "as dppo_tv",
+                    "is log_prob); the Top-K approximation is dppo_tv_topk",
+    "loss:dppo_kl": "as dppo_tv (Top-K: dppo_kl_topk)",
+    "loss:dppo_tv_topk": "the divergence is of softmax(logits / temperature) before top-k / top-p (TRL: "
+                         "whatever its vLLM logprobs report); no correction (only the behaviour "
+                         "policy's top-K is recorded); a ratio truncated at truncation (TRL: clip_ratio_c "
+                         "on the log ratio, the same value)",
+    "loss:dppo_kl_topk": "as dppo_tv_topk",
     "correction:tis": "masked tokens count in N and S unless normalise: kept (verl's rejection shrinks "
                       "the mask the aggregation reads)",
     "correction:mis": "as tis (AReaL's convention by default); level sequence is the product of the "

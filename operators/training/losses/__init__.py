@@ -61,6 +61,7 @@ from msgspec import Meta
 
 from flowrl_operators.config import KLConfig, LossConfig
 from flowrl_operators.training.batch import Batch, Normaliser, weighted_mask
+from flowrl_operators.training.losses.dppo import TopLogprobs
 from flowrl_operators.training.losses.ppo import ClipConfig
 from flowrl_operators.training.objective import (
     aggregation_config,
@@ -150,10 +151,19 @@ def token_metrics(
     return metrics
 
 
+def top_logprobs(output: dict[str, torch.Tensor], batch: Batch) -> TopLogprobs | None:
+    """The current and the behaviour policy's logprobs of the behaviour policy's top-K tokens, or
+    None when the batch has none (the loss says what to set)."""
+    if batch.top_logprobs is None or "top_logprobs" not in output:
+        return None
+    return TopLogprobs(current=output["top_logprobs"], behaviour=batch.top_logprobs)
+
+
 def policy_loss(config: LossConfig) -> LossFn:
     """The per-micro-batch loss. `output` holds `logprobs` and `entropy`, both (B, T)."""
     config = loss_config(config)
     loss_per_token = LOSSES.of(config).fn
+    reads_top = "top_logprobs" in LOSSES.of(config).needs
     aggregation, kl = aggregation_config(config), kl_config(config)
     aggregate = AGGREGATIONS.of(aggregation).fn
 
@@ -166,7 +176,7 @@ def policy_loss(config: LossConfig) -> LossFn:
         logprobs, mask = output["logprobs"], batch.loss_mask
         if batch.advantages is None and not config.supervised:
             raise ValueError("the batch has no advantages: call compute_advantages first")
-        old, weight = batch.behaviour_logprobs, None
+        old, weight, counts = batch.behaviour_logprobs, None, normaliser  # counts: every loss token
         if needs_proximal(config):
             if batch.proximal_logprobs is None or batch.behaviour_weights is None:
                 raise ValueError(f"loss {config.kind!r} needs proximal logprobs and behaviour weights: call "
@@ -174,7 +184,8 @@ def policy_loss(config: LossConfig) -> LossFn:
             old, weight = batch.proximal_logprobs, batch.behaviour_weights
             if kept_only:  # verl: the rejection-modified mask is the loss mask from here on
                 mask, normaliser = weighted_mask(batch), normaliser.kept(sequences=not count_rejected)
-        per_token, clipped = loss_per_token(logprobs, old, batch.advantages, mask, config)
+        extra = {"top": top_logprobs(output, batch)} if reads_top else {}
+        per_token, clipped = loss_per_token(logprobs, old, batch.advantages, mask, config, **extra)
         if weight is not None:
             per_token = per_token * (geometric_mean(weight, mask) if geometric else weight)
 
@@ -182,7 +193,7 @@ def policy_loss(config: LossConfig) -> LossFn:
             return aggregate(x, mask, normaliser, aggregation)
 
         loss = agg(per_token)
-        metrics = {"policy_loss": loss.item()} | token_metrics(output, batch, normaliser, clipped, config)
+        metrics = {"policy_loss": loss.item()} | token_metrics(output, batch, counts, clipped, config)
         if kl.apply_as == "loss" and kl.coef > 0:
             if batch.reference_logprobs is None:
                 raise ValueError("kl in loss needs reference logprobs: add a reference node before the trainer")

@@ -17,12 +17,26 @@ The kept tokens carry the importance-weighted policy gradient (keep is 0/1, with
 and every loss token adds kl_coef (logp - old)^2 (prime-rl's kl_tau; 0 by default). Both
 surrogates have the gradient -keep A r grad(logp) wherever r <= truncation.
 
-The paper's Top-K approximation needs the old policy's K most likely tokens and their
-probabilities at every position, which a trajectory does not record: not offered.
+Top-K approximation (dppo_tv_topk, dppo_kl_topk): the divergence of the whole distribution is
+approximated over the behaviour policy's K most likely tokens at the position plus one bucket for
+the rest of the vocabulary. The generate node records the K ids and their logprobs q_k under
+softmax(logits / temperature) (`sampling.top_logprobs: K`), the trainer computes the current
+policy's p_k of the same ids under the same temperature, and with q_rest = max(1 - sum q_k, 1e-12),
+p_rest = max(1 - sum p_k, 1e-12):
+
+    TV   D = (sum_k |p_k - q_k| + |p_rest - q_rest|) / 2
+    KL   D = sum_k q_k log(q_k / p_k) + q_rest log(q_rest / p_rest)
+
+and a token is kept unless D > delta_high with p > p_old (A > 0) or D > delta_low with p < p_old
+(A <= 0), p and p_old the sampled token's; the loss on kept tokens as the binary entries (TRL's
+DPPOTrainer `topk_tv` / `topk_kl`; the paper's DPPO-TopK). The divergence is measured against the
+behaviour policy (whose top-K the engine records), so these entries take no correction or
+decoupled (a proximal policy's top-K is not recorded).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated, Literal
 
 import torch
@@ -32,6 +46,7 @@ from flowrl_operators.config import LossConfig
 from flowrl_operators.training.registry import Algorithm
 
 RL = frozenset({"advantages"})
+TOP_K = frozenset({"advantages", "top_logprobs"})  # the loss takes `top=TopLogprobs` (registry.py)
 Delta = Annotated[float, Meta(ge=0)]
 Bound = Annotated[float, Meta(gt=0)]
 
@@ -59,6 +74,62 @@ class DPPOKL(DPPO):
     """DPPO-Binary-KL: D = p_old log(p_old / p) + (1 - p_old) log((1 - p_old + 1e-8) / (1 - p + 1e-8));
     keep a token unless D > delta_high with p > p_old (A > 0) or D > delta_low with p < p_old
     (A <= 0); the loss on kept tokens as dppo_tv (DPPO, arXiv 2602.04879; verl dppo_kl)."""
+
+
+class DPPOTopK(DPPO):
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.decoupled or self.correction is not None:
+            raise ValueError(f"loss {self.kind}: the top-K divergence is measured against the behaviour policy "
+                             "(whose top-K tokens the engine records), not a proximal one: remove "
+                             "decoupled / correction, or use the binary approximation (dppo_tv, dppo_kl)")
+
+
+class DPPOTVTopK(DPPOTopK):
+    """DPPO-TopK-TV: D = (sum_k |p_k - q_k| + |p_rest - q_rest|) / 2 over the behaviour policy's top-K
+    tokens q_k (generate sampling.top_logprobs: K) and the current policy's p_k of the same ids, the
+    rest of the vocabulary one bucket (1 - sum, at least 1e-12); keep a token unless D > delta_high
+    with p > p_old (A > 0) or D > delta_low with p < p_old (A <= 0); kept tokens' loss as dppo_tv
+    (DPPO, arXiv 2602.04879; TRL DPPOTrainer topk_tv)."""
+
+
+class DPPOKLTopK(DPPOTopK):
+    """DPPO-TopK-KL: D = sum_k q_k log(q_k / p_k) + q_rest log(q_rest / p_rest) over the behaviour
+    policy's top-K tokens and one rest bucket (as dppo_tv_topk); the mask and the loss as
+    dppo_tv_topk (DPPO, arXiv 2602.04879; TRL DPPOTrainer topk_kl)."""
+
+
+@dataclass(frozen=True)
+class TopLogprobs:
+    """What a top-K loss reads beside the sampled token's logprobs, (B, T, K) each: the current
+    policy's logprobs of the behaviour policy's top-K ids, and the behaviour policy's (-inf where an
+    entry was not recorded)."""
+
+    current: torch.Tensor
+    behaviour: torch.Tensor
+
+
+def top_k_divergence(top: TopLogprobs, kind: str) -> torch.Tensor:
+    """The top-K-plus-rest TV or KL divergence per token (B, T) (see the module docs)."""
+    recorded = torch.isfinite(top.behaviour)
+    q_log = torch.where(recorded, top.behaviour, 0.0)
+    p_log = torch.where(recorded, top.current, 0.0)
+    q, p = torch.where(recorded, q_log.exp(), 0.0), torch.where(recorded, p_log.exp(), 0.0)
+    q_rest = (1.0 - q.sum(-1)).clamp(min=1e-12)
+    p_rest = (1.0 - p.sum(-1)).clamp(min=1e-12)
+    if kind == "tv":
+        return ((p - q).abs().sum(-1) + (p_rest - q_rest).abs()) / 2
+    return (q * (q_log - p_log)).sum(-1) + q_rest * (q_rest.log() - p_rest.log())
+
+
+def top_k_keep(kind: str, top: TopLogprobs):
+    def keep(logprobs: torch.Tensor, old: torch.Tensor, positive: torch.Tensor, config: DPPO) -> torch.Tensor:
+        divergence = top_k_divergence(top, kind)
+        moved_up, moved_down = logprobs > old, logprobs < old
+        return torch.where(positive, ~((divergence > config.delta_high) & moved_up),
+                           ~((divergence > config.delta_low) & moved_down))
+
+    return keep
 
 
 def tv_keep(logprobs: torch.Tensor, old: torch.Tensor, positive: torch.Tensor, config: DPPO) -> torch.Tensor:
@@ -101,3 +172,25 @@ def dppo_kl(logprobs, old, advantages, mask, config: DPPOKL):
 
 DPPO_TV = Algorithm("dppo_tv", DPPOTV, dppo_tv, RL)
 DPPO_KL = Algorithm("dppo_kl", DPPOKL, dppo_kl, RL)
+
+
+def checked(top: TopLogprobs | None, mask: torch.Tensor, kind: str) -> TopLogprobs:
+    if top is None:
+        raise ValueError(f"loss dppo_{kind}_topk needs the behaviour policy's top logprobs: set "
+                         "sampling.top_logprobs: K on the generate node")
+    if bool(((mask > 0) & ~torch.isfinite(top.behaviour).any(-1)).any()):
+        raise ValueError(f"loss dppo_{kind}_topk: a loss token has no recorded top logprobs (a workflow "
+                         "that builds its trajectories by hand must fill top_ids / top_logprobs)")
+    return top
+
+
+def dppo_tv_topk(logprobs, old, advantages, mask, config: DPPOTVTopK, top: TopLogprobs | None = None):
+    return dppo(logprobs, old, advantages, mask, config, top_k_keep("tv", checked(top, mask, "tv")))
+
+
+def dppo_kl_topk(logprobs, old, advantages, mask, config: DPPOKLTopK, top: TopLogprobs | None = None):
+    return dppo(logprobs, old, advantages, mask, config, top_k_keep("kl", checked(top, mask, "kl")))
+
+
+DPPO_TV_TOPK = Algorithm("dppo_tv_topk", DPPOTVTopK, dppo_tv_topk, TOP_K)
+DPPO_KL_TOPK = Algorithm("dppo_kl_topk", DPPOKLTopK, dppo_kl_topk, TOP_K)
