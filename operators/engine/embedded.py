@@ -50,7 +50,7 @@ from flowrl_operators.engine.base import (
 )
 from flowrl_operators.engine.model import CausalLM, end_token_ids, load_model
 from flowrl_operators.engine.prefill import PrefillStats, compact, prefill
-from flowrl_operators.engine.sampling import sample
+from flowrl_operators.engine.sampling import sample, top_logprobs
 from flowrl_operators.engine.vl_requests import check_images
 from flowrl_operators.memory import configure, release
 from flowrl_operators.models import resolve_model, silence_hf
@@ -68,6 +68,8 @@ class Sequence:
     output: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    top_ids: list[list[int]] = field(default_factory=list)  # sampling.top_logprobs > 0 only
+    top_logprobs: list[list[float]] = field(default_factory=list)
     slot: int | None = None
     needs_prefill: bool = True
     epoch: int = -1  # the engine's weight epoch when this request's KV was computed (prefix sharing)
@@ -85,6 +87,8 @@ class Sequence:
             output_ids=list(self.output),
             logprobs=list(self.logprobs),
             versions=list(self.versions),
+            top_ids=list(self.top_ids),
+            top_logprobs=list(self.top_logprobs),
             finish_reason=self.finish_reason or "abort",
             error=self.error,
         )
@@ -309,6 +313,8 @@ class EmbeddedEngine:
             return f"temperature must be >= 0, got {params.temperature}"
         if not 0 < params.top_p <= 1:
             return f"top_p must be in (0, 1], got {params.top_p}"
+        if not 0 <= params.top_logprobs <= self.vocab_size:
+            return f"top_logprobs must be in [0, {self.vocab_size}], got {params.top_logprobs}"
         bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             return f"stop token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
@@ -426,7 +432,11 @@ class EmbeddedEngine:
         """Sample one token per sequence from its logits row; append it and check stop conditions."""
         params = [seq.request.sampling for seq in seqs]
         tokens, logprobs = sample(logits, params, [seq.seed for seq in seqs], [len(seq.output) for seq in seqs])
-        for seq, token, logprob, p in zip(seqs, tokens, logprobs, params, strict=True):
+        tops = top_logprobs(logits, params)
+        for seq, token, logprob, p, top in zip(seqs, tokens, logprobs, params, tops, strict=True):
+            if top is not None:
+                seq.top_ids.append(top[0])
+                seq.top_logprobs.append(top[1])
             seq.tokens.append(token)
             seq.output.append(token)
             seq.logprobs.append(logprob)
