@@ -88,8 +88,9 @@ def test_a_failing_reward_is_reported_once_with_the_users_frames(tmp_path, fn, w
 def test_rewards_that_fail_on_every_sample_train_nothing(tmp_path):
     # on_error: zero keeps the run going with stand-in rewards: three such steps are a failure.
     proc = flowrl("run", str(BASE), *TINY, "run.steps=5", "nodes.score.fn=user_code:raising_reward",
-                  "--run-dir", str(tmp_path / "run"))
-    failed(proc, "nothing was trained", "invalid", "- node 'score': score on 0:0/", "in parse_answer")
+                  "run.max_empty_steps=2", "--run-dir", str(tmp_path / "run"))
+    failed(proc, "nothing was trained: node 'learner' got no valid sample in steps 0-1 (run.max_empty_steps 2)",
+           "8 invalid", "- node 'score': score on 0:0/", "in parse_answer")
 
 
 @pytest.mark.slow
