@@ -110,6 +110,8 @@ class RunSpec(Strict):
     trackers: list[Annotated[str, check_with(tracker_problem)]] = msgspec.field(
         default_factory=lambda: ["tensorboard"])
     samples_per_step: NonNegativeInt = 4  # trajectories of each trained batch in samples.jsonl (0: none)
+    # How long one tracker call (open, log, close) may take before the tracker is dropped with a warning.
+    tracker_timeout_s: Annotated[float, Meta(gt=0)] = 30.0
     # executor: ray attaches to this running cluster ("host:port" of its head, "auto", or
     # "ray://host:port") instead of starting one; RAY_ADDRESS does the same. flowrl never stops it.
     ray_address: Annotated[str, Meta(min_length=1)] | None = None

@@ -45,12 +45,16 @@ Every request key is honoured or refused with a 400 that names it; none is ignor
 
 from __future__ import annotations
 
+import functools
+import math
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
 from jinja2 import TemplateError
 
 from flowrl_operators.engine.base import GenerateResult, SamplingParams
+from flowrl_operators.threads import DaemonExecutor, call_in_thread
 from flowrl_operators.workflows.base import chat_text
 from flowrl_operators.workflows.tool_calls import split_tool_calls
 from flowrl_operators.workflows.vision_messages import ImageContentError, data_url
@@ -91,7 +95,8 @@ def check_keys(body: dict[str, Any], bad_request: type[Exception]) -> None:
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
+    """A JSON number that is finite (NaN would pass every range check: NaN < low is false)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _same(value: Any, neutral: Any) -> bool:
@@ -178,7 +183,7 @@ def tools_of(body: dict[str, Any], bad_request: type[Exception]) -> tuple[list[d
         raise bad_request(f"tools must be a list of {_TOOL_SHAPE}, got {tools!r}")
     for t, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None
-        if tool.get("type") != "function" or not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        if not isinstance(function, dict) or tool.get("type") != "function" or not isinstance(function.get("name"), str):
             raise bad_request(f"tools[{t}] must be {_TOOL_SHAPE}, got {tool!r}")
     return tools, choice_ != "none"
 
@@ -232,6 +237,53 @@ def check_messages(tokenizer: Any, messages: Any, bad_request: type[Exception]) 
         except ImageContentError as e:
             raise bad_request(f"this model takes no images: {e}") from None
     return messages
+
+
+def check_length(parts: Any, tokenizer: Any, max_context: int | None, bad_request: type[Exception]) -> None:
+    """A 400, before any template renders or tokeniser runs, for text that cannot fit `max_context`
+    tokens: more characters than `max_context` times the tokeniser's longest token. A token of n
+    characters covers at most n characters of text (byte-level BPE: n bytes), so such a prompt is
+    certainly too long, and tokenising megabytes to find out costs seconds. `parts`: the messages
+    and tools (every string in them counts, except image data), or a list of prompt texts."""
+    if not max_context:
+        return
+    limit = max_context * longest_token(tokenizer)
+    chars = text_chars(parts, limit)
+    if chars > limit:
+        raise bad_request(f"the prompt's text is over {limit} characters, more than a context of {max_context} "
+                          f"tokens can hold ({longest_token(tokenizer)} characters at most per token); shorten it")
+
+
+@functools.lru_cache(maxsize=8)
+def longest_token(tokenizer: Any) -> int:
+    """The most characters one token of `tokenizer` spells (special tokens included)."""
+    return max(map(len, tokenizer.get_vocab()), default=1)
+
+
+def text_chars(value: Any, stop: int) -> int:
+    """Characters of the strings in `value` (JSON: dicts, lists, strings), counting until past `stop`;
+    image_url parts are not text. Iterative: a client's nesting depth is not this process's stack."""
+    total, pending = 0, [value]
+    while pending and total <= stop:
+        item = pending.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, dict):
+            if item.get("type") != "image_url":
+                pending.extend(item.values())
+        elif isinstance(item, list):
+            pending.extend(item)
+    return total
+
+
+_TOKENISER = DaemonExecutor(1, "flowrl-tokenize")
+
+
+async def off_loop(fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)` (templates, tokenising, decoding images) off the event loop, so that a large request
+    does not stall the others: on one daemon thread, since a tokeniser is not safe to share across
+    threads (requests queue behind each other there, as they would on the loop)."""
+    return await call_in_thread(_TOKENISER, fn, *args)
 
 
 def template_error(e: TemplateError, bad_request: type[Exception]) -> Exception:
