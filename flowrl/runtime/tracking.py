@@ -93,6 +93,12 @@ class Tracking:
             self.open.pop(name, None)
         return False
 
+    def _write(self) -> None:
+        path = self.run_dir / STATE_FILE
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.saved, indent=1))
+        os.replace(tmp, path)
+
 
 def bounded(fn: Any, args: tuple[Any, ...], timeout: float) -> str | None:
     """Run `fn(*args)` on a daemon thread for at most `timeout` seconds: None if it returned, else
@@ -112,12 +118,6 @@ def bounded(fn: Any, args: tuple[Any, ...], timeout: float) -> str | None:
         return (f"{getattr(fn, '__qualname__', fn)}() did not return within {timeout:g} s "
                 "(run.tracker_timeout_s); it is left running, unwaited")
     return failure[0] if failure else None
-
-    def _write(self) -> None:
-        path = self.run_dir / STATE_FILE
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.saved, indent=1))
-        os.replace(tmp, path)
 
 
 def sample_rows(node: str, step: int, trajectories: list[Any], n: int) -> list[dict[str, Any]]:
