@@ -131,7 +131,7 @@ REFUSED = {
     "unsupported request keys ['function_call', 'functions']": {"functions": [CALC["function"]], "function_call": "auto"},
     "send tools instead of functions": {"functions": [CALC["function"]]},
     "unsupported request keys ['best_of', 'chat_template_kwargs']": {"best_of": 2, "chat_template_kwargs": {}},
-    "n must be an integer >= 1, got 0": {"n": 0},
+    "n must be an integer in [1, 256], got 0": {"n": 0},
     "temperature must be a number >= 0, got 'hot'": {"temperature": "hot"},
     "top_p must be a number in [0, 1], got 1.5": {"top_p": 1.5},
     "top_k must be an integer, got 2.5": {"top_k": 2.5},

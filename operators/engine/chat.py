@@ -27,6 +27,7 @@ from flowrl.data.images import ImageRef
 from flowrl_operators.engine.base import GenerateRequest
 from flowrl_operators.workflows.base import EpisodeError, chat_ids
 from flowrl_operators.workflows.chat_request import (
+    MAX_COMPLETIONS,
     check_keys,
     check_length,
     check_messages,
@@ -41,9 +42,6 @@ from flowrl_operators.workflows.chat_request import (
     tools_of,
 )
 from flowrl_operators.workflows.vision_messages import ImageContentError, store_images
-
-# The most completions one request may ask for: a chat request's `n`, a /generate batch's prompts.
-MAX_COMPLETIONS = 256
 
 
 def prompt(tokenizer: Any, messages: list[Any], bad_request: type[Exception],

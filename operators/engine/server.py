@@ -39,12 +39,11 @@ from aiohttp import web
 
 from flowrl_operators.engine import chat, http_body
 from flowrl_operators.engine.base import PAUSE_MODES, GenerateRequest, GenerateResult, SamplingParams
-from flowrl_operators.engine.chat import MAX_COMPLETIONS
 from flowrl_operators.engine.embedded import EmbeddedEngine
 from flowrl_operators.engine.image_data import request_images
 from flowrl_operators.engine.transfer import LOAD_FORMAT, decode_bucket, parse_dtype, weight_update_group
 from flowrl_operators.models import load_tokenizer
-from flowrl_operators.workflows.chat_request import check_length, off_loop
+from flowrl_operators.workflows.chat_request import MAX_COMPLETIONS, check_length, off_loop
 
 # SGLang sampling keys this engine honours, and keys it may safely ignore at their defaults.
 SAMPLING_KEYS = {"temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "ignore_eos",

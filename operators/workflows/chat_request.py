@@ -61,6 +61,8 @@ from flowrl_operators.workflows.vision_messages import ImageContentError, data_u
 from flowrl_operators.workflows.vision_prompt import require_vision
 
 ROLES = ("system", "user", "assistant", "tool")
+# The most completions one request may ask for: a chat request's `n`, a /generate batch's prompts.
+MAX_COMPLETIONS = 256
 READ = {"messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n", "seed",
         "stop", "stop_token_ids", "ignore_eos", "logprobs", "tools", "tool_choice"}
 METADATA = {"model", "user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"}

@@ -228,7 +228,7 @@ class Proxy:
         rules.check_keys(body, BadRequest)
         messages = rules.check_messages(self.tokenizer, body.get("messages"), BadRequest)
         logprobs = rules.flag(body, "logprobs", BadRequest)
-        if rules.number(body, "n", 1, BadRequest, integer=True, low=1) != 1:
+        if rules.number(body, "n", 1, BadRequest, integer=True, low=1, high=rules.MAX_COMPLETIONS) != 1:
             raise BadRequest("n must be 1: each request is one recorded call; ask for several completions "
                              "with several requests")
         tools, read_calls = rules.tools_of(body, BadRequest)
