@@ -43,8 +43,8 @@ def check_reachable(address: str, where: str, timeout: float = CONNECT_TIMEOUT_S
         with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
             pass
     except OSError as e:
-        raise ClusterError(f"{where}: no Ray cluster answers at {address} within {timeout:g} s "
-                           f"({type(e).__name__}: {e}); {START_HINT}") from None
+        why = f"no answer within {timeout:g} s" if isinstance(e, TimeoutError) else f"{type(e).__name__}: {e}"
+        raise ClusterError(f"{where}: no Ray cluster answers at {address} ({why}); {START_HINT}") from None
 
 
 def init_ray(address: str | None = None, **options: object) -> bool:
