@@ -354,3 +354,20 @@ def test_a_ray_address_where_no_cluster_is_a_message_within_seconds(tmp_path, ho
     assert ("no Ray cluster answers at" if how != "auto" else "cannot attach") in done.stderr
     assert "ray start --head" in done.stderr and "Traceback" not in done.stderr and "flowrl bug" not in done.stderr
     assert time.monotonic() - started < 60
+
+
+def test_an_unreachable_weight_update_rendezvous_fails_in_its_connect_timeout_not_the_transfers():
+    """Before: joining a broadcast group at an address where nothing answers waited the whole transfer
+    timeout (600 s). Now the connection has its own, short one; a real closed port, both joins."""
+    from flowrl_operators.engine.transfer import weight_update_group
+    from flowrl_operators.transport.broadcast import BroadcastGroup, connect
+
+    port = _closed_port()
+    started = time.monotonic()
+    with pytest.raises(ConnectionError, match=f"rendezvous at 127.0.0.1:{port} did not answer within 1 s"):
+        weight_update_group("127.0.0.1", port, 1, 2, "g", timeout_s=600, connect_timeout_s=1)
+    assert time.monotonic() - started < 10
+    started = time.monotonic()
+    with pytest.raises(ConnectionError, match=f"rendezvous at 127.0.0.1:{port} did not answer within 1 s"):
+        connect(BroadcastGroup("127.0.0.1", port, 2, "g", "gloo", timeout_s=1), 1)
+    assert time.monotonic() - started < 10
