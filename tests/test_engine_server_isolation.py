@@ -150,6 +150,11 @@ MALFORMED = {  # body -> words the 400's message holds
     b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}': "JSON",
     b'{"messages": [{"role": "user", "content": "hi"}], "temperature": 1e400}': "JSON",
     b'{"messages": [{"role": "user", "content": "hi"}], "n": 100000}': "n must be",
+    b'{"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}': "text must be a string",
+    b'{"messages": [{"role": "user", "content": "hi"}], "seed": 100000000000000000000}': "seed must be",
+    b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000000000000}': "max_tokens must be",
+    b'{"messages": [{"role": "user", "content": "hi"}], "stop": ["' + b"x" * 100_000 + b'"]}': "longer than any one token",
+    b'{"messages": [{"role": "user", "content": "hi"}], "stop_token_ids": [' + b"1," * 999 + b'1]}': "at most 64",
     b'{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": '
     + b'{"name": "f", "parameters": ' + b'{"a": ' * 300 + b"1" + b"}" * 300 + b"}}]}": "nests",
 }

@@ -134,8 +134,8 @@ REFUSED = {
     "n must be an integer in [1, 256], got 0": {"n": 0},
     "temperature must be a number >= 0, got 'hot'": {"temperature": "hot"},
     "top_p must be a number in [0, 1], got 1.5": {"top_p": 1.5},
-    "top_k must be an integer, got 2.5": {"top_k": 2.5},
-    "max_tokens must be an integer >= 1, got 0": {"max_tokens": 0},
+    "top_k must be an integer in [-2147483647, 2147483647], got 2.5": {"top_k": 2.5},
+    "max_tokens must be an integer in [1, 2147483647], got 0": {"max_tokens": 0},
     "ignore_eos must be true or false": {"ignore_eos": "yes"},
     "stop_token_ids must be a list of token ids": {"stop_token_ids": ["<|im_end|>"]},
 }

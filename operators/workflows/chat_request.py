@@ -81,6 +81,9 @@ NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
     "parallel_tool_calls": ((True,), "flowrl cannot hold the model to one tool call"),
 }
 _TOOL_SHAPE = "{type: function, function: {name, description, parameters}}"
+# Integer bounds of sampling keys: a value past them could not be recorded (msgspec encodes 64 bits).
+INT32, INT64 = 2**31 - 1, 2**63
+MAX_STOPS = 64  # stop strings and token ids of one request
 
 
 def check_keys(body: dict[str, Any], bad_request: type[Exception]) -> None:
@@ -141,9 +144,9 @@ def sampling(body: dict[str, Any], stops: list[int], bad_request: type[Exception
         base,
         temperature=float(number(body, "temperature", base.temperature, bad_request, low=0)),
         top_p=float(number(body, "top_p", base.top_p, bad_request, low=0, high=1)),
-        top_k=number(body, "top_k", base.top_k, bad_request, integer=True),
-        max_new_tokens=number(body, limit, base.max_new_tokens, bad_request, integer=True, low=1),
-        seed=number(body, "seed", base.seed, bad_request, integer=True),
+        top_k=number(body, "top_k", base.top_k, bad_request, integer=True, low=-INT32, high=INT32),
+        max_new_tokens=number(body, limit, base.max_new_tokens, bad_request, integer=True, low=1, high=INT32),
+        seed=number(body, "seed", base.seed, bad_request, integer=True, low=-INT64, high=INT64 - 1),
         stop_token_ids=list(dict.fromkeys([*base.stop_token_ids, *stops])),
         ignore_eos=base.ignore_eos if body.get("ignore_eos") is None else flag(body, "ignore_eos", bad_request),
     )
@@ -158,6 +161,8 @@ def stop_ids(body: dict[str, Any], tokenizer: Any, bad_request: type[Exception])
     extra = body.get("stop_token_ids") or []
     if not isinstance(extra, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in extra):
         raise bad_request(f"stop_token_ids must be a list of token ids, got {extra!r}")
+    if len(items) + len(extra) > MAX_STOPS:
+        raise bad_request(f"stop and stop_token_ids hold {len(items) + len(extra)} entries; at most {MAX_STOPS}")
     ids = list(extra)
     for item in items:
         if isinstance(item, bool) or not isinstance(item, str | int):
@@ -165,10 +170,12 @@ def stop_ids(body: dict[str, Any], tokenizer: Any, bad_request: type[Exception])
         if isinstance(item, int):
             ids.append(item)
             continue
+        one = "flowrl's engines stop on single tokens: give strings of one token (e.g. '<|im_end|>') or token ids"
+        if len(item) > longest_token(tokenizer):  # refused without tokenising it
+            raise bad_request(f"stop string {item!r:.60} is longer than any one token; {one}")
         encoded = tokenizer.encode(item, add_special_tokens=False)
         if len(encoded) != 1:
-            raise bad_request(f"stop string {item!r} is {len(encoded)} tokens; flowrl's engines stop on "
-                              "single tokens: give strings of one token (e.g. '<|im_end|>') or token ids")
+            raise bad_request(f"stop string {item!r} is {len(encoded)} tokens; {one}")
         ids.append(encoded[0])
     return ids
 
@@ -206,6 +213,8 @@ def check_message(m: int, message: Any, bad_request: type[Exception]) -> bool:
         if kind not in ("text", "image_url"):  # {type: image} may name a path: not from a client
             raise bad_request(f"messages[{m}].content[{p}]: part type {kind!r} is not read; use "
                               "{type: text} or {type: image_url, image_url: {url: data:...}}")
+        if kind == "text" and not isinstance(part.get("text"), str):
+            raise bad_request(f"messages[{m}].content[{p}].text must be a string, got {part.get('text')!r:.80}")
         if kind == "image_url":  # a remote URL is refused whatever the model, before any is stored
             try:
                 data_url(part)
