@@ -392,3 +392,32 @@ def test_a_process_with_a_hung_tracker_thread_exits_when_its_run_ends(tmp_path: 
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "done", done.stderr[-2000:]
     assert "did not return within 1 s" in done.stderr
+
+
+DEAD_WANDB = """
+import sys
+sys.path.insert(0, {tests!r})
+import test_trackers
+from flowrl.runtime.run import run
+plan = test_trackers.toy(steps=2, tracker_timeout_s=2.0)
+plan.run["trackers"] = ["wandb", "test_trackers:Recorder"]
+print(run(plan, {run_dir!r}, progress=False).status, flush=True)
+"""
+
+
+def test_wandb_online_at_a_dead_server_is_dropped_and_the_process_exits(tmp_path: Path) -> None:
+    """wandb online at a real closed port: wandb.init waits 90 s by default, and its threads kept the
+    finished process from exiting as long; init_timeout is the run's tracker timeout now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "WANDB_MODE": "online", "WANDB_API_KEY": "x" * 40, "WANDB_BASE_URL": f"http://127.0.0.1:{port}"}
+    script = DEAD_WANDB.format(tests=str(Path(__file__).parent), run_dir=str(tmp_path / "run"))
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=200)
+    assert done.returncode == 0 and done.stdout.strip() == "done", done.stderr[-2000:]
+    assert "tracker 'wandb' failed and is dropped" in done.stderr
+    assert time.monotonic() - started < 40
+    assert [r["step"] for e in lines(tmp_path / "run/recorder.jsonl") if "rows" in e for r in e["rows"]] == [0, 1]

@@ -76,7 +76,7 @@ class Tracking:
         group = self.run_dir.parent.parent.name if phased else None
         label = f"{group}/{self.run_dir.name}" if phased else self.run_dir.name
         state = tracker.open(TrackerContext(self.run_dir, self.name, label, group, self.origin, self.config,
-                                            entry.get("state", {})))
+                                            entry.get("state", {}), self.timeout))
         assert self.open is not None
         self.open[name] = tracker
         # A rewound tracker's files were cut back to the checkpoint: it gets the later steps again.
