@@ -331,6 +331,12 @@ def test_tracker_mistakes_are_located_validation_errors(trackers: str, where: st
     assert f" {where}: " in err and words in err and "Traceback" not in err
 
 
+def test_a_tracker_timeout_that_is_not_positive_is_a_located_validation_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["validate", str(BASE), "run.tracker_timeout_s=0"]) == 1
+    err = capsys.readouterr().err
+    assert " run.tracker_timeout_s: " in err and "Traceback" not in err
+
+
 def test_a_missing_tracker_package_says_what_to_install(monkeypatch: pytest.MonkeyPatch,
                                                         capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setitem(sys.modules, "mlflow", None)  # how importlib sees a package that is not installed
