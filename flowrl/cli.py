@@ -151,6 +151,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         lost = result.lost()
         print(f"{result.run_dir}: {result.status} after {result.steps} steps in {result.seconds:.1f}s"
               + (f"; {lost}" if lost else ""))
+        for event in (e for e in result.health if e["event"] == "began"):
+            print(f"  health: {event['message']}")
     return 0 if results and results[-1].status == "done" else 1
 
 

@@ -31,6 +31,10 @@ class SamplingConfig(Strict):
     top_k: int = -1  # -1 = no limit
     max_new_tokens: PositiveInt = 64
     stop_token_ids: list[Annotated[int, Meta(ge=0)]] = []  # token ids (the vocabulary's bound is checked by the engine)
+    # K > 0: record the behaviour policy's K most likely tokens and their logprobs at every generated
+    # token (softmax(logits / temperature), before top_k / top_p), for a top-K divergence loss
+    # (dppo_tv_topk, dppo_kl_topk). Both engines honour it (SGLang: top_logprobs_num).
+    top_logprobs: Annotated[int, Meta(ge=0)] = 0
 
 
 class EngineConfig(Strict):
@@ -146,6 +150,9 @@ class LossConfig(Strict):
 
     # A supervised loss (sft) reads no advantages and applies no behaviour weight.
     supervised: ClassVar[bool] = False
+    # The proximal pass (a correction's weights and rejection) is redone before every epoch, not once a
+    # step: a loss whose own weight is 1 relies on it (reinforce_bypass).
+    proximal_each_epoch: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         if unbounded_weight(self):
@@ -220,6 +227,9 @@ class TrainConfig(Strict):
     max_nonfinite_steps: PositiveInt = 3  # consecutive NaN/Inf steps before the run stops
     # Also export every N steps to export/<node>-step-<version>; 0: only at the end, to export/<node>.
     export_every: Annotated[int, Meta(ge=0)] = 0
+    # Every N steps, one forward pass without gradients after the update measures the KL between
+    # the policy before and after it (metric `policy_kl`, flowrl/health.py); 0: never.
+    policy_kl_every: Annotated[int, Meta(ge=0)] = 10
     # The trainer in a child process of its own, e.g. {threads: 1}: under the in-process executor
     # training then overlaps generation without sharing the GIL (flowrl_operators.training.process).
     own_process: OwnProcess | None = None

@@ -37,8 +37,11 @@ class Generate(Operator):
 
     @classmethod
     def knobs(cls, config: GenerateConfig) -> Knobs:
+        provides = {"baseline"} if config.greedy_baseline else set()
+        if config.sampling.top_logprobs > 0:  # the trajectories carry top_ids / top_logprobs
+            provides.add("top_logprobs")
         return Knobs(concurrency=config.max_concurrency, partial_rollout=config.partial_rollout,
-                     provides=frozenset({"baseline"}) if config.greedy_baseline else frozenset())
+                     provides=frozenset(provides))
 
     @classmethod
     def check_graph(cls, config: GenerateConfig, facts: GraphFacts) -> list[tuple[tuple[str, ...], str]]:
@@ -88,7 +91,8 @@ class Generate(Operator):
         self.workflow = load_workflow(self.config.workflow, self.config.workflow_args)
         s = self.config.sampling
         self.sampling = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                                       max_new_tokens=s.max_new_tokens, stop_token_ids=list(s.stop_token_ids))
+                                       max_new_tokens=s.max_new_tokens, stop_token_ids=list(s.stop_token_ids),
+                                       top_logprobs=s.top_logprobs)
         if getattr(self.workflow, "needs_proxy", False) or self.config.serve_openai:
             from flowrl_operators.workflows.proxy import Proxy
 
@@ -142,7 +146,8 @@ class Generate(Operator):
         """`group_size` episodes of `sample` (one greedy episode if `greedy`, for evaluation), and with
         `greedy_baseline` one more, greedy, marked in its metadata (`training.batch.GREEDY_BASELINE`)."""
         greedy_sampling = msgspec.structs.replace(self.sampling, temperature=0.0)
-        sampling = greedy_sampling if greedy else self.sampling
+        # Evaluation trains on nothing: no top logprobs to record.
+        sampling = msgspec.structs.replace(greedy_sampling, top_logprobs=0) if greedy else self.sampling
         episodes = [sampling] * (1 if greedy else self.config.group_size)
         baseline = not greedy and self.config.greedy_baseline
         if baseline:  # ReMax: the last episode is the greedy baseline of the group

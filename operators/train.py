@@ -98,12 +98,28 @@ def _reward_means(trajectories: list) -> dict[str, float]:
     return out
 
 
+LOGPROB_SUM = "logprob_sum"  # what _with_logprob_sum adds to the loss's metrics
+
+
+def _with_logprob_sum(loss_fn: Any) -> Any:
+    """The loss, also summing the policy's logprobs over the loss-mask tokens (forward_backward adds
+    the micro-batches' and ranks' sums): pi_v's side of `policy_kl`, at no extra forward."""
+
+    def fn(output: Any, mb: Any, normaliser: Any) -> Any:
+        loss, values = loss_fn(output, mb, normaliser)
+        logprobs = output["logprobs"].detach()
+        values[LOGPROB_SUM] = float(logprobs.where(mb.loss_mask > 0, 0.0).sum())
+        return loss, values
+
+    return fn
+
+
 class Learner:
     """The model side of a train step (trainer, loss, advantages), built in the train node's process
     or, with `own_process`, in a child process (flowrl_operators.training.process)."""
 
     def __init__(self, engine: str, model: str, config: Any, loss: Any, advantage: Any, epochs: int,
-                 copy: bool = True, share: bool = False) -> None:
+                 copy: bool = True, share: bool = False, kl_every: int = 0) -> None:
         from flowrl_operators.training.engine import build
         from flowrl_operators.training.losses import policy_loss
 
@@ -118,11 +134,12 @@ class Learner:
         # engines run in this process, so tensors that never change can be handed over once as they are.
         self.copy, self.share, self.shared = copy, share, False
         self.loss_fn = policy_loss(loss)
+        self.kl_every = kl_every  # policy_kl every this many steps (0: never)
 
-    def train(self, trajectories: list) -> tuple[dict[str, float], list]:
+    def train(self, trajectories: list, step: int = 0) -> tuple[dict[str, float], list]:
         """One step on these trajectories: (metrics, the new weights as buckets of copies)."""
         from flowrl_operators.memory import release
-        from flowrl_operators.training.advantages import compute_advantages
+        from flowrl_operators.training.advantages import compute_advantages, tied_group_fraction
         from flowrl_operators.training.batch import pack, shard
         from flowrl_operators.training.losses import apply_kl_penalty, needs_proximal, set_behaviour_weights
         from flowrl_operators.training.objective import needs_reference
@@ -130,6 +147,9 @@ class Learner:
 
         supervised = self.loss.supervised
         batch = pack(trajectories, require_reward=not supervised)
+        health: dict[str, float] = {}
+        if not supervised and (tied := tied_group_fraction(batch)) is not None:
+            health["tied_group_fraction"] = tied  # before a KL penalty joins the rewards
         if supervised:  # a supervised target trains the model's own distribution, however it was drawn
             batch.temperature = batch.top_p = batch.top_k = None
         else:  # on the whole batch: group statistics need every member of a group
@@ -144,15 +164,36 @@ class Learner:
             set_behaviour_weights(batch, self.loss, self.trainer.all_reduce)
         metrics: dict[str, float] = {}
         start: dict[str, float] = {}
+        # Not for a supervised step: its targets are no samples of the policy, so k1 would not estimate a KL.
+        measure = bool(self.kl_every) and step % self.kl_every == 0 and not supervised
         for epoch in range(self.epochs):
-            metrics = self.trainer.forward_backward(batch, self.loss_fn)
-            if epoch == 0:  # before any update: the mismatch at the step's start
-                start = {k: v for k, v in metrics.items() if k.startswith("mismatch_")}
+            if epoch > 0 and needs_proximal(self.loss) and self.loss.proximal_each_epoch:
+                batch.proximal_logprobs = self.trainer.compute_logprobs(batch)  # the current policy
+                set_behaviour_weights(batch, self.loss, self.trainer.all_reduce)
+            metrics = self.trainer.forward_backward(batch, _with_logprob_sum(self.loss_fn)
+                                                    if measure and epoch == 0 else self.loss_fn)
+            if epoch == 0:  # before any update: the mismatch (and the policy's logprobs) at the step's start
+                start = {k: v for k, v in metrics.items() if k.startswith("mismatch_") or k == LOGPROB_SUM}
             metrics |= self.trainer.step()
-        metrics |= start
+        metrics |= start | health
+        if measure:
+            metrics["policy_kl"] = self._policy_kl(batch, metrics.pop(LOGPROB_SUM), metrics["tokens"])
+        metrics.pop(LOGPROB_SUM, None)
         policy = self.policy(changed_only=True)
         release()  # the step's activations and gradients, freed: back to the OS (flowrl_operators.memory)
         return metrics, policy
+
+    def _policy_kl(self, batch: Any, before: float, tokens: float) -> float:
+        """KL(pi_v || pi_v+1) on the step's trained tokens, k1 = mean(log pi_v - log pi_v+1): the
+        tokens were sampled by (about) pi_v, so this estimates the KL the step moved the policy by.
+        pi_v's logprobs are the loss's own of the first epoch; pi_v+1's one forward without gradients."""
+        import torch
+
+        after = self.trainer.compute_logprobs(batch)
+        local = float(torch.where(batch.loss_mask > 0, after, 0.0).sum())
+        reduce = getattr(self.trainer, "all_reduce", None)
+        total = reduce([local])[0] if reduce is not None else local
+        return (before - total) / max(tokens, 1.0)
 
     def policy(self, changed_only: bool = False) -> list:
         """The weights as a Snapshot: buckets of tensors of this version alone, copied once here (the
@@ -223,6 +264,12 @@ class Train(Operator):
         elif has and not needs:
             out.append((where, f"the generate node's greedy_baseline: true adds greedy rows that advantage "
                         f"{advantage.estimator} would count as samples; use advantage remax, or drop the option"))
+        if objective.needs_top_logprobs(loss) and "top_logprobs" not in facts.upstream_provides:
+            kind = ("loss", "kind") if isinstance(config.loss, dict) else ("loss",)
+            out.append((kind, f"loss {loss.kind} compares the policy with the behaviour policy over its top-K "
+                        "tokens, which the generate node does not record: set sampling.top_logprobs: K "
+                        "(e.g. 8) on the generate node, or use the binary approximation "
+                        f"({loss.kind.removesuffix('_topk')})"))
         # With lora the train node scores the reference itself: its base, adapters disabled.
         if objective.needs_reference(loss) and "reference_logprobs" not in facts.upstream_provides \
                 and config.lora is None:
@@ -265,7 +312,7 @@ class Train(Operator):
         # step can change the weights (ray_stage.py): the Learner need not copy it first.
         copy = in_process and self.context.executor != "ray"
         args = (c.engine, self.context.model["path"], config, loss, advantage, c.epochs, copy,
-                in_process and self.context.executor == "inprocess")
+                in_process and self.context.executor == "inprocess", c.policy_kl_every)
         if c.own_process is not None:
             self.child = await asyncio.to_thread(Child, Learner, args, threads=c.own_process.threads,
                                                  name=f"flowrl-train-{self.context.node}")
@@ -296,7 +343,7 @@ class Train(Operator):
         trajectories = [t for g in groups for t in g.trajectories]
         if not trajectories:
             return TrainResult(policy=None, metrics={"trajectories": 0.0})
-        metrics, policy = await self._call("train", trajectories)
+        metrics, policy = await self._call("train", trajectories, step)
         self.steps_done += 1
         every = self.config.export_every
         if every and (step + 1) % every == 0 and self.context.run_dir is not None:

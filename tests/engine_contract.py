@@ -223,6 +223,36 @@ async def check_update_is_atomic(target: Target) -> None:
     assert after.output_ids == before.output_ids and close(after.logprobs, before.logprobs, 1e-5)
 
 
-CHECKS = [check_greedy, check_stop_token, check_seeded_sampling, check_batch_invariance,
+@torch.no_grad()
+def teacher_forced_all(model, prompt: list[int], output: list[int], temperature: float) -> torch.Tensor:
+    """log_softmax(logits / temperature) at every output position, [n, vocab]."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt + output], device=device)
+    return torch.log_softmax(model(ids).logits[0, len(prompt) - 1:-1].float() / temperature, -1).cpu()
+
+
+async def check_top_logprobs(target: Target) -> None:
+    """`top_logprobs` K: at each output token the K most likely ids, most likely first, with their
+    logprobs under softmax(logits / temperature) (temperature 1 when greedy); none unless asked."""
+    prompt = [21, 22, 23]
+    sampled = await run(target, prompt, SamplingParams(temperature=0.7, max_new_tokens=12, ignore_eos=True,
+                                                       seed=77, top_logprobs=4))
+    well_formed(sampled, 12)
+    n = len(sampled.output_ids)
+    assert len(sampled.top_ids) == len(sampled.top_logprobs) == n
+    assert all(len(ids) == len(lps) == 4 for ids, lps in zip(sampled.top_ids, sampled.top_logprobs, strict=True))
+    reference = teacher_forced_all(target.reference, prompt, sampled.output_ids, 0.7)
+    at_ids = reference.gather(1, torch.tensor(sampled.top_ids)).flatten().tolist()
+    assert close(sum(sampled.top_logprobs, []), at_ids, target.tolerance)
+    assert close(sum(sampled.top_logprobs, []), reference.topk(4).values.flatten().tolist(), target.tolerance)
+    assert all(lps == sorted(lps, reverse=True) for lps in sampled.top_logprobs)
+    greedy_top = await run(target, prompt, greedy(6, top_logprobs=2))
+    assert [ids[0] for ids in greedy_top.top_ids] == greedy_top.output_ids
+    assert close([lps[0] for lps in greedy_top.top_logprobs], greedy_top.logprobs, 1e-5)
+    plain = await run(target, prompt, greedy(3))
+    assert plain.top_ids == [] and plain.top_logprobs == []
+
+
+CHECKS = [check_greedy, check_stop_token, check_seeded_sampling, check_batch_invariance, check_top_logprobs,
           check_rejects_bad_request, check_abort_request, check_pause_abort, check_retract_update_resume,
           check_update_changes_outputs, check_update_is_atomic]

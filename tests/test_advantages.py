@@ -209,3 +209,24 @@ def test_token_norm_weighs_tokens():
     close(returns, [[0, 0, 1.0], [0, 0, 0]])
     adv, _ = estimate("token_norm", x, mean_level="none", std_level="none")
     close(adv, [[0, 0, 1.0], [0, 0, 0]])
+
+
+def test_grpo_position_baseline_compares_like_with_like():
+    """baseline: position normalises the k-th defined reward of each row against the group's k-th
+    rewards. Group 0, token rewards (gamma 0): index 0 all 1 -> 0; index 1 {0, 1, 0}: mean 1/3, std
+    sqrt(1/3) -> {-1/sqrt(3), 2/sqrt(3), -1/sqrt(3)} (pooled over the group the lone right token
+    would get (1 - 7/9) / std instead); index 2 {1, 1} -> 0; index 3 only row 1 reaches: mean 0,
+    std 1 -> its reward 0. Group 1, one reward per row: the same as baseline group."""
+    r = torch.tensor([[1.0, 0.0, 1.0, 0.0], [1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0],
+                      [0.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 0.0]])
+    defined = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 0, 0], [0, 0, 0, 1], [0, 0, 1, 0]]).float()
+    x = AdvantageInputs(r, defined, torch.ones_like(r), torch.tensor([0, 0, 0, 1, 1]))
+    eps, s = 1e-6, math.sqrt(1 / 3)
+    a, _ = estimate("grpo", x, baseline="position", gamma=0.0)
+    outcome = 0.5 / (math.sqrt(0.5) + eps)
+    close(a, [[0, -1 / 3 / (s + eps), 0, 0], [0, 2 / 3 / (s + eps), 0, 0], [0, -1 / 3 / (s + eps), 0, 0],
+              [0, 0, 0, outcome], [0, 0, -outcome, 0]])
+    pooled, _ = estimate("grpo", x, gamma=0.0)
+    close(pooled[3:], a[3:].tolist())
+    centred, _ = estimate("grpo", x, baseline="position", gamma=0.0, std_normalize=False)
+    close(centred[:3, 1], [-1 / 3, 2 / 3, -1 / 3])

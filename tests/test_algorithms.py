@@ -207,3 +207,88 @@ def test_kl_k3_clamps():
     assert grad[0][0] == pytest.approx(-ADV[0][0] / N, abs=1e-6)  # the pg term only
     _, metrics, _ = kl_run({"estimator": "k3", "max_value": None}, logp=logp)
     assert metrics["kl"] == pytest.approx((math.exp(20) - 21 + rest) / N, rel=1e-6)
+
+
+def test_geo_mean_weights_a_sequence_by_the_geometric_mean_of_its_token_weights():
+    """One sequence of 2 tokens, A = 1, ratio 1, behaviour weights [0.25, 1] (decoupled, unbounded):
+    l = -A R W with R = 1 and W = sqrt(0.25 * 1) = 0.5, so the loss is -0.5; d R / d logp_t = R / 2,
+    so each token's gradient is -A W / 2 = -0.25 (the arithmetic mean would give -0.625, -0.3125)."""
+    t = torch.tensor
+    logp = [[-1.0, -0.5]]
+    behaviour = [[-1.0 + math.log(4.0), -0.5]]
+    zeros = torch.zeros(1, 2)
+    batch = Batch(
+        input_ids=torch.zeros(1, 3, dtype=torch.long), attention_mask=torch.ones(1, 3, dtype=torch.long),
+        position_ids=torch.zeros(1, 3, dtype=torch.long), loss_mask=torch.ones(1, 2),
+        behaviour_logprobs=t(behaviour), rewards=zeros, reward_mask=zeros, versions=zeros.long(),
+        group_index=t([0]), lengths=t([3]), proximal_logprobs=t(logp), advantages=torch.ones(1, 2),
+    )
+    config = loss_config({"kind": "geo_mean", "decoupled": True, "allow_unbounded_weight": True})
+    set_behaviour_weights(batch, config)
+    assert batch.behaviour_weights.tolist()[0] == pytest.approx([0.25, 1.0])
+    x = t(logp, requires_grad=True)
+    loss, _ = policy_loss(config)({"logprobs": x, "entropy": zeros}, batch, Normaliser.of(batch))
+    loss.backward()
+    assert loss.item() == pytest.approx(-0.5, abs=1e-6)
+    assert x.grad.tolist()[0] == pytest.approx([-0.25, -0.25], abs=1e-6)
+
+
+def test_sapo_sequence_level():
+    """level sequence: s_i = exp(mean_t (logp - old)), A_i = mean_t A, l = -A_i f(s_i) on each of
+    the n_i tokens; token_mean: loss = sum_i n_i l_i / N. d s_i / d logp_t = s_i / n_i, so
+    d loss / d logp_t = -A_i 4 g (1 - g) s_i / N, g = sigmoid(tau (s_i - 1)) (gradient through
+    every token, as AReaL's importance_sampling_level sequence)."""
+    adv = [ADV[0], [-2.0, 1.0, -2.0]]
+    s = [math.exp(sum(LOGP[i][t] - OLD[i][t] for t in ROWS[i]) / len(ROWS[i])) for i in range(2)]
+    a = [sum(adv[i][t] for t in ROWS[i]) / len(ROWS[i]) for i in range(2)]
+    assert a[0] > 0 > a[1]  # both temperatures are used
+
+    def parts(i):
+        tau = 1.0 if a[i] > 0 else 1.05
+        g = 1 / (1 + math.exp(-tau * (s[i] - 1)))
+        return -a[i] * g * 4 / tau, -a[i] * 4 * g * (1 - g) * s[i]
+
+    batch = make_batch()
+    batch.advantages = torch.tensor(adv)
+    loss, _, grad = run({"kind": "sapo", "level": "sequence"}, batch)
+    check(loss, grad, sum(len(ROWS[i]) * parts(i)[0] for i in range(2)) / N, lambda i, t: parts(i)[1] / N)
+
+
+def dppo_keep(kind, i, t, low, high):
+    p, q, a = math.exp(LOGP[i][t]), math.exp(OLD[i][t]), ADV[i][t]
+    if kind == "dppo_tv":
+        return (p - q <= high) if a > 0 else (p - q >= -low)
+    kl = q * (OLD[i][t] - LOGP[i][t]) + (1 - q) * math.log((1 - q + 1e-8) / (1 - p + 1e-8))
+    return (kl <= high or p <= q) if a > 0 else (kl <= low or p >= q)
+
+
+@pytest.mark.parametrize("kind", ["dppo_tv", "dppo_kl"])
+def test_dppo_log_prob_surrogate(kind):
+    """verl dppo_tv / dppo_kl: l = -keep A sg(min(r, c)) logp, r = exp(logp - old), c = 1.3 here;
+    d l / d logp = -keep A min(r, c) / N. The thresholds (0.05, 0.1 TV; 0.01, 0.02 KL) drop some
+    tokens and keep others on these tensors."""
+    low, high = (0.05, 0.1) if kind == "dppo_tv" else (0.01, 0.02)
+
+    def w(i, t):
+        return min(math.exp(LOGP[i][t] - OLD[i][t]), 1.3) if dppo_keep(kind, i, t, low, high) else 0.0
+
+    kept = [dppo_keep(kind, i, t, low, high) for i, t in TOKENS]
+    assert 0 < sum(kept) < N
+    loss, metrics, grad = run({"kind": kind, "delta_low": low, "delta_high": high, "truncation": 1.3})
+    check(loss, grad, sum(-w(i, t) * ADV[i][t] * LOGP[i][t] for i, t in TOKENS) / N, lambda i, t: -w(i, t) * ADV[i][t] / N)
+    assert metrics["clip_fraction"] == pytest.approx(1 - sum(kept) / N, abs=1e-6)
+
+
+def test_dppo_ratio_surrogate_with_kl_term():
+    """prime-rl's default: l = -keep A r + kl_coef d^2, d = logp - old, r = exp(d), token_mean;
+    d l / d logp = -keep A r + 2 kl_coef d, over N."""
+    low, high, coef = 0.05, 0.1, 0.01
+
+    def parts(i, t):
+        d = LOGP[i][t] - OLD[i][t]
+        keep = dppo_keep("dppo_tv", i, t, low, high)
+        return -keep * ADV[i][t] * math.exp(d) + coef * d * d, -keep * ADV[i][t] * math.exp(d) + 2 * coef * d
+
+    keys = {"kind": "dppo_tv", "delta_low": low, "delta_high": high, "surrogate": "ratio", "kl_coef": coef}
+    loss, _, grad = run(keys)
+    check(loss, grad, sum(parts(i, t)[0] for i, t in TOKENS) / N, lambda i, t: parts(i, t)[1] / N)

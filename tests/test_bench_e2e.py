@@ -45,3 +45,24 @@ def test_mean_eval_is_the_learning_curve_area():
     out = b.summary(evals, 0.0, 10.0, args)
     assert out["mean_eval"] == 0.65 and out["best_eval"] == 0.95 and out["s_to_target"] == 2.0
     assert b.summary([], 0.0, 1.0, args)["mean_eval"] is None
+
+
+def test_reached_counts_seeds_and_keeps_misses():
+    """The done-when figures: seeds at the target, median and worst over those that got there (a miss
+    counting as slower than every hit in the median), and each miss's best eval."""
+    b = bench()
+    runs = [{"name": "sync", "s_to_target": s, "steps_to_target": n, "best_eval": e}
+            for s, n, e in [(30.0, 200, 0.95), (None, None, 0.86), (50.0, 400, 0.92), (20.0, 100, 0.97)]]
+    out = b.reached(runs, [0, 1, 2, 3])
+    assert out["sync_reached"] == 3 and out["sync_missed"] == {"1": 0.86}
+    assert out["sync_steps_to_target_median"] == 300.0 and out["sync_steps_to_target_worst"] == 400
+    assert out["sync_s_to_target_median"] == 40.0 and out["sync_s_to_target_worst"] == 50.0
+
+
+def test_budget_overrides_follow_the_command_line():
+    b = bench()
+    args = type("Args", (), {"grpo_steps": None, "grpo_seconds": None})()
+    assert b.budget_overrides(args) == []  # the pipeline's own budget
+    args.grpo_steps = 30
+    loaded = load(ROOT / b.PIPELINES["sync"], b.budget_overrides(args))
+    assert (loaded.spec.phases[1].steps, loaded.spec.phases[1].seconds) == (30, None)

@@ -138,3 +138,44 @@ def test_unknown_check_is_a_located_error():
     [(path, message)] = problems({"correction": {"kind": "reject", "checks": [{"check": "seq_max_k1", "threshold": 1}]}},
                                  "grpo")
     assert path == ("loss", "correction", "checks", 0, "check") and "seq_max_k1" in message
+
+
+def kept_loss(correction: dict, aggregation: str) -> tuple[float, list[list[float]]]:
+    """(loss, weights) with A = 1 and old = prox (r = 1, l = -w per token), as in `weights`."""
+    t = torch.tensor
+    zeros = torch.zeros(3, 4)
+    batch = Batch(
+        input_ids=torch.zeros(3, 5, dtype=torch.long), attention_mask=torch.ones(3, 5, dtype=torch.long),
+        position_ids=torch.zeros(3, 5, dtype=torch.long), loss_mask=t(MASK, dtype=torch.float32),
+        behaviour_logprobs=t(BEHAV), rewards=zeros, reward_mask=zeros, versions=zeros.long(),
+        group_index=t([0, 0, 1]), lengths=t([5, 5, 5]), proximal_logprobs=t(PROX), advantages=zeros + 1,
+    )
+    config = loss_config({"correction": correction, "aggregation": aggregation})
+    set_behaviour_weights(batch, config)
+    loss, _ = policy_loss(config)({"logprobs": t(PROX), "entropy": zeros}, batch, Normaliser.of(batch))
+    return loss.item(), batch.behaviour_weights.tolist()
+
+
+@pytest.mark.parametrize("correction", [
+    {"kind": "mis", "threshold": 1.5, "floor": 0.8},
+    {"kind": "geometric", "action": "mask", "threshold": 1.1, "floor": 0.9},
+    {"kind": "reject", "checks": [{"check": "token_k1", "threshold": 1.5, "floor": 0.5}]},
+])
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean"])
+def test_normalise_kept_counts_only_the_kept_tokens(correction, aggregation):
+    """With l = -w: normalise all divides by every loss token (N = 10) or sequence (S = 3);
+    normalise kept by the kept tokens (w > 0) and the sequences that keep one, with n_i the row's
+    kept tokens (verl: the rejection-modified mask)."""
+    loss_all, w = kept_loss({**correction, "normalise": "all"}, aggregation)
+    loss_kept, _ = kept_loss({**correction, "normalise": "kept"}, aggregation)
+    kept = [[t for t in ROWS[i] if w[i][t] > 0] for i in range(3)]
+    assert 0 < sum(map(len, kept)) < len(TOKENS)  # the fixed data masks some tokens and keeps others
+    if aggregation == "token_mean":
+        total = -sum(w[i][t] for i in range(3) for t in kept[i])
+        expected_all, expected_kept = total / len(TOKENS), total / sum(map(len, kept))
+    else:
+        rows = [i for i in range(3) if kept[i]]
+        expected_all = sum(-sum(w[i][t] for t in kept[i]) / len(ROWS[i]) for i in range(3)) / 3
+        expected_kept = sum(-sum(w[i][t] for t in kept[i]) / len(kept[i]) for i in rows) / len(rows)
+    assert loss_all == pytest.approx(expected_all, abs=1e-6)
+    assert loss_kept == pytest.approx(expected_kept, abs=1e-6)

@@ -99,7 +99,8 @@ def test_clip_higher_and_dual_clip():
 
 def test_aggregations():
     """seq-mean-token-mean: sum_i (sum_t m l / n_i) / S; seq-mean-token-sum: sum_i sum_t m l / S;
-    seq-mean-token-sum-norm: sum_{i,t} m l / norm_length (verl's, Dr.GRPO's constant)."""
+    seq-mean-token-sum-norm: sum_{i,t} m l / (S norm_length) (verl's with loss_scale_factor =
+    norm_length: the sequences' mean token sum over Dr.GRPO's constant)."""
     per = table(lambda i, t: ppo_token(LOGP[i][t], OLD[i][t], ADV[i][t], 0.2, 0.2))
     row_sums = [sum(per[i][t] for t in range(3) if MASK[i][t]) for i in range(2)]
     loss, _, _ = run(L(aggregation="seq_mean_token_mean"))
@@ -107,7 +108,21 @@ def test_aggregations():
     loss, _, _ = run(L(aggregation="seq_mean_token_sum"))
     assert abs(loss.item() - (row_sums[0] + row_sums[1]) / 2) < 1e-6
     loss, _, _ = run(L(aggregation={"kind": "seq_mean_token_sum_norm", "norm_length": 4}))
-    assert abs(loss.item() - (row_sums[0] + row_sums[1]) / 4) < 1e-6
+    assert abs(loss.item() - (row_sums[0] + row_sums[1]) / 2 / 4) < 1e-6
+
+
+def test_seq_mean_token_sum_norm_minimal_case():
+    """Per-token loss 1 on 2 sequences of 2 tokens, norm_length 2: sum m l = 4, S = 2, so the loss
+    is 4 / 2 / 2 = 1.0 (verl, loss_scale_factor 2), and each token's gradient 1 / (S norm_length)."""
+    from flowrl_operators.training.aggregations import SeqMeanTokenSumNorm, seq_mean_token_sum_norm
+
+    per_token = torch.ones(2, 2, requires_grad=True)
+    mask = torch.ones(2, 2)
+    normaliser = Normaliser(tokens=4.0, sequences=2.0, weighted_tokens=4.0)
+    loss = seq_mean_token_sum_norm(per_token, mask, normaliser, SeqMeanTokenSumNorm(norm_length=2))
+    loss.backward()
+    assert loss.item() == pytest.approx(1.0, abs=1e-6)
+    assert per_token.grad.tolist() == [[0.25, 0.25], [0.25, 0.25]]
 
 
 def test_gspo_sequence_ratio_value_and_gradient():

@@ -31,3 +31,21 @@ def test_frame_shows_phase_step_version_rates_reward_eval_and_queues() -> None:
     for part in ("quickstart · grpo", "step 7/60", "policy v7", "12.50 samples/s", "reward 0.457",
                  "eval 0.625", "dropped 3", "score.trajectories -> learner.trajectories", "5"):
         assert part in text, (part, text)
+
+
+def test_frame_warns_of_each_health_condition_on_now() -> None:
+    plan = compile_file(str(ROOT / "pipelines/grpo_sync.yaml")).plan
+    view = ProgressView(plan, executor=None)
+    events = [
+        {"node": "learner", "condition": "tied_groups", "event": "began", "step": 3, "at": 12,
+         "message": "tied groups from step 3: 60% of groups tied"},
+        {"node": "learner", "condition": "entropy_collapse", "event": "began", "step": 20, "at": 29,
+         "message": "entropy collapse from step 20: entropy 0.001"},
+        {"node": "learner", "condition": "tied_groups", "event": "ended", "step": 31, "at": 40,
+         "message": "tied groups ended at step 31"},
+    ]
+    status = {"versions": {"learner": 41}, "counters": {"dropped": 0}, "queues": {}, "last": {}, "health": events}
+    text = frame(view, status)
+    assert "! learner: entropy collapse from step 20: entropy 0.001" in text
+    assert "tied groups" not in text  # it ended
+    assert "!" not in frame(view, status | {"health": []})

@@ -82,7 +82,8 @@ def test_inspect_run_dir(run_dir: Path, fmt: str, capsys: pytest.CaptureFixture[
     else:
         assert out.startswith("<!doctype html>") and "<svg" in out and "<script" not in out
         for lane in ("rollout", "score", "learner", "publish"):
-            assert f">{lane}</text>" in out  # one timeline lane per stage
+            assert f"<div>{lane}</div>" in out  # one timeline lane per stage
+        assert "<h3>Health</h3>" in out and 'class="chart"' in out
 
 
 @pytest.mark.skipif(shutil.which("chromium") is None, reason="chromium is not installed")

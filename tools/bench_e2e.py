@@ -1,6 +1,6 @@
 """End to end: the quickstart, synchronous and asynchronous, and the same recipe as a hand-written loop.
 
-    python tools/bench_e2e.py [--seeds 0,1,2] [--warmup-steps 650] [--grpo-seconds 250] [--target 0.9]
+    python tools/bench_e2e.py [--seeds 0,1,2] [--warmup-steps 650] [--grpo-seconds S | --grpo-steps N] [--target 0.9]
                               [--also 0.7,0.8] [--only hand,sync,async] [--full] [--threads N]
                               [--warmups DIR [--grpo-steps N]] [--async-set KEY=VALUE ...] [--sync-set ...]
 
@@ -99,15 +99,23 @@ def warmup_policy(seed: int, args: argparse.Namespace) -> Path:
     return export
 
 
-def grpo_phase(pipeline: str, seconds: float, steps: int | None = None) -> str:
-    """The pipeline's last (GRPO) phase alone, its length set to `steps` if given, else `seconds`, as
-    a `phases=` value."""
+def grpo_phase(pipeline: str, seconds: float | None, steps: int | None = None) -> str:
+    """The pipeline's last (GRPO) phase alone, its length set to `steps` if given, else `seconds` if
+    given, else the pipeline's own, as a `phases=` value."""
     import yaml
 
     phase = yaml.safe_load((ROOT / pipeline).read_text())["phases"][-1]
-    phase.pop("steps", None)
-    phase.pop("seconds", None)
-    return json.dumps([phase | ({"steps": steps} if steps else {"seconds": seconds})])
+    if steps or seconds:
+        phase.pop("steps", None)
+        phase.pop("seconds", None)
+    return json.dumps([phase | ({"steps": steps} if steps else {"seconds": seconds} if seconds else {})])
+
+
+def budget_overrides(args: argparse.Namespace) -> list[str]:
+    """The GRPO phase's (`phases.1`) length from the command line; none: the pipeline's own."""
+    if args.grpo_steps:
+        return ["phases.1.seconds=null", f"phases.1.steps={args.grpo_steps}"]
+    return ["phases.1.steps=null", f"phases.1.seconds={args.grpo_seconds}"] if args.grpo_seconds else []
 
 
 def run_flowrl(pipeline: str, run_dir: Path, seed: int, args: argparse.Namespace, extra: list[str]) -> dict:
@@ -115,7 +123,7 @@ def run_flowrl(pipeline: str, run_dir: Path, seed: int, args: argparse.Namespace
     if args.warmups:
         overrides += [f"model.path={warmup_policy(seed, args)}", f"phases={grpo_phase(pipeline, args.grpo_seconds, args.grpo_steps)}"]
     else:
-        overrides += [f"phases.0.steps={args.warmup_steps}", f"phases.1.seconds={args.grpo_seconds}"]
+        overrides += [f"phases.0.steps={args.warmup_steps}", *budget_overrides(args)]
     if args.threads:
         overrides.append(f"nodes.rollout.engine.threads={args.threads}")
     grpo = run_dir / ("phases/0-grpo" if args.warmups else "phases/1-grpo")
@@ -137,7 +145,7 @@ def run_hand(run_dir: Path, seed: int, args: argparse.Namespace) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     evals_file = run_dir / "eval.jsonl"
     wall = supervise([sys.executable, str(ROOT / "tools/hand_grpo.py"), f"--seed={seed}",
-                      f"--warmup-steps={args.warmup_steps}", f"--grpo-seconds={args.grpo_seconds}",
+                      f"--warmup-steps={args.warmup_steps}", f"--grpo-seconds={args.grpo_seconds or 250}",
                       f"--eval-every={args.eval_every}", f"--out={evals_file}"]
                      + ([f"--threads={args.threads}"] if args.threads else []), evals_file, args, signal.SIGTERM)
     evals = read_jsonl(evals_file)  # the loop's times already count from the warm-up's start
@@ -160,7 +168,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=lambda v: [int(x) for x in v.split(",") if x], default=[0, 1, 2])
     parser.add_argument("--warmup-steps", type=int, default=650)
-    parser.add_argument("--grpo-seconds", type=float, default=250)
+    parser.add_argument("--grpo-seconds", type=float, help="GRPO phases of this many seconds (default: the pipeline's own)")
     parser.add_argument("--eval-every", type=int, default=5)
     parser.add_argument("--target", type=float, default=0.9)
     parser.add_argument("--also", type=lambda v: [float(x) for x in v.split(",") if x], default=[0.7, 0.8],
@@ -169,7 +177,7 @@ def main() -> None:
     parser.add_argument("--full", action="store_true", help="run every budget out instead of stopping at the target")
     parser.add_argument("--threads", type=int, help="torch threads of the plain loop and of the pipelines' engines")
     parser.add_argument("--warmups", help="folder of per-seed warm-ups (made once): run the GRPO phases alone from them")
-    parser.add_argument("--grpo-steps", type=int, help="with --warmups: GRPO phases of this many steps, run out in full")
+    parser.add_argument("--grpo-steps", type=int, help="GRPO phases of this many steps, run out in full")
     parser.add_argument("--async-set", action="append", default=[], metavar="KEY=VALUE",
                         help="an override of the async pipeline (repeatable)")
     parser.add_argument("--sync-set", action="append", default=[], metavar="KEY=VALUE",
@@ -178,8 +186,10 @@ def main() -> None:
     names = args.only.split(",")
     if args.warmups and "hand" in names:
         parser.error("--warmups compares the pipelines' GRPO phases: use --only sync,async")
-    if args.grpo_steps and not args.warmups:
-        parser.error("--grpo-steps sets the length of the GRPO phases alone: give --warmups DIR too")
+    if args.grpo_steps and "hand" in names:
+        parser.error("--grpo-steps: the plain loop runs for seconds; use --only sync,async")
+    if args.grpo_steps and args.grpo_seconds:
+        parser.error("give --grpo-steps or --grpo-seconds, not both")
     args.full = args.full or bool(args.grpo_steps)  # a fixed number of steps is run out
     results: dict[str, list[dict]] = {n: [] for n in names}
     with tempfile.TemporaryDirectory() as tmp:
@@ -188,12 +198,29 @@ def main() -> None:
                 run_dir = Path(tmp) / f"{name}-{seed}"
                 extra = {"async": args.async_set, "sync": args.sync_set}.get(name, [])
                 r = run_hand(run_dir, seed, args) if name == "hand" else run_flowrl(PIPELINES[name], run_dir, seed, args, extra)
-                results[name].append(r)
+                results[name].append(r | {"name": name})
                 print(f"seed {seed} {name:>5}: to eval >= {args.target}: {r['s_to_target']} s, "
                       f"{r.get('steps_to_target')} steps, {r['samples_to_target']} samples; {r['steps']} GRPO steps ({r['s_per_step']} s each), "
                       f"best eval {r['best_eval']:.3f}, mean eval {r['mean_eval']}" + (f", warm-up {r['warmup_s']} s" if r.get("warmup_s") else "")
                       + "; " + ", ".join(f"to {t}: {v} s" for t, v in r["s_to"].items()), flush=True)
     report(results, names, args)
+
+
+def reached(runs: list[dict], seeds: list[int]) -> dict:
+    """How many seeds reached the target, the median and worst steps and seconds to it over those
+    that did (the median counting a miss as slower than every hit), and each miss's best eval."""
+    name = runs[0]["name"]
+    hits = [r for r in runs if r["s_to_target"] is not None]
+    steps = [r.get("steps_to_target") for r in runs]
+
+    def worst(key: str) -> float | None:
+        return max(r[key] for r in hits) if hits and all(r.get(key) is not None for r in hits) else None
+
+    return {f"{name}_reached": len(hits), f"{name}_steps_to_target_median": median_time(steps),
+            f"{name}_steps_to_target_worst": worst("steps_to_target"),
+            f"{name}_s_to_target_median": median_time([r["s_to_target"] for r in runs]),
+            f"{name}_s_to_target_worst": worst("s_to_target"),
+            f"{name}_missed": {str(s): r["best_eval"] for s, r in zip(seeds, runs, strict=True) if r["s_to_target"] is None}}
 
 
 def report(results: dict[str, list[dict]], names: list[str], args: argparse.Namespace) -> None:
@@ -216,7 +243,12 @@ def report(results: dict[str, list[dict]], names: list[str], args: argparse.Name
     mean_evals = {f"{n}_mean_eval": round(statistics.mean(r["mean_eval"] or 0.0 for r in rs), 4)
                   for n, rs in results.items() if rs}
     print("mean eval over seeds (learning-curve area): " + ", ".join(f"{k[:-10]} {v}" for k, v in mean_evals.items()))
-    print(json.dumps({**mean_evals, "sync_s_to_target": medians.get("sync"), "async_s_to_target": medians.get("async"),
+    reach = {n: reached(rs, args.seeds) for n, rs in results.items() if rs}
+    for n, r in reach.items():
+        print(f"{n}: reached {args.target} on {r[n + '_reached']} of {len(args.seeds)} seeds; steps to it median "
+              f"{r[n + '_steps_to_target_median']}, worst {r[n + '_steps_to_target_worst']}; seconds median "
+              f"{r[n + '_s_to_target_median']}, worst {r[n + '_s_to_target_worst']}; missed {r[n + '_missed']}")
+    print(json.dumps({**mean_evals, **{k: v for r in reach.values() for k, v in r.items()}, "sync_s_to_target": medians.get("sync"), "async_s_to_target": medians.get("async"),
                       "async_over_sync": ratio("async", "sync"), "async_wins": wins,
                       "hand_s_to_target": medians.get("hand"), "sync_over_hand": ratio("sync", "hand"),
                       **{f"{n}_{k}_by_seed": [r[k] for r in rs] for n, rs in results.items()

@@ -64,6 +64,11 @@ class Trajectory(msgspec.Struct, kw_only=True):
     finish_reason: str = "stop"
     # Filled by downstream nodes.
     reference_logprobs: list[float] | None = None
+    # The behaviour policy's K most likely tokens at each response token, most likely first, and
+    # their logprobs (generate `sampling.top_logprobs: K`; see engine SamplingParams): one list per
+    # response token, empty where none was recorded (environment tokens); None when none was.
+    top_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
     values: list[float] | None = None
     # The data step this trajectory was generated for.
     step: int = 0
@@ -82,6 +87,12 @@ class Trajectory(msgspec.Struct, kw_only=True):
                 raise ValueError(
                     f"trajectory {self.id}: {name} has {len(getattr(self, name))} entries, response has {n}"
                 )
+        if (self.top_ids is None) != (self.top_logprobs is None):
+            raise ValueError(f"trajectory {self.id}: top_ids and top_logprobs are set together")
+        if self.top_ids is not None and (len(self.top_ids) != n or len(self.top_logprobs) != n or any(
+                len(i) != len(lp) for i, lp in zip(self.top_ids, self.top_logprobs, strict=True))):
+            raise ValueError(f"trajectory {self.id}: top_ids / top_logprobs need one equal-length list per "
+                             f"response token ({n})")
         if self.token_rewards is not None and len(self.token_rewards) != n:
             raise ValueError(f"trajectory {self.id}: token_rewards length != response length")
         if any(not 0 <= s.start <= s.end <= n for s in self.sampling):

@@ -190,9 +190,9 @@ def render_html(plan: Plan) -> str:
                 f"<h2>Edges</h2><table><tr><th>edge</th><th>mode</th></tr>{erows}</table>")
 
 
-def page(title: str, body: str) -> str:
-    """A self-contained HTML page: inline style, no scripts, no network."""
+def page(title: str, body: str, style: str = "") -> str:
+    """A self-contained HTML page: inline style (plus `style`), no scripts, no network."""
     return (f"<!doctype html><html><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title><style>"
             "body{font-family:Helvetica,Arial,sans-serif;margin:24px;color:#222}table{border-collapse:collapse;margin:8px 0}"
-            "td,th{border:1px solid #ccc;padding:4px 10px;text-align:left}th{background:#f3f3f3}</style></head>"
+            f"td,th{{border:1px solid #ccc;padding:4px 10px;text-align:left}}th{{background:#f3f3f3}}{style}</style></head>"
             f"<body>{body}</body></html>\n")

@@ -44,7 +44,8 @@ Run directory layout (all written by the coordinator or by run()):
 
     plan.json          the Plan (msgspec JSON); `load_plan(run_dir)` reads it for `--resume`
     meta.json          {"name", "origin" (epoch seconds; trace timestamps count from it),
-                        "executor", "steps", "format": 1}
+                        "executor", "steps", "format": 2, "health": 1 (its rows carry
+                        the health events)}
     ledger.jsonl       one event per line, see ledger.py; `ledger.check(run_dir)` verifies it
                        (this file, metrics.jsonl, trace.json and tensorboard/ are appended at
                        least every 2 s while the run goes on)
@@ -59,7 +60,9 @@ Run directory layout (all written by the coordinator or by run()):
                          coordinator_weight_bytes (tensor bytes of policy / weights values handed
                          to the coordinator since the previous row: in-process the policy's size,
                          passed by reference and never copied; under Ray 0, the policy travels as
-                         an object ref, ray_stage.py), train {the train operator's metrics}
+                         an object ref, ray_stage.py), train {the train operator's metrics},
+                         health [the learning-health events this step found, flowrl/health.py;
+                         only on such rows]
     samples.jsonl      `samples_per_step` trajectories of each trained batch: step, node, id, version
                          (the policy that generated it), reward, prompt, response (text the records
                          carry; prompt_ids / response_ids where they carry none), tracking.py

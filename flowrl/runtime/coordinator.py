@@ -180,7 +180,7 @@ class Coordinator:
     async def status(self) -> dict[str, Any]:
         return {"versions": dict(self.versions), "steps": self.steps, "stopping": self.stopping, "error": self.error,
                 "queues": self._queues(), "last": self.observe.last_row, "counters": dict(self.counters),
-                "reached": self.targets.reached}
+                "reached": self.targets.reached, "health": self.observe.health_events}
 
     async def snapshot(self) -> dict[str, Any]:
         """What a checkpoint needs, taken without stopping anything (snapshot.py): the state, and

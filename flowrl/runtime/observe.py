@@ -30,6 +30,7 @@ from typing import Any
 import msgspec
 
 from flowrl.graph.plan import Plan
+from flowrl.health import Health
 from flowrl.operator import POLICY, WEIGHTS
 from flowrl.runtime.streams import TraceFile, append_lines
 from flowrl.runtime.tracking import TIMEOUT_S as TRACKER_TIMEOUT_S
@@ -72,6 +73,10 @@ class Observer:
         self._mark = {"time": time.time(), "busy": {}, "dropped": 0}
         self.samples: list[dict[str, Any]] = []
         self.samples_per_step = int(plan.run.get("samples_per_step", SAMPLES_PER_STEP))
+        # Learning health per train node (flowrl/health.py): its events go into the row of the step
+        # that found them, so metrics.jsonl holds them as soon as that row is flushed.
+        self.health: dict[str, Health] = {}
+        self.health_events: list[dict[str, Any]] = []
         self.trace = TraceFile(run_dir / "trace.json") if run_dir is not None else None
         self.tracking: Tracking | None = None
         if run_dir is not None:
@@ -122,6 +127,10 @@ class Observer:
         self._mark = {"time": now, "busy": dict(self.busy), "dropped": self.dropped,
                       "filtered": counters["filtered"], "oversampled": counters["oversampled"],
                       "weight_bytes": self.weight_bytes}
+        events = self.health.setdefault(node, Health()).update(row)
+        if events:
+            row["health"] = [e | {"node": node} for e in events]
+            self.health_events += row["health"]
         self.rows.append(row)
         self.samples += sample_rows(node, step, trajectories, self.samples_per_step)
         self.last_row = row
@@ -171,11 +180,15 @@ class Observer:
         return offsets(self.run_dir, self.trace, self.run_dir / "tensorboard") if self.run_dir else {}
 
     def state(self) -> dict[str, Any]:
-        return {"dropped": self.dropped}
+        return {"dropped": self.dropped, "health": {n: h.state() for n, h in self.health.items()},
+                "health_events": list(self.health_events)}
 
     def restore(self, state: dict[str, Any]) -> None:
         self.events = []  # the trace already holds its process names
         self.dropped = state["dropped"]
+        for node, values in state.get("health", {}).items():  # a checkpoint from before health: afresh
+            self.health.setdefault(node, Health()).restore(values)
+        self.health_events = list(state.get("health_events", []))
 
 
 def tensor_bytes(value: Any, seen: set[int] | None = None) -> int:

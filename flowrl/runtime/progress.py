@@ -1,5 +1,5 @@
 """A live progress view for `flowrl run` (rich): phase, step, policy version, samples/s, reward,
-eval reward, queues."""
+eval reward, queues, and a warning for each health condition on now (flowrl/health.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,10 @@ from typing import Any
 from rich.console import Group
 from rich.live import Live
 from rich.table import Table
+from rich.text import Text
 
 from flowrl.graph.plan import Plan
+from flowrl.health import active
 
 REFRESH_S = 0.5
 
@@ -66,4 +68,9 @@ class ProgressView:
         queues = Table("edge", "queued", box=None, pad_edge=False)
         for edge, depth in status["queues"].items():
             queues.add_row(edge, str(depth))
-        return Group(head, queues)
+        return Group(head, queues, *warnings(status.get("health") or []))
+
+
+def warnings(events: list[dict[str, Any]]) -> list[Text]:
+    """One line per health condition on now, as its event said when it began."""
+    return [Text(f"! {e.get('node', '')}: {e['message']}", style="bold yellow") for e in active(events).values()]

@@ -44,6 +44,7 @@ class RunResult:
     stopped_by: str = "steps"  # steps | max_seconds | stop_when | interrupt (SIGINT or max_steps)
     reached: str | None = None  # with stopped_by stop_when: which target, e.g. "eval_reward 0.94 >= 0.9"
     restarts: int = 0  # times the run restarted from its last checkpoint after losing a train actor
+    health: list[dict[str, Any]] = field(default_factory=list)  # the health events (flowrl/health.py)
 
     def lost(self) -> str:
         """The samples that never reached a train node, in words ("" when none was lost)."""
@@ -133,7 +134,7 @@ async def _run(plan: Plan, run_dir: Path | None, executor: str | None, resume: b
         status="interrupted" if reason == "interrupt" else "done", run_dir=run_dir,
         steps=min(status["versions"].values(), default=0), versions=status["versions"],
         counters=status["counters"], seconds=time.time() - started, checkpoint=saved, last=status["last"],
-        stopped_by=FINISHED.get(reason, "interrupt"), reached=status.get("reached"),
+        stopped_by=FINISHED.get(reason, "interrupt"), reached=status.get("reached"), health=status.get("health", []),
     )
 
 
@@ -155,7 +156,8 @@ def _prepare(plan: Plan, run_dir: Path, executor: str, steps: int, resume: bool,
         raise FileExistsError(f"{run_dir} already holds a run; resume it or choose another run directory")
     streams.truncate(run_dir, {})
     (run_dir / "plan.json").write_bytes(plan.record())  # environment values redacted
-    meta = {"name": plan.name, "origin": started, "executor": executor, "steps": steps, "format": 2}
+    meta = {"name": plan.name, "origin": started, "executor": executor, "steps": steps, "format": 2,
+            "health": 1}  # its metrics rows carry the health events (flowrl/health.py)
     (run_dir / "meta.json").write_text(json.dumps(meta, indent=1))
     return None, None, started
 

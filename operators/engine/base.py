@@ -25,7 +25,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     temperature 0 means greedy. top_k <= 0 and top_p == 1 disable those filters. Generation stops at
     any of `stop_token_ids` and, unless `ignore_eos`, at the model's end-of-sequence tokens; the stop
     token is part of the output. `seed` makes a sampled request reproducible whatever else is in the
-    batch.
+    batch. `top_logprobs` K > 0 also reports, at each output token, the K most likely tokens and their
+    logprobs under softmax(logits / temperature) (temperature 1 when greedy; before the top-k / top-p
+    filter): what a top-K divergence (loss dppo_tv_topk) compares the trained policy with. SGLang
+    takes it beside `sampling_params`, as `top_logprobs_num`.
     """
 
     temperature: float = 1.0
@@ -35,6 +38,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     seed: int | None = None
+    top_logprobs: int = 0
 
 
 class GenerateRequest(msgspec.Struct, kw_only=True):
@@ -52,13 +56,17 @@ class GenerateResult(msgspec.Struct, kw_only=True):
     `logprobs[i]` is the log-probability of `output_ids[i]` under the distribution the engine sampled
     it from (see the engine's docs for temperature / top-k / top-p); `versions[i]` is the policy
     (weight) version that produced it. A request the engine rejected has `error` set, finish reason
-    "abort" and no output.
+    "abort" and no output. With `sampling.top_logprobs` K > 0, `top_ids[i]` / `top_logprobs[i]` are
+    the K most likely tokens at output token i, most likely first, and their logprobs (see
+    `SamplingParams`); empty otherwise.
     """
 
     request_id: str
     output_ids: list[int] = []
     logprobs: list[float] = []
     versions: list[int] = []
+    top_ids: list[list[int]] = []
+    top_logprobs: list[list[float]] = []
     finish_reason: FinishReason = "stop"
     error: str | None = None
     # The parameters the tokens were drawn with, set by `WorkflowContext.generate` (engines leave it

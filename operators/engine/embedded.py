@@ -52,7 +52,7 @@ from flowrl_operators.engine.base import (
 )
 from flowrl_operators.engine.model import CausalLM, end_token_ids, load_model
 from flowrl_operators.engine.prefill import PrefillStats, compact, prefill
-from flowrl_operators.engine.sampling import sample
+from flowrl_operators.engine.sampling import sample, top_logprobs
 from flowrl_operators.engine.vl_requests import check_images
 from flowrl_operators.memory import configure, release
 from flowrl_operators.models import resolve_model, silence_hf
@@ -70,6 +70,8 @@ class Sequence:
     output: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    top_ids: list[list[int]] = field(default_factory=list)  # sampling.top_logprobs > 0 only
+    top_logprobs: list[list[float]] = field(default_factory=list)
     slot: int | None = None
     needs_prefill: bool = True
     epoch: int = -1  # the engine's weight epoch when this request's KV was computed (prefix sharing)
@@ -87,6 +89,8 @@ class Sequence:
             output_ids=list(self.output),
             logprobs=list(self.logprobs),
             versions=list(self.versions),
+            top_ids=list(self.top_ids),
+            top_logprobs=list(self.top_logprobs),
             finish_reason=self.finish_reason or "abort",
             error=self.error,
         )
@@ -420,9 +424,10 @@ class EmbeddedEngine:
         params = [seq.request.sampling for seq in seqs]
         try:
             tokens, logprobs = sample(logits, params, [seq.seed for seq in seqs], [len(seq.output) for seq in seqs])
+            tops = top_logprobs(logits, params)
         except Exception:  # find the culprit: one request's sampling must not fail the others
-            tokens, logprobs = self._sample_alone(seqs, logits)
-        for seq, token, logprob, p in zip(seqs, tokens, logprobs, params, strict=True):
+            tokens, logprobs, tops = self._sample_alone(seqs, logits)
+        for seq, token, logprob, p, top in zip(seqs, tokens, logprobs, params, tops, strict=True):
             if seq.finish_reason == "abort":
                 continue
             if not 0 <= token < self.vocab_size or math.isnan(logprob):
@@ -430,6 +435,9 @@ class EmbeddedEngine:
                              f"(temperature {p.temperature}, top_k {p.top_k}, top_p {p.top_p})")
                 seq.finish_reason = "abort"
                 continue
+            if top is not None:
+                seq.top_ids.append(top[0])
+                seq.top_logprobs.append(top[1])
             seq.tokens.append(token)
             seq.output.append(token)
             seq.logprobs.append(logprob)
@@ -439,18 +447,21 @@ class EmbeddedEngine:
             elif len(seq.output) >= p.max_new_tokens or len(seq.tokens) >= self.max_context:
                 seq.finish_reason = "length"
 
-    def _sample_alone(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[int], list[float]]:
-        """Each row sampled on its own; a row whose sampling raises aborts its request alone."""
-        tokens, logprobs = [], []
+    def _sample_alone(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[int], list[float], list]:
+        """Each row sampled on its own (token, logprob, top logprobs); a row whose sampling raises
+        aborts its request alone."""
+        tokens, logprobs, tops = [], [], []
         for i, seq in enumerate(seqs):
             try:
                 token, logprob = sample(logits[i:i + 1], [seq.request.sampling], [seq.seed], [len(seq.output)])
+                top = top_logprobs(logits[i:i + 1], [seq.request.sampling])
             except Exception as exc:
                 seq.error, seq.finish_reason = f"sampling failed: {exc!r}", "abort"
-                token, logprob = [-1], [float("nan")]
+                token, logprob, top = [-1], [float("nan")], [None]
             tokens.append(token[0])
             logprobs.append(logprob[0])
-        return tokens, logprobs
+            tops.append(top[0])
+        return tokens, logprobs, tops
 
 
 # The smallest temperature sampled: logits / temperature stays finite in fp32 above it (a smaller
@@ -474,6 +485,8 @@ def check_sampling(params: SamplingParams, vocab_size: int) -> str | None:
         return f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, got {t!r}"
     if not _is_number(p) or not 0 < p <= 1:
         return f"top_p must be a finite number in (0, 1], got {p!r}"
+    if not _is_int(params.top_logprobs) or not 0 <= params.top_logprobs <= vocab_size:
+        return f"top_logprobs must be an integer in [0, {vocab_size}], got {params.top_logprobs!r}"
     if not _is_int(k) or k > vocab_size:
         return f"top_k must be an integer <= the vocabulary size {vocab_size} (<= 0: no limit), got {k!r}"
     if not _is_int(params.max_new_tokens) or params.max_new_tokens < 1:

@@ -155,3 +155,24 @@ def _head_mask(scaled: torch.Tensor, k: torch.Tensor, p: torch.Tensor, head: int
     exact = (ordered > ordered[:, -1:]).sum(dim=-1)
     decided = (count <= exact) & ((count < head) | (k <= head))
     return torch.zeros_like(scaled, dtype=torch.bool).scatter(1, order, kept), decided
+
+
+def top_logprobs(logits: torch.Tensor, params: list[SamplingParams]) -> list[tuple[list[int], list[float]] | None]:
+    """Per row asking for K = `top_logprobs` > 0: its K most likely token ids (most likely first) and
+    their logprobs under softmax(logits / temperature), temperature 1 for a greedy row, over the
+    whole vocabulary (before top-k / top-p); None for the other rows. The trainer computes its own
+    policy's logprobs of these ids under the same temperature (training/head.py)."""
+    wanted = [i for i, p in enumerate(params) if p.top_logprobs > 0]
+    out: list[tuple[list[int], list[float]] | None] = [None] * len(params)
+    if not wanted:
+        return out
+    rows = torch.tensor(wanted, device=logits.device)
+    temperature = torch.tensor([params[i].temperature if params[i].temperature > 0 else 1.0 for i in wanted],
+                               device=logits.device)
+    logp = torch.log_softmax(logits[rows].float() / temperature[:, None], dim=-1)
+    k = min(max(params[i].top_logprobs for i in wanted), logits.shape[1])
+    values, ids = logp.topk(k, dim=-1)
+    for row, i, vals in zip(wanted, ids.tolist(), values.tolist(), strict=True):
+        count = params[row].top_logprobs
+        out[row] = (i[:count], vals[:count])
+    return out

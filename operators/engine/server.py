@@ -5,10 +5,12 @@
 prints `flowrl engine listening on http://127.0.0.1:PORT` once it serves. Routes (SGLang 0.5.23's
 names and bodies; weight versions are strings on the wire, as in SGLang, holding integers):
 
-  POST /generate                 input_ids (or text), sampling_params, return_logprob, rid, image_data
+  POST /generate                 input_ids (or text), sampling_params, return_logprob, top_logprobs_num,
+                                 rid, image_data
                                  (inline images: image_data.py); a list of prompts is a batch. Answer:
                                  output_ids, text, meta_info (finish_reason {"type": stop|length|abort},
-                                 output_token_logprobs [(logprob, token_id, null)], weight_version(s));
+                                 output_token_logprobs [(logprob, token_id, null)], output_top_logprobs
+                                 (with top_logprobs_num), weight_version(s));
                                  a rejected request: 400 {"error": {"message"}}; in a batch, abort.
   POST /pause_generation         {"mode": "abort" (default, as SGLang) | "retract" | "in_place"}
   POST /continue_generation
@@ -157,6 +159,10 @@ class EngineServer:
         if not isinstance(rids, list) or len(rids) != len(prompts):
             raise BadRequest(f"rid must be a string or a list of one per prompt ({len(prompts)}), got {rids!r:.80}")
         sampling = sampling_from(body.get("sampling_params"))
+        top = body.get("top_logprobs_num") or 0
+        if not isinstance(top, int) or top < 0:
+            raise BadRequest(f"top_logprobs_num must be a non-negative integer, got {top!r}")
+        sampling = msgspec.structs.replace(sampling, top_logprobs=top)
         started = time.perf_counter()
         pictures = await off_loop(request_images, body.get("image_data"), len(prompts), batched)
         requests = [GenerateRequest(request_id=str(rid), input_ids=ids, sampling=sampling, images=refs)
@@ -219,6 +225,9 @@ class EngineServer:
         if logprobs:
             meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in
                                              zip(result.logprobs, result.output_ids, strict=True)]
+            if result.top_ids:  # top_logprobs_num > 0: per token, its K (logprob, token id, text)
+                meta["output_top_logprobs"] = [[[lp, tok, None] for lp, tok in zip(lps, ids, strict=True)]
+                                               for lps, ids in zip(result.top_logprobs, result.top_ids, strict=True)]
         text = self.tokenizer.decode(result.output_ids) if self.tokenizer is not None else ""
         return {"text": text, "output_ids": result.output_ids, "meta_info": meta}
 

@@ -9,6 +9,10 @@ against on CPU). Not run against a real SGLang server in flowrl's CI.
 Generation. `/generate` with `input_ids`, `sampling_params` and `return_logprob`; the answer's
 `output_ids` with `meta_info.output_token_logprobs` (logprob, token id, text) and the per-token weight
 version from `meta_info.weight_versions` spans (SGLang >= 0.5.20), else `meta_info.weight_version`.
+`sampling.top_logprobs` K > 0 sends `top_logprobs_num: K` and reads `meta_info.output_top_logprobs`
+(per token K (logprob, token id, text)). SGLang reports these logprobs from the distribution it
+reports `output_token_logprobs` from; flowrl's trainer compares them with softmax(logits /
+temperature) (`SamplingParams`).
 Each submission gets a fresh 32-character rid, because SGLang's `/abort_request` matches rids by
 prefix ("a/1#1" would also abort "a/1#10"). Several servers are balanced by fewest requests in flight.
 A vision-language request's images go as `image_data` data URLs (`image_data.py`).
@@ -110,8 +114,9 @@ def finish_reason(meta: dict) -> FinishReason:
     return "abort"
 
 
-def parse_answer(request_id: str, answer: dict) -> GenerateResult:
-    """One /generate answer -> GenerateResult (token ids, behaviour logprobs, versions, finish)."""
+def parse_answer(request_id: str, answer: dict, top: int = 0) -> GenerateResult:
+    """One /generate answer -> GenerateResult (token ids, behaviour logprobs, versions, finish, and
+    the `top` most likely tokens per output token when asked for)."""
     meta = answer.get("meta_info") or {}
     output = [int(t) for t in answer.get("output_ids") or []]
     triples = meta.get("output_token_logprobs")
@@ -126,8 +131,25 @@ def parse_answer(request_id: str, answer: dict) -> GenerateResult:
         # Aborts by pause or abort_request are normal; anything else the server calls an error.
         if message and "abort" not in str(message).lower():
             error = str(message)
+    top_ids, top_logprobs = top_tokens(meta, len(output), top)
     return GenerateResult(request_id=request_id, output_ids=output, logprobs=[float(t[0]) for t in triples],
-                          versions=token_versions(meta, len(output)), finish_reason=reason, error=error)
+                          versions=token_versions(meta, len(output)), top_ids=top_ids, top_logprobs=top_logprobs,
+                          finish_reason=reason, error=error)
+
+
+def top_tokens(meta: dict, count: int, top: int) -> tuple[list[list[int]], list[list[float]]]:
+    """Each output token's `top` most likely (ids, logprobs) from meta_info.output_top_logprobs
+    (per token a list of (logprob, token id, text)); ([], []) when none were asked for."""
+    if top <= 0:
+        return [], []
+    rows = meta.get("output_top_logprobs")
+    if rows is None or len(rows) != count:
+        found = "none" if rows is None else f"{len(rows)} entries"
+        raise ServerError(f"asked for top_logprobs_num {top}, meta_info.output_top_logprobs has {found} for "
+                          f"{count} output tokens")
+    if any(row is None or len(row) != top for row in rows):
+        raise ServerError(f"meta_info.output_top_logprobs has an entry without {top} tokens")
+    return [[int(t[1]) for t in row] for row in rows], [[float(t[0]) for t in row] for row in rows]
 
 
 # --- the adapter --------------------------------------------------------------------------------------
@@ -221,6 +243,8 @@ class SGLangEngine:
         server.in_flight += 1
         body = {"input_ids": list(request.input_ids), "sampling_params": sampling_params(request.sampling),
                 "return_logprob": True, "rid": rid, **image_data(request.images)}
+        if request.sampling.top_logprobs > 0:
+            body["top_logprobs_num"] = request.sampling.top_logprobs
         try:
             status, answer = await self._call(server, "/generate", body)
             if status == 400:  # the server rejected this request; the engine serves on
@@ -229,7 +253,7 @@ class SGLangEngine:
             elif status != 200:
                 raise ServerError(f"{server.url}/generate answered {status}: {error_message(answer)}")
             else:
-                result = parse_answer(request.request_id, answer)
+                result = parse_answer(request.request_id, answer, request.sampling.top_logprobs)
             done.set_result(result)
             return result
         except asyncio.CancelledError:  # the caller went away: free the server's slot too

@@ -40,6 +40,12 @@ class GRPO(AdvantageConfig):
     unbiased_std: bool = True  # false: the biased (population) std
     eps: Whiten = 1e-6  # added to the std
     gamma: Probability = 1.0  # discount of the reward-to-go, per model token
+    # position: each defined reward against the group's rewards at the same position, the k-th
+    # defined reward of every row (mean and std per k), so per-token or per-turn credit is compared
+    # like with like; the same as group for one reward per sequence. Why: pooled over a mostly-right
+    # group, the rare right token at a position every other sample gets wrong scores no higher than
+    # any right token elsewhere (docs/benchmarks.md, the quickstart).
+    baseline: Literal["group", "position"] = "group"
 
 
 class DrGRPO(AdvantageConfig):
@@ -162,9 +168,34 @@ def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float) -> torch.Tensor:
     return (x - values.mean()) / torch.sqrt(values.var() + eps) * mask
 
 
+def _position_normalised(x: AdvantageInputs, std: bool, eps: float, unbiased: bool) -> torch.Tensor:
+    """Each defined reward normalised against its group's defined rewards of the same index k (the
+    k-th defined reward of each row); an index only one row reaches uses mean 0 and std 1."""
+    out = torch.zeros_like(x.rewards)
+    for g in x.group_index.unique():
+        rows = (x.group_index == g).nonzero().squeeze(1)
+        defined = x.reward_mask[rows] > 0
+        r = x.rewards[rows]
+        k = (defined.long().cumsum(dim=1) - 1).clamp(min=0)[defined]
+        values = r[defined]
+        count = torch.zeros(int(k.max()) + 1 if k.numel() else 0, dtype=r.dtype).index_add_(0, k, torch.ones_like(values))
+        mean = torch.zeros_like(count).index_add_(0, k, values) / count
+        squares = torch.zeros_like(count).index_add_(0, k, (values - mean[k]) ** 2)
+        spread = (squares / (count - 1 if unbiased else count).clamp(min=1)).sqrt()
+        many = count[k] > 1
+        centred = torch.where(many, values - mean[k], values)
+        normalised = torch.where(many, centred / (spread[k] + eps), centred) if std else centred
+        out[rows] = out[rows].masked_scatter(defined, normalised)
+    return out
+
+
 def grpo(x: AdvantageInputs, config: GRPO) -> tuple[torch.Tensor, torch.Tensor]:
     mode = "std" if config.std_normalize else "mean"
-    advantages = reward_to_go(_group_normalised(x, mode, config.eps, config.unbiased_std), x.mask, config.gamma)
+    if config.baseline == "position":
+        normalised = _position_normalised(x, config.std_normalize, config.eps, config.unbiased_std)
+    else:
+        normalised = _group_normalised(x, mode, config.eps, config.unbiased_std)
+    advantages = reward_to_go(normalised, x.mask, config.gamma)
     return advantages, reward_to_go(x.rewards, x.mask, config.gamma)
 
 
@@ -253,6 +284,25 @@ def compute_advantages(batch: Batch, config: AdvantageConfig) -> Batch:
                          f"{config.estimator!r} would count as samples; use advantage remax, or drop the option")
     batch.advantages, batch.returns = entry.fn(AdvantageInputs.of(batch), config)
     return batch
+
+
+def tied_group_fraction(batch: Batch) -> float | None:
+    """The share of groups (of at least two sampled trajectories) whose trajectories all got the same
+    rewards: zero reward variance across the group, no sample did better than another, so the group
+    carries no comparison to learn from (a group-relative estimator gives a sequence reward's group
+    zero advantage). With turn or token rewards: the same rewards, in the same order. Greedy
+    baseline rows are no samples and are left out. None: no such group."""
+    sampled = torch.ones(batch.size, dtype=torch.bool) if batch.baseline is None else batch.baseline == 0
+    tied = groups = 0
+    for g in batch.group_index[sampled].unique():
+        rows = ((batch.group_index == g) & sampled).nonzero().squeeze(1).tolist()
+        if len(rows) < 2:
+            continue
+        values = [batch.rewards[r][batch.reward_mask[r] > 0] for r in rows]
+        groups += 1
+        tied += all(v.shape == values[0].shape and bool(torch.allclose(v, values[0], rtol=0.0, atol=1e-6))
+                    for v in values[1:])
+    return tied / groups if groups else None
 
 
 TOKEN_REWARDS = frozenset({"token_rewards"})

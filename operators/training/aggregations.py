@@ -38,8 +38,9 @@ class SeqMeanTokenSum(AggregationConfig):
 
 
 class SeqMeanTokenSumNorm(AggregationConfig, kw_only=True):
-    """sum_{i,t} m l / norm_length: a constant instead of any count (Dr.GRPO, arXiv 2503.20783;
-    verl seq-mean-token-sum-norm with loss_scale_factor = norm_length)."""
+    """sum_{i,t} m l / (S norm_length): each sequence's token sum over a constant length instead of
+    its own (Dr.GRPO, arXiv 2503.20783; verl seq-mean-token-sum-norm with loss_scale_factor =
+    norm_length, which divides the sequences' mean token sum by it)."""
 
     norm_length: Annotated[float, Meta(gt=0)]  # the constant, e.g. the generation budget in tokens
 
@@ -62,7 +63,7 @@ def seq_mean_token_sum(per_token, mask, normaliser: Normaliser, config) -> torch
 
 
 def seq_mean_token_sum_norm(per_token, mask, normaliser: Normaliser, config: SeqMeanTokenSumNorm) -> torch.Tensor:
-    return masked(per_token, mask).sum() / config.norm_length
+    return masked(per_token, mask).sum() / max(normaliser.sequences, 1.0) / config.norm_length
 
 
 TOKEN_MEAN = Algorithm("token_mean", TokenMean, token_mean)

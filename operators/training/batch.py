@@ -48,6 +48,8 @@ TOKEN_FIELDS = (
     "top_p",
     "top_k",
     "behaviour_weights",
+    "top_ids",
+    "top_logprobs",
 )
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k")
 ROW_FIELDS = ("group_index", "lengths", "baseline")  # shaped (B,)
@@ -84,6 +86,11 @@ class Batch:
     # (B,) 1.0 on a group's greedy baseline row (generate `greedy_baseline: true`, for advantage
     # remax): its reward is the group's baseline and its loss mask is all zero.
     baseline: torch.Tensor | None = None
+    # The behaviour policy's K most likely tokens at each token and their logprobs (generate
+    # `sampling.top_logprobs`), (B, L-1, K) long / float; an entry not recorded has id 0 and logprob
+    # -inf (no mass), so a token without any record has all -inf. None unless a trajectory has them.
+    top_ids: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
     # Per row, the trajectory's images (list[ImageRef]; vision-language policies: training/vl_inputs.py).
     images: list | None = None
 
@@ -127,17 +134,27 @@ class Batch:
 
 class Normaliser(msgspec.Struct, frozen=True):
     """Global counts the loss divides by: loss tokens and sequences with at least one; and the loss
-    tokens that carry weight (behaviour weight > 0), which per-token metrics average over."""
+    tokens that carry weight (behaviour weight > 0), which per-token metrics average over, and the
+    sequences with at least one of those (a correction's `normalise: kept` divides by these two)."""
 
     tokens: float
     sequences: float
     weighted_tokens: float
+    weighted_sequences: float = 0.0
 
     @staticmethod
     def of(batch: Batch) -> Normaliser:
         per_row = batch.loss_mask.sum(dim=1)
+        weighted = weighted_mask(batch).sum(dim=1)
         return Normaliser(tokens=float(per_row.sum()), sequences=float((per_row > 0).sum()),
-                          weighted_tokens=float(weighted_mask(batch).sum()))
+                          weighted_tokens=float(weighted.sum()), weighted_sequences=float((weighted > 0).sum()))
+
+    def kept(self, sequences: bool = True) -> Normaliser:
+        """The counts over the tokens that carry weight alone (and the sequences that keep one, unless
+        `sequences` is false: then every sequence with a loss token still counts)."""
+        kept_rows = self.weighted_sequences if sequences else self.sequences
+        return Normaliser(tokens=self.weighted_tokens, sequences=kept_rows,
+                          weighted_tokens=self.weighted_tokens, weighted_sequences=self.weighted_sequences)
 
 
 def weighted_mask(batch: Batch) -> torch.Tensor:
@@ -236,6 +253,7 @@ def pack(trajectories: Sequence[Trajectory], require_reward: bool = True) -> Bat
     token = tensors  # loss_mask, behaviour_logprobs, rewards, reward_mask, and sampling fields if any
     baseline = [1.0 if t.metadata.get(GREEDY_BASELINE) else 0.0 for t in trajectories]
     return Batch(
+        **_top_fields(trajectories, width),
         baseline=torch.tensor(baseline) if any(baseline) else None,
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -247,6 +265,24 @@ def pack(trajectories: Sequence[Trajectory], require_reward: bool = True) -> Bat
         values=values, images=_images(trajectories),
         **token,
     )
+
+
+def _top_fields(trajectories: Sequence[Trajectory], width: int) -> dict[str, torch.Tensor]:
+    """`top_ids` / `top_logprobs` (B, width - 1, K) at the target-aligned response columns, K the
+    longest record; {} when no trajectory has any."""
+    if all(t.top_ids is None for t in trajectories):
+        return {}
+    k = max(len(ids) for t in trajectories if t.top_ids is not None for ids in t.top_ids)
+    ids = torch.zeros(len(trajectories), max(width - 1, 0), k, dtype=torch.long)
+    logprobs = torch.full(ids.shape, -math.inf)
+    for row, traj in enumerate(trajectories):
+        if traj.top_ids is None:
+            continue
+        p, n = len(traj.prompt_ids), len(traj.response_ids)
+        ids[row, p - 1 : p - 1 + n] = torch.tensor([i + [0] * (k - len(i)) for i in traj.top_ids], dtype=torch.long)
+        logprobs[row, p - 1 : p - 1 + n] = torch.tensor(
+            [lp + [-math.inf] * (k - len(lp)) for lp in traj.top_logprobs], dtype=torch.float32)
+    return {"top_ids": ids, "top_logprobs": logprobs}
 
 
 def _images(trajectories: Sequence[Trajectory]) -> list | None:

@@ -8,8 +8,9 @@ log w = proximal - behaviour per token (clamped to +-20 before exp, verl's safet
     geometric   w_i = exp(mean_t log w) per sequence, truncated or masked      (AReaL ratio / sequence)
     reject      1, or 0 where a divergence check fails                         (verl rollout_rs)
 
-The masked tokens still count in the aggregation's N and S (AReaL's convention: masking must not
-scale up the tokens that stay).
+By default the masked tokens still count in the aggregation's N and S (AReaL's convention: masking
+must not scale up the tokens that stay); `normalise: kept` hands the kept tokens alone to the loss
+and its aggregation (verl's: its rejection modifies the response mask every later step reads).
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ SAFETY_BOUND = 20.0
 Reduce = Callable[[list[float]], list[float]]
 Positive = Annotated[float, Meta(gt=0)]
 NonNegative = Annotated[float, Meta(ge=0)]
+# What the loss and its aggregation count once a correction masks tokens: "all" loss tokens (AReaL),
+# or the "kept" ones (verl: the rejection-modified response mask).
+Normalise = Literal["all", "kept"]
 Check = Literal["token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
                 "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3"]
 
@@ -37,11 +41,14 @@ class RejectCheck(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """One divergence check of verl's rollout_rs, with r = log(pi_proximal / pi_behaviour) clamped to
     +-20: k1 = -r, k2 = r^2 / 2, k3 = exp(r) - 1 - r, per token or their sum, mean or max over the
     sequence. k1 keeps log(floor) <= k1 <= log(threshold) (floor defaults to 1 / threshold); k2 and k3
-    keep values <= threshold."""
+    keep values <= threshold. `sign: areal` takes AReaL's rejection_sampling metrics kl_k1 / kl_k3
+    instead: r unclamped, k1 = r, k3 = exp(-r) - 1 + r (its KLEstimator of pi_proximal against
+    pi_behaviour); AReaL's kl_k1 bounds [lower, upper] are floor = e^lower, threshold = e^upper."""
 
     check: Check
     threshold: Positive
     floor: Positive | None = None  # k1 checks only
+    sign: Literal["verl", "areal"] = "verl"  # whose sign of r the k1 / k3 statistics take
 
 
 class TIS(CorrectionConfig):
@@ -55,6 +62,7 @@ class TIS(CorrectionConfig):
     threshold: Positive = 2.0
     batch_normalize: bool = False  # weights / their batch mean, so that they average 1
     reject: list[RejectCheck] = []  # also mask tokens (or sequences) that fail any of these checks
+    normalise: Normalise = "all"  # kept: the loss and aggregation count only the tokens kept (verl)
 
 
 class MIS(CorrectionConfig):
@@ -64,6 +72,7 @@ class MIS(CorrectionConfig):
     level: Literal["token", "sequence"] = "token"
     threshold: Positive = 2.0
     floor: NonNegative = 0.0  # weights below it are masked too
+    normalise: Normalise = "all"  # kept: the loss and aggregation count only the tokens kept (verl)
 
     def __post_init__(self) -> None:
         if self.floor >= self.threshold:
@@ -78,6 +87,7 @@ class Geometric(CorrectionConfig):
     action: Literal["truncate", "mask"] = "truncate"
     threshold: Positive = 2.0
     floor: NonNegative = 0.0
+    normalise: Normalise = "all"  # kept: the loss and aggregation count only the tokens kept (verl)
 
     def __post_init__(self) -> None:
         if self.floor >= self.threshold:
@@ -89,6 +99,7 @@ class Reject(CorrectionConfig, kw_only=True):
     rollout_rs with rollout_is off; several checks combine as verl's comma-separated list)."""
 
     checks: list[RejectCheck]
+    normalise: Normalise = "all"  # kept: the loss and aggregation count only the tokens kept (verl)
 
 
 def _log_w(proximal: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -106,15 +117,21 @@ def _weights(proximal, behaviour, mask, level: str) -> torch.Tensor:
     return torch.exp(log_w.clamp(-SAFETY_BOUND, SAFETY_BOUND)) * mask
 
 
+def _statistics(log_w: torch.Tensor, sign: str) -> dict[str, torch.Tensor]:
+    if sign == "areal":  # AReaL: k of pi_proximal against pi_behaviour, r unclamped
+        return {"k1": log_w, "k2": 0.5 * log_w * log_w, "k3": torch.exp(-log_w) - 1 + log_w}
+    r = log_w.clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    return {"k1": -r, "k2": 0.5 * r * r, "k3": torch.exp(r) - 1 - r}
+
+
 def keep_mask(proximal, behaviour, mask, checks: list[RejectCheck]) -> torch.Tensor:
     """1.0 where every check passes (per token, or for the whole sequence), else 0."""
-    r = _log_w(proximal, behaviour, mask).clamp(-SAFETY_BOUND, SAFETY_BOUND)
-    stats = {"k1": -r, "k2": 0.5 * r * r, "k3": torch.exp(r) - 1 - r}
+    log_w = _log_w(proximal, behaviour, mask)
     on = mask > 0
     keep = torch.ones_like(mask, dtype=torch.bool)
     for check in checks:
         level, estimator = check.check.rsplit("_", 1)
-        value = torch.where(on, stats[estimator], 0.0)
+        value = torch.where(on, _statistics(log_w, check.sign)[estimator], 0.0)
         if level == "seq_sum":
             value = value.sum(dim=1, keepdim=True)
         elif level == "seq_mean":

@@ -1,6 +1,7 @@
 """The policy's forward on packed rows, and the LM head and logprob kernel on the loss tokens only.
 
     output = loss_token_logprobs(model, mb)   # {"logprobs": (B, T), "entropy": (B, T)}
+                                              # + "top_logprobs": (B, T, K) when mb.top_ids is set
 
 A causal LM ends with `logits = lm_head(hidden)` over every position of every padded row: with
 ~60-token prompts, ~50-token responses and right padding, most of those positions are prompt or
@@ -181,7 +182,28 @@ def loss_token_logprobs(model: torch.nn.Module, mb, autocast=None, pack: bool | 
         raise RuntimeError(f"the model returned logits shaped {tuple(logits.shape)} for {len(rows)} kept positions")
     targets = mb.input_ids[rows, cols + 1]
     logprobs, entropy = token_logprobs(logits, targets, **mb.sampling_inputs(rows, cols))
-    return {"logprobs": spread(logprobs, keep, rows, cols), "entropy": spread(entropy, keep, rows, cols)}
+    out = {"logprobs": spread(logprobs, keep, rows, cols), "entropy": spread(entropy, keep, rows, cols)}
+    if mb.top_ids is not None:
+        temperature = mb.temperature[rows, cols] if mb.temperature is not None else None
+        top = gathered_logprobs(logits, mb.top_ids[rows, cols], temperature)
+        out["top_logprobs"] = torch.zeros((*keep.shape, top.shape[1]), device=top.device).index_put((rows, cols), top)
+    return out
+
+
+@torch.no_grad()
+def gathered_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: torch.Tensor | None,
+                      chunk: int = 128) -> torch.Tensor:
+    """(N, K) logprobs of `ids` under log_softmax(logits / temperature) over the whole vocabulary, as
+    the engine records the behaviour policy's top tokens (engine/sampling.py `top_logprobs`); fp32,
+    `chunk` rows at a time (128 x a 152k vocabulary: 78 MB), without gradient (a top-K divergence only decides which tokens a DPPO
+    loss keeps)."""
+    out = torch.empty(ids.shape, dtype=torch.float32, device=logits.device)
+    for start in range(0, logits.shape[0], chunk):
+        z = logits[start : start + chunk].detach().float()
+        if temperature is not None:
+            z = z / temperature[start : start + chunk, None]
+        out[start : start + chunk] = z.gather(1, ids[start : start + chunk]) - torch.logsumexp(z, dim=1, keepdim=True)
+    return out
 
 
 def shares_prefixes(model: torch.nn.Module) -> bool:

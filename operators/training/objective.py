@@ -76,6 +76,11 @@ def needs_reference(loss: LossConfig) -> bool:
     return kl_config(loss).coef > 0
 
 
+def needs_top_logprobs(loss: LossConfig) -> bool:
+    """Whether the loss reads the behaviour policy's top-K tokens (generate sampling.top_logprobs)."""
+    return "top_logprobs" in LOSSES.of(loss).needs
+
+
 def needs_values(advantage: AdvantageConfig) -> bool:
     """Whether the estimator needs critic values (a critic node before the trainer)."""
     return "values" in ADVANTAGES.of(advantage).needs

@@ -14,7 +14,8 @@ YAML names an entry with the concept's key and writes the entry's keys alongside
     advantage: {estimator: grpo, unbiased_std: false}
 
 The function of each concept is called as (tensors (B, T), target-aligned, see batch.py):
-    losses        fn(logprobs, old, advantages, mask, config) -> (per-token loss, clipped 0/1)
+    losses        fn(logprobs, old, advantages, mask, config) -> (per-token loss, clipped 0/1);
+                  an entry that needs "top_logprobs" is also given top=TopLogprobs (losses/dppo.py)
     advantages    fn(AdvantageInputs, config) -> (advantages, returns)
     kl            fn(logprobs, reference, config) -> per-token estimate
     corrections   fn(proximal, behaviour, mask, config, reduce) -> per-token weight, 0 = masked
@@ -50,7 +51,8 @@ class Algorithm:
     name: str
     config: type[msgspec.Struct]  # its YAML keys: a subclass of the concept's config class
     fn: Callable[..., Any]  # the computation, called as its registry documents
-    # What it reads beyond the basics: losses "advantages" (every RL loss); advantages "values"
+    # What it reads beyond the basics: losses "advantages" (every RL loss), "top_logprobs" (the
+    # behaviour policy's top-K tokens: generate sampling.top_logprobs); advantages "values"
     # (a critic), "baseline" (greedy baseline rows), "token_rewards" (every token's reward, so a
     # KL penalty in the reward reaches it).
     needs: frozenset[str] = field(default_factory=frozenset)

@@ -248,8 +248,10 @@ class Trainer:
         if not self.trainable:
             raise RuntimeError("this model is frozen (a Reference); it has no backward pass")
         counts = Normaliser.of(batch)
-        tokens, sequences, weighted = self._all_reduce([counts.tokens, counts.sequences, counts.weighted_tokens])
-        normaliser = Normaliser(tokens=tokens, sequences=sequences, weighted_tokens=weighted)
+        tokens, sequences, weighted, weighted_rows = self._all_reduce(
+            [counts.tokens, counts.sequences, counts.weighted_tokens, counts.weighted_sequences])
+        normaliser = Normaliser(tokens=tokens, sequences=sequences, weighted_tokens=weighted,
+                                weighted_sequences=weighted_rows)
         rows, count = self._plan(batch)
         metrics: dict[str, float] = defaultdict(float)
         peaks: dict[str, float] = defaultdict(lambda: -math.inf)
@@ -314,6 +316,7 @@ class Trainer:
         for k in range(count):
             real = k < len(rows)
             mb = batch.select(rows[k]) if real else _placeholder(batch)
+            mb.top_ids = mb.top_logprobs = None  # a top-K loss reads the current policy's, in its own forward
             values = self._forward(mb)[key].float().cpu()
             if real:  # a micro-batch's rows need not be consecutive
                 out[torch.as_tensor(rows[k])[:, None], torch.arange(values.shape[1])] = torch.where(
@@ -407,8 +410,8 @@ def _placeholder(batch: Batch) -> Batch:
             fields[name] = torch.full((1,), 2, dtype=value.dtype)
         elif name in SAMPLING_DEFAULTS:
             fields[name] = torch.full((1, 1), SAMPLING_DEFAULTS[name], dtype=value.dtype)
-        elif name in TOKEN_FIELDS:
-            fields[name] = torch.zeros(1, 1, dtype=value.dtype)
+        elif name in TOKEN_FIELDS:  # top_ids / top_logprobs keep their K
+            fields[name] = torch.zeros(1, 1, *value.shape[2:], dtype=value.dtype)
         else:
             fields[name] = torch.zeros(1, 2, dtype=value.dtype)
     fields["attention_mask"] = torch.ones(1, 2, dtype=torch.long)

@@ -71,6 +71,8 @@ async def generate_complete(engine: InferenceEngine, request_id: str, input_ids:
         merged.output_ids += result.output_ids
         merged.logprobs += result.logprobs
         merged.versions += result.versions
+        merged.top_ids += result.top_ids
+        merged.top_logprobs += result.top_logprobs
         merged.finish_reason, merged.error = result.finish_reason, result.error
         if result.error or result.finish_reason != "abort":
             return merged
@@ -268,6 +270,10 @@ class TrajectoryBuilder:
         self.loss_mask: list[int] = []
         self.logprobs: list[float] = []
         self.versions: list[int] = []
+        # Per response token, the behaviour policy's top tokens and logprobs (sampling.top_logprobs);
+        # [] where none were recorded (environment tokens).
+        self.top_ids: list[list[int]] = []
+        self.top_logprobs: list[list[float]] = []
         self.turns: list[Turn] = []
         self.sampling: list[SamplingSpan] = []
         self.turn_rewards: list[float] = []
@@ -285,6 +291,9 @@ class TrajectoryBuilder:
         self.loss_mask += [1] * len(result.output_ids)
         self.logprobs += result.logprobs
         self.versions += result.versions
+        recorded = len(result.top_ids) == len(result.output_ids)
+        self.top_ids += result.top_ids if recorded else [[] for _ in result.output_ids]
+        self.top_logprobs += result.top_logprobs if recorded else [[] for _ in result.output_ids]
         self.turns.append(Turn(start, len(self.response_ids)))
         self.finish_reason = result.finish_reason
         if result.sampling is not None:
@@ -309,6 +318,8 @@ class TrajectoryBuilder:
         self.logprobs += [0.0] * len(ids)
         # Not trained on; stamped with the serving version so every token has one.
         self.versions += [version] * len(ids)
+        self.top_ids += [[] for _ in ids]
+        self.top_logprobs += [[] for _ in ids]
 
     def build(self, reward: float | None = None, metadata: dict[str, Any] | None = None,
               turn_rewards: list[float] | None = None) -> Trajectory:
@@ -319,6 +330,8 @@ class TrajectoryBuilder:
             turns=self.turns, sampling=self.sampling, reward=reward, turn_rewards=rewards,
             finish_reason=self.finish_reason, images=list(self.images),
             metadata=dict(metadata or {}),
+            top_ids=self.top_ids if any(self.top_ids) else None,
+            top_logprobs=self.top_logprobs if any(self.top_ids) else None,
         )
         trajectory.validate()
         return trajectory

@@ -21,6 +21,10 @@ behaviour weight w = exp(prox - behav) per token, or exp(sum_t m (prox - behav))
     correction: {kind: mis}     w if floor <= w <= threshold else 0  (masked importance sampling)
     any other registered correction (geometric, reject, ...; see corrections.py)
 `set_behaviour_weights(batch, config)` stores w on the batch once the proximal logprobs are known.
+A loss whose config says `weighting = "geometric"` (geo_mean) gets one weight per sequence instead,
+the geometric mean of its tokens' weights. A correction with `normalise: kept` hands the loss and
+its aggregation the kept tokens (w > 0) as the mask, with the counts N and S over them (verl's
+rejection); by default masked tokens still count (AReaL's).
 
 KL to the reference: `apply_as: loss` adds coef * aggregate(k) to the loss; `apply_as: reward`
 subtracts coef * k (of the behaviour logprobs) from the token rewards before the advantages
@@ -57,6 +61,7 @@ from msgspec import Meta
 
 from flowrl_operators.config import KLConfig, LossConfig
 from flowrl_operators.training.batch import Batch, Normaliser, weighted_mask
+from flowrl_operators.training.losses.dppo import TopLogprobs
 from flowrl_operators.training.losses.ppo import ClipConfig
 from flowrl_operators.training.objective import (
     aggregation_config,
@@ -113,6 +118,14 @@ def set_behaviour_weights(batch: Batch, config: LossConfig, reduce: Callable = _
     return batch
 
 
+def geometric_mean(weight: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Each sequence's geometric mean of its tokens' weights, on each of its tokens (verl geo_mean's
+    sequence IS weight, with its eps: exp(sum_t m log(w + 1e-10) / (n_i + 1e-8)))."""
+    log_w = torch.where(mask > 0, torch.log(weight + 1e-10), 0.0)
+    mean = log_w.sum(dim=1, keepdim=True) / (mask.sum(dim=1, keepdim=True) + 1e-8)
+    return torch.exp(mean).expand_as(weight) * mask
+
+
 def token_metrics(
     output: dict[str, torch.Tensor], batch: Batch, normaliser: Normaliser, clipped: torch.Tensor, config: LossConfig
 ) -> dict[str, float]:
@@ -138,32 +151,49 @@ def token_metrics(
     return metrics
 
 
+def top_logprobs(output: dict[str, torch.Tensor], batch: Batch) -> TopLogprobs | None:
+    """The current and the behaviour policy's logprobs of the behaviour policy's top-K tokens, or
+    None when the batch has none (the loss says what to set)."""
+    if batch.top_logprobs is None or "top_logprobs" not in output:
+        return None
+    return TopLogprobs(current=output["top_logprobs"], behaviour=batch.top_logprobs)
+
+
 def policy_loss(config: LossConfig) -> LossFn:
     """The per-micro-batch loss. `output` holds `logprobs` and `entropy`, both (B, T)."""
     config = loss_config(config)
     loss_per_token = LOSSES.of(config).fn
+    reads_top = "top_logprobs" in LOSSES.of(config).needs
     aggregation, kl = aggregation_config(config), kl_config(config)
     aggregate = AGGREGATIONS.of(aggregation).fn
+
+    correction = correction_config(config) if needs_proximal(config) else None
+    kept_only = getattr(correction, "normalise", "all") == "kept"
+    geometric = getattr(config, "weighting", "token") == "geometric"
+    count_rejected = getattr(config, "counts_rejected_sequences", False)
 
     def fn(output: dict[str, torch.Tensor], batch: Batch, normaliser: Normaliser):
         logprobs, mask = output["logprobs"], batch.loss_mask
         if batch.advantages is None and not config.supervised:
             raise ValueError("the batch has no advantages: call compute_advantages first")
-        old, weight = batch.behaviour_logprobs, None
+        old, weight, counts = batch.behaviour_logprobs, None, normaliser  # counts: every loss token
         if needs_proximal(config):
             if batch.proximal_logprobs is None or batch.behaviour_weights is None:
                 raise ValueError(f"loss {config.kind!r} needs proximal logprobs and behaviour weights: call "
                                  "Trainer.compute_logprobs, then set_behaviour_weights")
             old, weight = batch.proximal_logprobs, batch.behaviour_weights
-        per_token, clipped = loss_per_token(logprobs, old, batch.advantages, mask, config)
+            if kept_only:  # verl: the rejection-modified mask is the loss mask from here on
+                mask, normaliser = weighted_mask(batch), normaliser.kept(sequences=not count_rejected)
+        extra = {"top": top_logprobs(output, batch)} if reads_top else {}
+        per_token, clipped = loss_per_token(logprobs, old, batch.advantages, mask, config, **extra)
         if weight is not None:
-            per_token = per_token * weight
+            per_token = per_token * (geometric_mean(weight, mask) if geometric else weight)
 
         def agg(x):
             return aggregate(x, mask, normaliser, aggregation)
 
         loss = agg(per_token)
-        metrics = {"policy_loss": loss.item()} | token_metrics(output, batch, normaliser, clipped, config)
+        metrics = {"policy_loss": loss.item()} | token_metrics(output, batch, counts, clipped, config)
         if kl.apply_as == "loss" and kl.coef > 0:
             if batch.reference_logprobs is None:
                 raise ValueError("kl in loss needs reference logprobs: add a reference node before the trainer")

@@ -6,7 +6,7 @@ Each returns (per-token loss, 1.0 where the objective was clipped).
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar, Literal
 
 import torch
 from msgspec import Meta
@@ -45,12 +45,17 @@ class GSPO(ClipConfig):
 
 class SAPO(LossConfig):
     """Soft gate instead of a clip: l = -A f(r), f(r) = sigmoid(tau (r - 1)) 4 / tau, tau = tau_pos
-    where A > 0 else tau_neg (SAPO, arXiv 2511.20347; verl sapo with its +-20 log-ratio clamp, which
-    aggregates seq_mean_token_mean; AReaL sapo_loss_fn token-mean without the clamp)."""
+    where A > 0 else tau_neg. level sequence: r is the sequence's geometric-mean ratio
+    s_i = exp(sum_t m (logp - old) / max(n_i, 1)) (gradient through every token's logprob) and A the
+    sequence's mean advantage, on each of its tokens (SAPO, arXiv 2511.20347; token: verl sapo with
+    its +-20 log-ratio clamp, which aggregates seq_mean_token_mean, and AReaL sapo_loss_fn
+    token-mean without the clamp; sequence: AReaL sapo_loss_fn importance_sampling_level sequence)."""
 
     tau_pos: Bound = 1.0
     tau_neg: Bound = 1.05
-    max_log_ratio: Bound | None = 20.0  # log(ratio) clamped to +-this before exp; None: no clamp
+    level: Literal["token", "sequence"] = "token"
+    # log(ratio) clamped to +-this before exp (token: each log ratio; sequence: the mean); None: no clamp
+    max_log_ratio: Bound | None = 20.0
 
 
 class CISPO(ClipConfig):
@@ -62,12 +67,21 @@ class GMPO(ClipConfig):
     """Geometric-mean policy optimisation: per sequence, with d_t = logp - old clipped in log space
     (clip_low / clip_high bound d_t itself here, as verl's geo_mean; GMPO's paper uses 0.4),
     d'_t = sgn(A) min(sgn(A) d_t, sgn(A) clamp(d_t, -clip_low, clip_high)),
-    R_i = exp(sum_t m d'_t / n_i) and A_i the mean of A over the sequence: l_i = -A_i R_i, placed on
-    each token of the sequence; with the default seq_mean_token_mean the loss is mean_i l_i
-    (GMPO, arXiv 2507.20673; verl geo_mean, which applies no log-ratio clamp)."""
+    R_i = exp(sum_t m d'_t / (n_i + 1e-8)) and A_i the mean of A over the sequence: l_i = -A_i R_i,
+    placed on each token of the sequence; with the default seq_mean_token_mean the loss is mean_i l_i.
+    A behaviour weight w_t (correction / decoupled) scales l_i by the geometric mean of the
+    sequence's weights, exp(sum_t m log(w_t + 1e-10) / (n_i + 1e-8)); a sequence a correction
+    rejects whole counts in the mean as 0 (GMPO, arXiv 2507.20673; verl geo_mean, which applies no
+    log-ratio clamp)."""
 
     aggregation: str | dict[str, Any] = "seq_mean_token_mean"
     max_log_ratio: Bound | None = None
+    # How a per-token behaviour weight enters the loss: "geometric" = one weight per sequence, the
+    # geometric mean of its tokens' weights (read by policy_loss; other losses: per token).
+    weighting: ClassVar[str] = "geometric"
+    # A sequence a correction rejects whole still counts in the mean over sequences (verl's geo_mean
+    # takes torch.mean over every row), also under `normalise: kept` (read by policy_loss).
+    counts_rejected_sequences: ClassVar[bool] = True
 
 
 class SFT(LossConfig):
@@ -109,8 +123,20 @@ def gspo(logprobs, old, advantages, mask, config: GSPO):
     return clipped_objective(torch.exp(log_s), advantages, config)
 
 
+def sequence_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Each row's mean of x over its loss tokens (count clamped to 1), on every column."""
+    on = mask > 0
+    return (torch.where(on, x, 0.0).sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1)).expand_as(x)
+
+
 def sapo(logprobs, old, advantages, mask, config: SAPO):
-    ratio = torch.exp(log_ratio(logprobs, old, config.max_log_ratio))
+    if config.level == "sequence":
+        log_s = sequence_mean(logprobs - old, mask)
+        if config.max_log_ratio is not None:
+            log_s = log_s.clamp(-config.max_log_ratio, config.max_log_ratio)
+        ratio, advantages = torch.exp(log_s), sequence_mean(advantages, mask)
+    else:
+        ratio = torch.exp(log_ratio(logprobs, old, config.max_log_ratio))
     tau = torch.where(advantages > 0, config.tau_pos, config.tau_neg)
     gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
     return -gate * advantages, torch.zeros_like(logprobs)

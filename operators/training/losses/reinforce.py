@@ -5,7 +5,7 @@ correction). Each returns (per-token loss, 1.0 where a weight was truncated).
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 import torch
 from msgspec import Meta
@@ -29,10 +29,17 @@ class ReinforceBypass(LossConfig):
     """REINFORCE with the behaviour ratio taken from the current policy, without a proximal pass:
     l = -sg(w) A logp, w = min(exp(clamp(sg(logp) - old, +-20)), threshold) per token, or per sequence
     with the sum of the sequence's log ratios (verl bypass_mode with loss_type reinforce and
-    rollout_is token / sequence)."""
+    rollout_is token / sequence). With a correction (e.g. tis with reject checks and normalise:
+    kept, for verl's rollout_rs), a no-grad pass before every epoch computes the current policy's
+    logprobs as the proximal ones: w is then 1 and the correction's weights and rejection, from the
+    current policy, apply, the kept tokens counted before the forward pass."""
 
     level: Literal["token", "sequence"] = "token"
     threshold: Annotated[float, Meta(gt=0)] = 2.0
+
+    # The proximal pass runs before every epoch (not once per step): bypass mode's weights are
+    # always the current policy's (operators/train.py).
+    proximal_each_epoch: ClassVar[bool] = True
 
 
 def reinforce(logprobs, old, advantages, mask, config: LossConfig):
