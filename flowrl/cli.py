@@ -129,6 +129,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from flowrl import launch
     from flowrl.runtime import StageFailed
     from flowrl.runtime.checkpoints import DiskSpaceError
+    from flowrl.runtime.ray_local import ClusterError
     from flowrl.runtime.ray_placement import PlacementError
 
     progress = not args.quiet
@@ -150,7 +151,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise UserError("give a pipeline file, or --resume RUN_DIR")
     except StageFailed as e:  # the message names the node and carries its own error
         raise UserError(f"the run failed: {e}") from e
-    except (FileExistsError, FileNotFoundError, DiskSpaceError, PlacementError) as e:  # the run directory; the cluster
+    except (FileExistsError, FileNotFoundError, DiskSpaceError, PlacementError, ClusterError) as e:  # run dir; cluster
         raise UserError(str(e)) from e
     for result in results:
         lost = result.lost()

@@ -321,3 +321,53 @@ def test_a_hung_or_invalid_eval_reward_fails_the_evaluation_off_the_loop(reward,
     assert failure is not None and error in str(failure)
     if reward.endswith("hangs"):
         assert BEATS[0] - HUNG_AT[0] > 20  # the loop kept running while the reward hung (0.5 s)
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # closed again on return: nothing listens there
+
+
+@pytest.mark.parametrize("how", ["key", "env", "auto"])
+def test_a_ray_address_where_no_cluster_is_a_message_within_seconds(tmp_path, how):
+    """A real address with nothing behind it (a closed loopback port; "auto" with no cluster on this
+    machine). Before: no flowrl message, SIGTERM unheard, Ray retried for minutes (killed at 320 s);
+    "auto" was reported as a flowrl bug."""
+    spec = SPEC.replace("executor: inprocess", "executor: ray").replace(
+        "fn: test_hangs:hangs_once, timeout_s: 0.5", "fn: builtin:reverse_digits")
+    address = "auto" if how == "auto" else f"127.0.0.1:{_closed_port()}"
+    overrides = [] if how == "env" else [f"run.ray_address={address}"]
+    env = {**os.environ, "RAY_TMPDIR": str(tmp_path / "ray")}  # "auto" finds no other test's cluster
+    if how == "env":
+        env["RAY_ADDRESS"] = address
+    path = tmp_path / "spec.yaml"
+    path.write_text(spec)
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "flowrl.cli", "run", str(path), *overrides, "--run-dir",
+                           str(tmp_path / "run"), "--quiet"], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 1, done.stderr
+    where = "RAY_ADDRESS" if how == "env" else "run.ray_address"
+    assert done.stderr.startswith(f"flowrl run: {where}: "), done.stderr
+    assert ("no Ray cluster answers at" if how != "auto" else "cannot attach") in done.stderr
+    assert "ray start --head" in done.stderr and "Traceback" not in done.stderr and "flowrl bug" not in done.stderr
+    assert time.monotonic() - started < 60
+
+
+def test_an_unreachable_weight_update_rendezvous_fails_in_its_connect_timeout_not_the_transfers():
+    """Before: joining a broadcast group at an address where nothing answers waited the whole transfer
+    timeout (600 s). Now the connection has its own, short one; a real closed port, both joins."""
+    from flowrl_operators.engine.transfer import weight_update_group
+    from flowrl_operators.transport.broadcast import BroadcastGroup, connect
+
+    port = _closed_port()
+    started = time.monotonic()
+    with pytest.raises(ConnectionError, match=f"rendezvous at 127.0.0.1:{port} did not answer within 1 s"):
+        weight_update_group("127.0.0.1", port, 1, 2, "g", timeout_s=600, connect_timeout_s=1)
+    assert time.monotonic() - started < 10
+    started = time.monotonic()
+    with pytest.raises(ConnectionError, match=f"rendezvous at 127.0.0.1:{port} did not answer within 1 s"):
+        connect(BroadcastGroup("127.0.0.1", port, 2, "g", "gloo", timeout_s=1), 1)
+    assert time.monotonic() - started < 10

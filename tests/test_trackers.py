@@ -15,6 +15,7 @@ import signal
 import struct
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, ClassVar
@@ -66,6 +67,18 @@ class Recorder:
 class Broken(Recorder):
     def log(self, rows: list[dict[str, Any]], samples: list[dict[str, Any]]) -> None:
         raise ConnectionError("the tracking server went away")
+
+
+class Hangs(Recorder):
+    """A tracker whose log() never returns (a tracking server that accepts and never answers)."""
+
+    def log(self, rows: list[dict[str, Any]], samples: list[dict[str, Any]]) -> None:
+        threading.Event().wait()
+
+
+class Exits(Recorder):
+    def log(self, rows: list[dict[str, Any]], samples: list[dict[str, Any]]) -> None:
+        raise SystemExit(3)
 
 
 class Absent(Recorder):
@@ -318,6 +331,12 @@ def test_tracker_mistakes_are_located_validation_errors(trackers: str, where: st
     assert f" {where}: " in err and words in err and "Traceback" not in err
 
 
+def test_a_tracker_timeout_that_is_not_positive_is_a_located_validation_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["validate", str(BASE), "run.tracker_timeout_s=0"]) == 1
+    err = capsys.readouterr().err
+    assert " run.tracker_timeout_s: " in err and "Traceback" not in err
+
+
 def test_a_missing_tracker_package_says_what_to_install(monkeypatch: pytest.MonkeyPatch,
                                                         capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setitem(sys.modules, "mlflow", None)  # how importlib sees a package that is not installed
@@ -326,3 +345,85 @@ def test_a_missing_tracker_package_says_what_to_install(monkeypatch: pytest.Monk
     assert "run.trackers[1]: tracker 'mlflow' needs mlflow, which is not installed: pip install mlflow " \
            "(or pip install 'flowrl[trackers]')" in err
     assert main(["validate", str(BASE), "run.samples_per_step=2"]) == 0
+
+
+def test_a_tracker_that_hangs_or_exits_is_dropped_after_its_timeout_and_the_run_finishes(tmp_path: Path) -> None:
+    """Before: a log() that never returned blocked the run's flush forever (SIGTERM unheard: the loop
+    was blocked), and a tracker's SystemExit ended the run with exit 3 and no checkpoint."""
+    plan = toy(tracker_timeout_s=1.0)
+    plan.run["trackers"] = ["test_trackers:Hangs", "test_trackers:Exits", "test_trackers:Recorder"]
+    started = time.monotonic()
+    with pytest.warns(UserWarning) as warned:
+        assert run(plan, tmp_path / "run", progress=False).status == "done"
+    assert time.monotonic() - started < 60
+    said = [str(w.message) for w in warned]
+    assert any("'test_trackers:Hangs' failed and is dropped" in m and "did not return within 1 s" in m for m in said)
+    assert any("'test_trackers:Exits' failed and is dropped" in m and "SystemExit: 3" in m for m in said)
+    recorded = lines(tmp_path / "run/recorder.jsonl")
+    assert [r["step"] for e in recorded if "rows" in e for r in e["rows"]] == [0, 1, 2, 3]
+    assert (tmp_path / "run/checkpoints/latest").exists()
+
+
+def test_mlflow_at_a_dead_server_is_dropped_after_the_timeout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real unreachable tracking server (a loopback port nobody listens on): MLflow's client retries
+    for minutes; the run drops the tracker after run.tracker_timeout_s and goes on."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{port}")
+    plan = toy(steps=2, tracker_timeout_s=2.0)
+    plan.run["trackers"] = ["mlflow", "test_trackers:Recorder"]
+    started = time.monotonic()
+    with pytest.warns(UserWarning, match="tracker 'mlflow' failed and is dropped.*did not return within 2 s"):
+        assert run(plan, tmp_path / "run", progress=False).status == "done"
+    assert time.monotonic() - started < 40
+    assert [r["step"] for e in lines(tmp_path / "run/recorder.jsonl") if "rows" in e for r in e["rows"]] == [0, 1]
+
+
+HUNG = """
+import sys
+sys.path.insert(0, {tests!r})
+import test_trackers
+from flowrl.runtime.run import run
+plan = test_trackers.toy(steps=3, tracker_timeout_s=1.0)
+plan.run["trackers"] = ["test_trackers:Hangs"]
+print(run(plan, {run_dir!r}, progress=False).status)
+"""
+
+
+def test_a_process_with_a_hung_tracker_thread_exits_when_its_run_ends(tmp_path: Path) -> None:
+    script = HUNG.format(tests=str(Path(__file__).parent), run_dir=str(tmp_path / "run"))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "done", done.stderr[-2000:]
+    assert "did not return within 1 s" in done.stderr
+
+
+DEAD_WANDB = """
+import sys
+sys.path.insert(0, {tests!r})
+import test_trackers
+from flowrl.runtime.run import run
+plan = test_trackers.toy(steps=2, tracker_timeout_s=2.0)
+plan.run["trackers"] = ["wandb", "test_trackers:Recorder"]
+print(run(plan, {run_dir!r}, progress=False).status, flush=True)
+"""
+
+
+def test_wandb_online_at_a_dead_server_is_dropped_and_the_process_exits(tmp_path: Path) -> None:
+    """wandb online at a real closed port: wandb.init waits 90 s by default, and its threads kept the
+    finished process from exiting as long; init_timeout is the run's tracker timeout now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "WANDB_MODE": "online", "WANDB_API_KEY": "x" * 40, "WANDB_BASE_URL": f"http://127.0.0.1:{port}"}
+    script = DEAD_WANDB.format(tests=str(Path(__file__).parent), run_dir=str(tmp_path / "run"))
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=200)
+    assert done.returncode == 0 and done.stdout.strip() == "done", done.stderr[-2000:]
+    assert "tracker 'wandb' failed and is dropped" in done.stderr
+    assert time.monotonic() - started < 40
+    assert [r["step"] for e in lines(tmp_path / "run/recorder.jsonl") if "rows" in e for r in e["rows"]] == [0, 1]

@@ -21,6 +21,7 @@ import io
 import os
 import tempfile
 import threading
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Union
 
@@ -43,16 +44,35 @@ class ImageRef(msgspec.Struct, frozen=True, array_like=True):
 def _as_rgb(image: ImageInput) -> PILImage.Image:
     from PIL import Image
 
-    if isinstance(image, bytes):
-        image = Image.open(io.BytesIO(image))
-    elif isinstance(image, (str, os.PathLike)):
-        text = str(image)
-        if text.startswith("data:"):
-            return _as_rgb(decode_data_url(text))
-        image = Image.open(text)
+    with warnings.catch_warnings():  # PIL's bomb warning at open: check_pixels below refuses with a message
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        if isinstance(image, bytes):
+            image = Image.open(io.BytesIO(image))
+        elif isinstance(image, (str, os.PathLike)):
+            text = str(image)
+            if text.startswith("data:"):
+                return _as_rgb(decode_data_url(text))
+            image = Image.open(text)
     if not isinstance(image, Image.Image):
         raise TypeError(f"an image must be bytes, a path, a data URL or a PIL image, not {type(image).__name__}")
-    return image.convert("RGB")
+    check_pixels(image.width, image.height)  # from the header, before the pixels are decoded
+    try:
+        return image.convert("RGB")
+    except Image.DecompressionBombError as e:
+        raise ValueError(str(e)) from None
+
+
+# The most pixels an image may have (6000 x 6000; its RGB is 3 bytes a pixel, 108 MB). Checked from
+# the file's header before decoding: a 165 KB PNG may declare 12000 x 12000 pixels (432 MB decoded).
+# Vision models scale images down to far fewer pixels (Qwen2-VL: 12.8 M at most) anyway.
+MAX_PIXELS = 6000 * 6000
+
+
+def check_pixels(width: int, height: int) -> None:
+    """A ValueError for an image over MAX_PIXELS."""
+    if width * height > MAX_PIXELS:
+        raise ValueError(f"the image is {width}x{height} pixels, over the limit of {MAX_PIXELS} pixels "
+                         f"(6000x6000); scale it down")
 
 
 def _digest(image: PILImage.Image) -> str:

@@ -33,6 +33,7 @@ from flowrl.graph.plan import Plan
 from flowrl.health import Health
 from flowrl.operator import POLICY, WEIGHTS
 from flowrl.runtime.streams import TraceFile, append_lines
+from flowrl.runtime.tracking import TIMEOUT_S as TRACKER_TIMEOUT_S
 from flowrl.runtime.tracking import Tracking, sample_rows
 
 DEFAULT_TRACKERS = ["tensorboard"]  # run.trackers
@@ -80,7 +81,8 @@ class Observer:
         self.tracking: Tracking | None = None
         if run_dir is not None:
             config = msgspec.json.decode(plan.record())  # environment values redacted
-            self.tracking = Tracking(plan.run.get("trackers", DEFAULT_TRACKERS), run_dir, plan.name, origin, config)
+            self.tracking = Tracking(plan.run.get("trackers", DEFAULT_TRACKERS), run_dir, plan.name, origin, config,
+                                     float(plan.run.get("tracker_timeout_s", TRACKER_TIMEOUT_S)))
 
     def runtime(self, name: str, start: float, **args: Any) -> None:
         """A span of the run's own work (a checkpoint, a flush) from `start` until now."""

@@ -14,14 +14,18 @@ before a tracker's own files hold what it was sent (wandb: within 0.5 s) loses t
 tracker whose files are cut back with the streams (`rewound = True`: TensorBoard's event files,
 flowrl/runtime/streams.py) is sent everything after the checkpoint again.
 
-A tracker that raises is warned about and dropped for the rest of the run; metrics.jsonl and
-samples.jsonl stay complete.
+A tracker that raises, or whose call does not return within `run.tracker_timeout_s` (a hung
+`log`, a wandb or mlflow server that does not answer), is warned about and dropped for the rest of
+the run; metrics.jsonl and samples.jsonl stay complete. Each call runs on a daemon thread the run
+waits for that long at most (a thread cannot be killed: a hung one is abandoned, and does not keep
+the process alive at exit), so a tracker never holds up the run, its checkpoints or SIGTERM for more.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import threading
 import warnings
 from pathlib import Path
 from typing import Any
@@ -31,9 +35,14 @@ from flowrl.trackers import Tracker, TrackerContext, resolve
 STATE_FILE = "trackers.json"
 
 
+TIMEOUT_S = 30.0  # run.tracker_timeout_s
+
+
 class Tracking:
-    def __init__(self, names: list[str], run_dir: Path, name: str, origin: float, config: dict[str, Any]) -> None:
+    def __init__(self, names: list[str], run_dir: Path, name: str, origin: float, config: dict[str, Any],
+                 timeout: float = TIMEOUT_S) -> None:
         self.names = list(names)
+        self.timeout = timeout
         self.run_dir, self.name, self.origin, self.config = run_dir, name, origin, config
         self.open: dict[str, Tracker] | None = None  # None until the first flush with rows
         path = run_dir / STATE_FILE
@@ -67,7 +76,7 @@ class Tracking:
         group = self.run_dir.parent.parent.name if phased else None
         label = f"{group}/{self.run_dir.name}" if phased else self.run_dir.name
         state = tracker.open(TrackerContext(self.run_dir, self.name, label, group, self.origin, self.config,
-                                            entry.get("state", {})))
+                                            entry.get("state", {}), self.timeout))
         assert self.open is not None
         self.open[name] = tracker
         # A rewound tracker's files were cut back to the checkpoint: it gets the later steps again.
@@ -75,21 +84,40 @@ class Tracking:
         self.saved[name] = {"state": state or {}, "steps": steps}
 
     def _call(self, name: str, fn: Any, *args: Any) -> bool:
-        try:
-            fn(*args)
+        problem = bounded(fn, args, self.timeout)
+        if problem is None:
             return True
-        except Exception as e:  # noqa: BLE001 - the run's own files keep everything; the run goes on
-            warnings.warn(f"tracker '{name}' failed and is dropped for the rest of the run: "
-                          f"{type(e).__name__}: {e}", stacklevel=2)
-            if self.open is not None:
-                self.open.pop(name, None)
-            return False
+        # The run's own files keep everything; the run goes on without this tracker.
+        warnings.warn(f"tracker '{name}' failed and is dropped for the rest of the run: {problem}", stacklevel=2)
+        if self.open is not None:
+            self.open.pop(name, None)
+        return False
 
     def _write(self) -> None:
         path = self.run_dir / STATE_FILE
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.saved, indent=1))
         os.replace(tmp, path)
+
+
+def bounded(fn: Any, args: tuple[Any, ...], timeout: float) -> str | None:
+    """Run `fn(*args)` on a daemon thread for at most `timeout` seconds: None if it returned, else
+    what went wrong (what it raised, SystemExit included, or that it did not return in time)."""
+    failure: list[str] = []
+
+    def call() -> None:
+        try:
+            fn(*args)
+        except BaseException as e:  # noqa: BLE001 - a tracker's exit or error ends its own calls only
+            failure.append(f"{type(e).__name__}: {e}")
+
+    thread = threading.Thread(target=call, name=f"flowrl-tracker-{getattr(fn, '__name__', 'call')}", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        return (f"{getattr(fn, '__qualname__', fn)}() did not return within {timeout:g} s "
+                "(run.tracker_timeout_s); it is left running, unwaited")
+    return failure[0] if failure else None
 
 
 def sample_rows(node: str, step: int, trajectories: list[Any], n: int) -> list[dict[str, Any]]:

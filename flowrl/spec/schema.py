@@ -119,6 +119,9 @@ class RunSpec(Strict):
     # executor: ray attaches to this running cluster ("host:port" of its head, "auto", or
     # "ray://host:port") instead of starting one; RAY_ADDRESS does the same. flowrl never stops it.
     ray_address: Annotated[str, Meta(min_length=1)] | None = None
+    # How long one call (open, log, close) of a tracker in `trackers` may take; past it, the tracker
+    # is dropped with a warning (flowrl/runtime/tracking.py).
+    tracker_timeout_s: Annotated[float, Meta(gt=0)] = 30.0
 
     def __post_init__(self) -> None:
         from flowrl.runtime.targets import check_names

@@ -51,6 +51,9 @@ class TrackerContext:
     # What this tracker's `open` returned when it last opened in this run directory (a resume):
     # e.g. the run id to continue. Empty on a fresh run.
     state: dict[str, Any] = field(default_factory=dict)
+    # run.tracker_timeout_s: how long the run waits for one call; a tracker whose client has its own
+    # network timeouts may set them to it, so that a call it was dropped for does not linger.
+    timeout_s: float = 30.0
 
 
 @runtime_checkable

@@ -40,8 +40,10 @@ class WandB:
         # metrics sampler either, the trace and metrics.jsonl are the run's own measurements.
         # The .wandb file is written every FILE_FLUSH_S (wandb's default, 15 s, would lose that
         # much to a kill: its service does not write what it holds when this process dies).
+        # init_timeout: a server that does not answer fails init within the run's tracker timeout
+        # (wandb's own, 90 s, kept a dropped tracker's thread, and the process's exit, waiting).
         settings = wandb.Settings(console="off", x_disable_stats=True, silent=True,
-                                  x_transaction_log_flush_interval=FILE_FLUSH_S)
+                                  x_transaction_log_flush_interval=FILE_FLUSH_S, init_timeout=context.timeout_s)
         if "WANDB_DATA_DIR" not in os.environ:
             # Where wandb stages a table's files until `wandb sync` uploads them (default: the
             # user's data folder): in the run directory, so that it syncs from anywhere. wandb

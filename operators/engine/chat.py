@@ -5,7 +5,7 @@ tools and tool calls, stop, logprobs) are workflows/chat_request.py's, shared wi
 so a request reads alike on both. What is this route's own:
 - `max_tokens` defaults to 128 and sampling to temperature 1 (SamplingParams' defaults); the proxy
   takes its defaults from the generate node's `sampling` instead.
-- `n` choices, choice i sampled with `seed` + i when a seed is given (the proxy records one call
+- `n` choices (at most MAX_COMPLETIONS), choice i sampled with `seed` + i when a seed is given (the proxy records one call
   per request: `n` 1 only).
 - Images are put in this process's image store and generated with, as on `/generate` with
   `image_data`: the prompt is the chat template's, each image's placeholder expanded to the
@@ -27,12 +27,15 @@ from flowrl.data.images import ImageRef
 from flowrl_operators.engine.base import GenerateRequest
 from flowrl_operators.workflows.base import EpisodeError, chat_ids
 from flowrl_operators.workflows.chat_request import (
+    MAX_COMPLETIONS,
     check_keys,
+    check_length,
     check_messages,
     check_rendered,
     choice,
     flag,
     number,
+    off_loop,
     sampling,
     stop_ids,
     template_error,
@@ -60,9 +63,10 @@ async def complete(engine: Any, tokenizer: Any, body: dict[str, Any], model_name
     check_keys(body, bad_request)
     messages = check_messages(tokenizer, body.get("messages"), bad_request)
     logprobs = flag(body, "logprobs", bad_request)
-    n = number(body, "n", 1, bad_request, integer=True, low=1)
+    n = number(body, "n", 1, bad_request, integer=True, low=1, high=MAX_COMPLETIONS)
     tools, read_calls = tools_of(body, bad_request)
-    ids, images = prompt(tokenizer, messages, bad_request, tools)
+    check_length([messages, tools], tokenizer, getattr(engine, "max_context", None), bad_request)
+    ids, images = await off_loop(prompt, tokenizer, messages, bad_request, tools)
     params = sampling(body, stop_ids(body, tokenizer, bad_request), bad_request)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     results = await asyncio.gather(*[engine.generate(GenerateRequest(

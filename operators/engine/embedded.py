@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import math
 import os
 import random
 from collections import deque
@@ -47,6 +48,7 @@ from flowrl_operators.engine.base import (
     GenerateRequest,
     GenerateResult,
     PauseMode,
+    SamplingParams,
 )
 from flowrl_operators.engine.model import CausalLM, end_token_ids, load_model
 from flowrl_operators.engine.prefill import PrefillStats, compact, prefill
@@ -301,24 +303,13 @@ class EmbeddedEngine:
             return f"request id {request.request_id!r} is already in flight; use a unique id"
         if not ids:
             return "empty prompt: input_ids must hold at least one token id"
-        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
-        if bad:
-            return f"token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})"
-        if len(ids) >= self.max_context:
+        if len(ids) >= self.max_context:  # first: the cheap check that bounds the others' cost
             return (f"prompt of {len(ids)} tokens leaves no room in the context of {self.max_context} "
                     "tokens; shorten the prompt or raise max_context")
-        if params.max_new_tokens < 1:
-            return f"max_new_tokens must be >= 1, got {params.max_new_tokens}"
-        if params.temperature < 0:
-            return f"temperature must be >= 0, got {params.temperature}"
-        if not 0 < params.top_p <= 1:
-            return f"top_p must be in (0, 1], got {params.top_p}"
-        if not 0 <= params.top_logprobs <= self.vocab_size:
-            return f"top_logprobs must be in [0, {self.vocab_size}], got {params.top_logprobs}"
-        bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
+        bad = [t for t in ids if not _is_int(t) or not 0 <= t < self.vocab_size]
         if bad:
-            return f"stop token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
-        return check_images(self.model, request)
+            return f"token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})"
+        return check_sampling(params, self.vocab_size) or check_images(self.model, request)
 
     # --- weights -------------------------------------------------------------------------------------
 
@@ -431,9 +422,19 @@ class EmbeddedEngine:
     def _emit(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         """Sample one token per sequence from its logits row; append it and check stop conditions."""
         params = [seq.request.sampling for seq in seqs]
-        tokens, logprobs = sample(logits, params, [seq.seed for seq in seqs], [len(seq.output) for seq in seqs])
-        tops = top_logprobs(logits, params)
+        try:
+            tokens, logprobs = sample(logits, params, [seq.seed for seq in seqs], [len(seq.output) for seq in seqs])
+            tops = top_logprobs(logits, params)
+        except Exception:  # find the culprit: one request's sampling must not fail the others
+            tokens, logprobs, tops = self._sample_alone(seqs, logits)
         for seq, token, logprob, p, top in zip(seqs, tokens, logprobs, params, tops, strict=True):
+            if seq.finish_reason == "abort":
+                continue
+            if not 0 <= token < self.vocab_size or math.isnan(logprob):
+                seq.error = (f"sampling failed: token {token}, logprob {logprob} "
+                             f"(temperature {p.temperature}, top_k {p.top_k}, top_p {p.top_p})")
+                seq.finish_reason = "abort"
+                continue
             if top is not None:
                 seq.top_ids.append(top[0])
                 seq.top_logprobs.append(top[1])
@@ -446,6 +447,56 @@ class EmbeddedEngine:
             elif len(seq.output) >= p.max_new_tokens or len(seq.tokens) >= self.max_context:
                 seq.finish_reason = "length"
 
+    def _sample_alone(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[int], list[float], list]:
+        """Each row sampled on its own (token, logprob, top logprobs); a row whose sampling raises
+        aborts its request alone."""
+        tokens, logprobs, tops = [], [], []
+        for i, seq in enumerate(seqs):
+            try:
+                token, logprob = sample(logits[i:i + 1], [seq.request.sampling], [seq.seed], [len(seq.output)])
+                top = top_logprobs(logits[i:i + 1], [seq.request.sampling])
+            except Exception as exc:
+                seq.error, seq.finish_reason = f"sampling failed: {exc!r}", "abort"
+                token, logprob, top = [-1], [float("nan")], [None]
+            tokens.append(token[0])
+            logprobs.append(logprob[0])
+            tops.append(top[0])
+        return tokens, logprobs, tops
+
+
+# The smallest temperature sampled: logits / temperature stays finite in fp32 above it (a smaller
+# one is greedy in all but name; send 0 for greedy).
+MIN_TEMPERATURE = 1e-5
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_sampling(params: SamplingParams, vocab_size: int) -> str | None:
+    """Why these sampling parameters cannot run, or None. Checked per request before it joins a batch,
+    so that no value one request sends (NaN, a top_k past the vocabulary) reaches the batched sampler."""
+    t, p, k = params.temperature, params.top_p, params.top_k
+    if not _is_number(t) or t < 0 or 0 < t < MIN_TEMPERATURE:
+        return f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, got {t!r}"
+    if not _is_number(p) or not 0 < p <= 1:
+        return f"top_p must be a finite number in (0, 1], got {p!r}"
+    if not _is_int(params.top_logprobs) or not 0 <= params.top_logprobs <= vocab_size:
+        return f"top_logprobs must be an integer in [0, {vocab_size}], got {params.top_logprobs!r}"
+    if not _is_int(k) or k > vocab_size:
+        return f"top_k must be an integer <= the vocabulary size {vocab_size} (<= 0: no limit), got {k!r}"
+    if not _is_int(params.max_new_tokens) or params.max_new_tokens < 1:
+        return f"max_new_tokens must be an integer >= 1, got {params.max_new_tokens!r}"
+    if params.seed is not None and not _is_int(params.seed):
+        return f"seed must be an integer, got {params.seed!r}"
+    bad = [t for t in params.stop_token_ids if not _is_int(t) or not 0 <= t < vocab_size]
+    if bad:
+        return f"stop token id {bad[0]!r} is outside the vocabulary [0, {vocab_size})"
+    return None
 
 
 def check_max_context(max_context: int | None, config) -> int:

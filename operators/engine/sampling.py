@@ -44,8 +44,10 @@ def sample(
     """logits [N, vocab] fp32 -> (token per row, logprob per row). Row i draws with `uniform(seeds[i],
     indices[i])` (its request's seed and the index of the token it draws)."""
     count, vocab = logits.shape
-    tokens = torch.empty(count, dtype=torch.long, device=logits.device)
-    logprobs = torch.empty(count, dtype=torch.float, device=logits.device)
+    # A row neither greedy nor sampled (a temperature no check let through) keeps -1 and NaN: the
+    # engine fails its request alone.
+    tokens = torch.full((count,), -1, dtype=torch.long, device=logits.device)
+    logprobs = torch.full((count,), float("nan"), dtype=torch.float, device=logits.device)
 
     greedy = [i for i, p in enumerate(params) if p.temperature == 0]
     if greedy:
@@ -60,7 +62,7 @@ def sample(
         rows = torch.tensor(sampled, device=logits.device)
         temperature = torch.tensor([params[i].temperature for i in sampled], device=logits.device)
         scaled = logits[rows] / temperature[:, None]
-        top_k = [params[i].top_k if params[i].top_k > 0 else vocab for i in sampled]
+        top_k = [min(params[i].top_k, vocab) if params[i].top_k > 0 else vocab for i in sampled]
         top_p = [params[i].top_p for i in sampled]
         if min(top_k) < vocab or min(top_p) < 1.0:
             scaled = restrict(scaled, top_k, top_p)

@@ -39,12 +39,13 @@ import msgspec
 import torch
 from aiohttp import web
 
-from flowrl_operators.engine import chat
+from flowrl_operators.engine import chat, http_body
 from flowrl_operators.engine.base import PAUSE_MODES, GenerateRequest, GenerateResult, SamplingParams
 from flowrl_operators.engine.embedded import EmbeddedEngine
 from flowrl_operators.engine.image_data import request_images
 from flowrl_operators.engine.transfer import LOAD_FORMAT, decode_bucket, parse_dtype, weight_update_group
 from flowrl_operators.models import load_tokenizer
+from flowrl_operators.workflows.chat_request import MAX_COMPLETIONS, check_length, off_loop
 
 # SGLang sampling keys this engine honours, and keys it may safely ignore at their defaults.
 SAMPLING_KEYS = {"temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "ignore_eos",
@@ -53,6 +54,11 @@ HARMLESS_DEFAULTS = {"min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty":
                      "repetition_penalty": 1.0, "n": 1, "skip_special_tokens": None,
                      "spaces_between_special_tokens": None, "no_stop_trim": None, "min_new_tokens": 0,
                      "stop": None}
+
+
+# Body limits: a request (prompts, inline images) and a weight update (base64 safetensors).
+BODY_LIMIT = 64 * http_body.MB
+WEIGHTS_LIMIT = 1 << 34
 
 
 class BadRequest(ValueError):
@@ -111,7 +117,8 @@ class EngineServer:
         self.groups: dict[str, object] = {}  # weight broadcast groups by name
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=1 << 34, middlewares=[errors_as_json])
+        # Bodies are read by json_body, with each route's own limit (WEIGHTS_LIMIT for weights).
+        app = web.Application(client_max_size=WEIGHTS_LIMIT, middlewares=[errors_as_json])
         get, post = app.router.add_get, app.router.add_post
         post("/generate", self.generate)
         post("/pause_generation", self.pause)
@@ -143,21 +150,21 @@ class EngineServer:
         body = await json_body(request)
         if body.get("stream"):
             raise BadRequest("stream=true is not supported by the embedded engine's /generate")
-        prompts, batched = self._prompts(body)
+        prompts, batched = await self._prompts(body)
         rids = body.get("rid")
         if rids is None:
             rids = [uuid.uuid4().hex for _ in prompts]
         elif isinstance(rids, str):
             rids = [rids] if not batched else [f"{rids}-{i}" for i in range(len(prompts))]
-        if len(rids) != len(prompts):
-            raise BadRequest(f"{len(rids)} rids for {len(prompts)} prompts")
+        if not isinstance(rids, list) or len(rids) != len(prompts):
+            raise BadRequest(f"rid must be a string or a list of one per prompt ({len(prompts)}), got {rids!r:.80}")
         sampling = sampling_from(body.get("sampling_params"))
         top = body.get("top_logprobs_num") or 0
         if not isinstance(top, int) or top < 0:
             raise BadRequest(f"top_logprobs_num must be a non-negative integer, got {top!r}")
         sampling = msgspec.structs.replace(sampling, top_logprobs=top)
         started = time.perf_counter()
-        pictures = request_images(body.get("image_data"), len(prompts), batched)
+        pictures = await off_loop(request_images, body.get("image_data"), len(prompts), batched)
         requests = [GenerateRequest(request_id=str(rid), input_ids=ids, sampling=sampling, images=refs)
                     for rid, ids, refs in zip(rids, prompts, pictures, strict=True)]
         results = await asyncio.gather(*[self.engine.generate(r) for r in requests])
@@ -167,19 +174,35 @@ class EngineServer:
                    for r, ids in zip(results, prompts, strict=True)]
         return web.json_response(answers if batched else answers[0])
 
-    def _prompts(self, body: dict) -> tuple[list[list[int]], bool]:
+    async def _prompts(self, body: dict) -> tuple[list[list[int]], bool]:
         if body.get("input_ids") is not None:
             ids = body["input_ids"]
-            batched = bool(ids) and isinstance(ids[0], list)
-            return (ids if batched else [ids]), batched
-        if body.get("text") is not None:
+            batched = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
+            prompts = ids if batched else [ids]
+            if not isinstance(ids, list) or not all(isinstance(p, list) for p in prompts):
+                raise BadRequest("input_ids must be a list of token ids, or a list of such lists (a batch)")
+        elif body.get("text") is not None:
             if self.tokenizer is None:
                 raise BadRequest("this server has no tokenizer; send input_ids")
             text = body["text"]
             batched = isinstance(text, list)
-            texts = text if batched else [text]
-            return [self.tokenizer.encode(t, add_special_tokens=False) for t in texts], batched
-        raise BadRequest("a /generate request needs input_ids (or text)")
+            prompts = text if batched else [text]
+            if not all(isinstance(t, str) for t in prompts):
+                raise BadRequest("text must be a string, or a list of strings (a batch)")
+        else:
+            raise BadRequest("a /generate request needs input_ids (or text)")
+        if not 1 <= len(prompts) <= MAX_COMPLETIONS:
+            raise BadRequest(f"a /generate batch holds 1 to {MAX_COMPLETIONS} prompts, got {len(prompts)}")
+        if body.get("input_ids") is None:
+            check_length(prompts, self.tokenizer, self.engine.max_context, BadRequest)
+            prompts = await off_loop(self._encode, prompts)
+        return prompts, batched
+
+    def _encode(self, texts: list[str]) -> list[list[int]]:
+        try:
+            return [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        except UnicodeEncodeError as e:  # a lone surrogate sent as a JSON escape, if a parser let one through
+            raise BadRequest(f"text is not valid Unicode: {e}") from None
 
     def _answer(self, result: GenerateResult, prompt_tokens: int, logprobs: bool, started: float) -> dict:
         if result.finish_reason == "stop":
@@ -261,7 +284,7 @@ class EngineServer:
         return success(f"updated {len(staged)} tensors; weight version {self.engine.version}")
 
     async def update_from_tensor(self, request: web.Request) -> web.Response:
-        body = await json_body(request)
+        body = await json_body(request, WEIGHTS_LIMIT)
         load_format = body.get("load_format") or LOAD_FORMAT
         if load_format != LOAD_FORMAT:
             raise BadRequest(f"load_format {load_format!r} is not supported; the embedded engine takes "
@@ -377,6 +400,9 @@ async def errors_as_json(request: web.Request, handler):
     """Client mistakes -> 400 with SGLang's error shape; anything else -> 500 with the message."""
     try:
         return await handler(request)
+    except web.HTTPRequestEntityTooLarge as exc:
+        return web.json_response({"error": {"message": exc.text}, "success": False, "message": exc.text},
+                                 status=413)
     except web.HTTPException:
         raise
     except KeyError as exc:  # a missing body field, or an unknown weight name from engine.stage
@@ -391,16 +417,9 @@ async def errors_as_json(request: web.Request, handler):
                                   "message": str(exc)}, status=500)
 
 
-async def json_body(request: web.Request) -> dict:
-    if not request.can_read_body:
-        return {}
-    try:
-        body = await request.json()
-    except ValueError:
-        raise BadRequest("the request body is not valid JSON") from None
-    if not isinstance(body, dict):
-        raise BadRequest("the request body must be a JSON object")
-    return body
+async def json_body(request: web.Request, limit: int = BODY_LIMIT) -> dict:
+    """The body as a JSON object: a 400 naming what is wrong, a 413 past `limit` (http_body.py)."""
+    return await http_body.json_body(request, limit, BadRequest)
 
 
 def ok(message: str) -> web.Response:
@@ -417,7 +436,10 @@ async def start_server(engine: EmbeddedEngine, host: str = "127.0.0.1", port: in
     Stop with `await runner.cleanup()`."""
     if not ipaddress.ip_address(host).is_loopback:
         raise ValueError(f"host {host!r}: the engine server binds loopback addresses only (127.0.0.1)")
-    runner = web.AppRunner(EngineServer(engine, tokenizer, model_name).app(), access_log=None)
+    # handler_cancellation: a client that disconnects cancels its handler, and so its requests' work
+    # (EmbeddedEngine.generate aborts a cancelled request), instead of generating for nobody.
+    runner = web.AppRunner(EngineServer(engine, tokenizer, model_name).app(), access_log=None,
+                           handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()

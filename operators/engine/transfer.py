@@ -50,18 +50,28 @@ def parse_dtype(name: str) -> torch.dtype:
     return dtype
 
 
+# How long joining a weight update group may wait for the rendezvous address to answer. A connection
+# takes seconds; the group's own timeout (a broadcast of a large model's weights) is far longer, and
+# an address where nothing answers must not wait that long.
+CONNECT_TIMEOUT_S = 30.0
+
+
 def weight_update_group(master_address: str, master_port: int, rank: int, world_size: int,
-                        group_name: str, backend: str = "gloo", timeout_s: float = 600.0):
+                        group_name: str, backend: str = "gloo", timeout_s: float = 600.0,
+                        connect_timeout_s: float = CONNECT_TIMEOUT_S):
     """Join (rank 0: create) a process group for weight broadcasts, beside any default group.
 
     Uses torch's own rendezvous and group construction, as SGLang does, so both sides agree on the
-    store keys. Blocks until all `world_size` ranks have joined.
+    store keys. Blocks until all `world_size` ranks have joined; a rank other than 0 whose
+    rendezvous address does not answer within `connect_timeout_s` gets a ConnectionError.
     """
     from torch.distributed import distributed_c10d as c10d
 
     timeout = timedelta(seconds=timeout_s)
     url = f"tcp://{master_address}:{master_port}"
-    store, rank, world_size = next(c10d.rendezvous(url, rank, world_size, timeout=timeout))
+    connect = timeout if rank == 0 else timedelta(seconds=min(connect_timeout_s, timeout_s))
+    store, rank, world_size = unreachable_as_error(
+        lambda: next(c10d.rendezvous(url, rank, world_size, timeout=connect)), master_address, master_port, connect)
     store.set_timeout(timeout)
     group, _ = c10d._new_process_group_helper(
         world_size, rank, [], c10d.Backend(backend), c10d.PrefixStore(group_name, store),
@@ -70,3 +80,13 @@ def weight_update_group(master_address: str, master_port: int, rank: int, world_
     # Register the rank map so torch.distributed collectives accept `group=`.
     c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}
     return group
+
+
+def unreachable_as_error(join, address: str, port: int, timeout: timedelta):
+    """`join()` (a store connecting to address:port); torch's timeout there as a ConnectionError naming it."""
+    try:
+        return join()
+    except (RuntimeError, TimeoutError, OSError) as e:  # torch's DistStoreError / DistNetworkError
+        raise ConnectionError(f"the weight update rendezvous at {address}:{port} did not answer within "
+                              f"{timeout.total_seconds():g} s ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+                              "is the trainer running, and is that address reachable from here?") from None

@@ -40,6 +40,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+from flowrl_operators.engine.transfer import CONNECT_TIMEOUT_S, unreachable_as_error
 from flowrl_operators.transport.base import (
     Bucket,
     Stream,
@@ -83,9 +84,12 @@ class BroadcastRecord:
 def connect(group: BroadcastGroup, rank: int, store: dist.Store | None = None):
     """Join `group` as `rank` (blocks until every rank joined); returns the backend process group."""
     timeout = datetime.timedelta(seconds=group.timeout_s)
-    if store is None:
-        store = dist.TCPStore(group.address, group.port, group.world_size, is_master=False, timeout=timeout,
-                              multi_tenant=True)
+    if store is None:  # connecting is bounded apart: an address where nothing answers fails in seconds
+        reach = datetime.timedelta(seconds=min(CONNECT_TIMEOUT_S, group.timeout_s))
+        store = unreachable_as_error(lambda: dist.TCPStore(
+            group.address, group.port, group.world_size, is_master=False, timeout=reach, multi_tenant=True),
+            group.address, group.port, reach)
+        store.set_timeout(timeout)
     # The key layout of torch's group construction under SGLang's `init_custom_process_group`:
     # "<name>" then "<name>/" then "<device>/" (one gloo backend, on "cpu/"; NCCL on "cuda/").
     device = "cuda" if group.backend == "nccl" else "cpu"

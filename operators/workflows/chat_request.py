@@ -45,18 +45,24 @@ Every request key is honoured or refused with a 400 that names it; none is ignor
 
 from __future__ import annotations
 
+import functools
+import math
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
 from jinja2 import TemplateError
 
 from flowrl_operators.engine.base import GenerateResult, SamplingParams
+from flowrl_operators.threads import DaemonExecutor, call_in_thread
 from flowrl_operators.workflows.base import chat_text
 from flowrl_operators.workflows.tool_calls import split_tool_calls
 from flowrl_operators.workflows.vision_messages import ImageContentError, data_url
 from flowrl_operators.workflows.vision_prompt import require_vision
 
 ROLES = ("system", "user", "assistant", "tool")
+# The most completions one request may ask for: a chat request's `n`, a /generate batch's prompts.
+MAX_COMPLETIONS = 256
 READ = {"messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n", "seed",
         "stop", "stop_token_ids", "ignore_eos", "logprobs", "tools", "tool_choice"}
 METADATA = {"model", "user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"}
@@ -75,6 +81,9 @@ NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
     "parallel_tool_calls": ((True,), "flowrl cannot hold the model to one tool call"),
 }
 _TOOL_SHAPE = "{type: function, function: {name, description, parameters}}"
+# Integer bounds of sampling keys: a value past them could not be recorded (msgspec encodes 64 bits).
+INT32, INT64 = 2**31 - 1, 2**63
+MAX_STOPS = 64  # stop strings and token ids of one request
 
 
 def check_keys(body: dict[str, Any], bad_request: type[Exception]) -> None:
@@ -91,7 +100,8 @@ def check_keys(body: dict[str, Any], bad_request: type[Exception]) -> None:
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
+    """A JSON number that is finite (NaN would pass every range check: NaN < low is false)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _same(value: Any, neutral: Any) -> bool:
@@ -134,9 +144,9 @@ def sampling(body: dict[str, Any], stops: list[int], bad_request: type[Exception
         base,
         temperature=float(number(body, "temperature", base.temperature, bad_request, low=0)),
         top_p=float(number(body, "top_p", base.top_p, bad_request, low=0, high=1)),
-        top_k=number(body, "top_k", base.top_k, bad_request, integer=True),
-        max_new_tokens=number(body, limit, base.max_new_tokens, bad_request, integer=True, low=1),
-        seed=number(body, "seed", base.seed, bad_request, integer=True),
+        top_k=number(body, "top_k", base.top_k, bad_request, integer=True, low=-INT32, high=INT32),
+        max_new_tokens=number(body, limit, base.max_new_tokens, bad_request, integer=True, low=1, high=INT32),
+        seed=number(body, "seed", base.seed, bad_request, integer=True, low=-INT64, high=INT64 - 1),
         stop_token_ids=list(dict.fromkeys([*base.stop_token_ids, *stops])),
         ignore_eos=base.ignore_eos if body.get("ignore_eos") is None else flag(body, "ignore_eos", bad_request),
     )
@@ -151,6 +161,8 @@ def stop_ids(body: dict[str, Any], tokenizer: Any, bad_request: type[Exception])
     extra = body.get("stop_token_ids") or []
     if not isinstance(extra, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in extra):
         raise bad_request(f"stop_token_ids must be a list of token ids, got {extra!r}")
+    if len(items) + len(extra) > MAX_STOPS:
+        raise bad_request(f"stop and stop_token_ids hold {len(items) + len(extra)} entries; at most {MAX_STOPS}")
     ids = list(extra)
     for item in items:
         if isinstance(item, bool) or not isinstance(item, str | int):
@@ -158,10 +170,12 @@ def stop_ids(body: dict[str, Any], tokenizer: Any, bad_request: type[Exception])
         if isinstance(item, int):
             ids.append(item)
             continue
+        one = "flowrl's engines stop on single tokens: give strings of one token (e.g. '<|im_end|>') or token ids"
+        if len(item) > longest_token(tokenizer):  # refused without tokenising it
+            raise bad_request(f"stop string {item!r:.60} is longer than any one token; {one}")
         encoded = tokenizer.encode(item, add_special_tokens=False)
         if len(encoded) != 1:
-            raise bad_request(f"stop string {item!r} is {len(encoded)} tokens; flowrl's engines stop on "
-                              "single tokens: give strings of one token (e.g. '<|im_end|>') or token ids")
+            raise bad_request(f"stop string {item!r} is {len(encoded)} tokens; {one}")
         ids.append(encoded[0])
     return ids
 
@@ -178,7 +192,7 @@ def tools_of(body: dict[str, Any], bad_request: type[Exception]) -> tuple[list[d
         raise bad_request(f"tools must be a list of {_TOOL_SHAPE}, got {tools!r}")
     for t, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None
-        if tool.get("type") != "function" or not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        if not isinstance(function, dict) or tool.get("type") != "function" or not isinstance(function.get("name"), str):
             raise bad_request(f"tools[{t}] must be {_TOOL_SHAPE}, got {tool!r}")
     return tools, choice_ != "none"
 
@@ -199,6 +213,8 @@ def check_message(m: int, message: Any, bad_request: type[Exception]) -> bool:
         if kind not in ("text", "image_url"):  # {type: image} may name a path: not from a client
             raise bad_request(f"messages[{m}].content[{p}]: part type {kind!r} is not read; use "
                               "{type: text} or {type: image_url, image_url: {url: data:...}}")
+        if kind == "text" and not isinstance(part.get("text"), str):
+            raise bad_request(f"messages[{m}].content[{p}].text must be a string, got {part.get('text')!r:.80}")
         if kind == "image_url":  # a remote URL is refused whatever the model, before any is stored
             try:
                 data_url(part)
@@ -232,6 +248,53 @@ def check_messages(tokenizer: Any, messages: Any, bad_request: type[Exception]) 
         except ImageContentError as e:
             raise bad_request(f"this model takes no images: {e}") from None
     return messages
+
+
+def check_length(parts: Any, tokenizer: Any, max_context: int | None, bad_request: type[Exception]) -> None:
+    """A 400, before any template renders or tokeniser runs, for text that cannot fit `max_context`
+    tokens: more characters than `max_context` times the tokeniser's longest token. A token of n
+    characters covers at most n characters of text (byte-level BPE: n bytes), so such a prompt is
+    certainly too long, and tokenising megabytes to find out costs seconds. `parts`: the messages
+    and tools (every string in them counts, except image data), or a list of prompt texts."""
+    if not max_context:
+        return
+    limit = max_context * longest_token(tokenizer)
+    chars = text_chars(parts, limit)
+    if chars > limit:
+        raise bad_request(f"the prompt's text is over {limit} characters, more than a context of {max_context} "
+                          f"tokens can hold ({longest_token(tokenizer)} characters at most per token); shorten it")
+
+
+@functools.lru_cache(maxsize=8)
+def longest_token(tokenizer: Any) -> int:
+    """The most characters one token of `tokenizer` spells (special tokens included)."""
+    return max(map(len, tokenizer.get_vocab()), default=1)
+
+
+def text_chars(value: Any, stop: int) -> int:
+    """Characters of the strings in `value` (JSON: dicts, lists, strings), counting until past `stop`;
+    image_url parts are not text. Iterative: a client's nesting depth is not this process's stack."""
+    total, pending = 0, [value]
+    while pending and total <= stop:
+        item = pending.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, dict):
+            if item.get("type") != "image_url":
+                pending.extend(item.values())
+        elif isinstance(item, list):
+            pending.extend(item)
+    return total
+
+
+_TOKENISER = DaemonExecutor(1, "flowrl-tokenize")
+
+
+async def off_loop(fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)` (templates, tokenising, decoding images) off the event loop, so that a large request
+    does not stall the others: on one daemon thread, since a tokeniser is not safe to share across
+    threads (requests queue behind each other there, as they would on the loop)."""
+    return await call_in_thread(_TOKENISER, fn, *args)
 
 
 def template_error(e: TemplateError, bad_request: type[Exception]) -> Exception:

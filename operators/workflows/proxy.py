@@ -49,6 +49,7 @@ from flowrl.data.images import ImageRef
 from flowrl.data.trajectory import Trajectory
 from flowrl_operators.checks import is_loopback
 from flowrl_operators.engine.base import GenerateResult, InferenceEngine, SamplingParams
+from flowrl_operators.engine.http_body import MB, json_body
 from flowrl_operators.threads import DaemonExecutor, call_in_thread
 from flowrl_operators.workflows import chat_request as rules
 from flowrl_operators.workflows.base import (
@@ -130,6 +131,24 @@ class BadRequest(ProxyError):
         super().__init__(400, message)
 
 
+BODY_LIMIT = 64 * MB  # a request's body (its prompt, inline images); a 413 past it
+
+
+@web.middleware
+async def _errors_as_json(request: web.Request, handler: Any) -> web.StreamResponse:
+    """A 413 and an unexpected error answered in OpenAI's error shape with the message, not aiohttp's
+    bare "Server got itself in trouble"."""
+    try:
+        return await handler(request)
+    except web.HTTPRequestEntityTooLarge as e:
+        return web.json_response({"error": {"message": e.text, "type": "invalid_request_error"}}, status=413)
+    except web.HTTPException:
+        raise
+    except Exception as e:  # noqa: BLE001 - a proxy bug or an engine failure: this request fails alone
+        return web.json_response({"error": {"message": f"{type(e).__name__}: {e}", "type": "server_error"}},
+                                 status=500)
+
+
 class Proxy:
     """Serves `/sessions/<id>/v1/chat/completions` (recorded) and `/v1/chat/completions` (not)."""
 
@@ -149,12 +168,13 @@ class Proxy:
         self.url = ""
 
     async def start(self) -> str:
-        app = web.Application(client_max_size=64 * 1024**2)
+        app = web.Application(client_max_size=BODY_LIMIT, middlewares=[_errors_as_json])
         app.router.add_post("/sessions/{session}/v1/chat/completions", self._chat)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get("/sessions/{session}/v1/models", self._models)
         app.router.add_get("/v1/models", self._models)
-        self._runner = web.AppRunner(app, access_log=None)
+        # A client that disconnects cancels its handler and so its engine request (engine/server.py).
+        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()
@@ -189,10 +209,7 @@ class Proxy:
     async def _chat(self, request: web.Request) -> web.Response:
         try:
             session = self._session(request.match_info.get("session"))
-            try:
-                body = await request.json()
-            except json.JSONDecodeError:
-                raise ProxyError(400, "the request body is not JSON") from None
+            body = await json_body(request, BODY_LIMIT, BadRequest)
             return web.json_response(await self.complete(body, session))
         except ProxyError as e:
             return web.json_response({"error": {"message": str(e), "type": "invalid_request_error"}},
@@ -211,16 +228,17 @@ class Proxy:
         rules.check_keys(body, BadRequest)
         messages = rules.check_messages(self.tokenizer, body.get("messages"), BadRequest)
         logprobs = rules.flag(body, "logprobs", BadRequest)
-        if rules.number(body, "n", 1, BadRequest, integer=True, low=1) != 1:
+        if rules.number(body, "n", 1, BadRequest, integer=True, low=1, high=rules.MAX_COMPLETIONS) != 1:
             raise BadRequest("n must be 1: each request is one recorded call; ask for several completions "
                              "with several requests")
         tools, read_calls = rules.tools_of(body, BadRequest)
         sampling = self._sampling(body, session)
+        rules.check_length([messages, tools], self.tokenizer, getattr(self.engine, "max_context", None), BadRequest)
         try:  # image_url parts: data URLs stored in the run's image store, refused otherwise
-            messages, images = store_images(messages)
+            messages, images = await rules.off_loop(store_images, messages)
         except ImageContentError as e:
             raise BadRequest(str(e)) from None
-        prompt_ids = self.render(messages, tools, session, images)
+        prompt_ids = await rules.off_loop(self.render, messages, tools, session, images)
         calls = len(session.calls) if session else 0
         request_id = f"{session.id if session else 'open'}/{calls}/{uuid.uuid4().hex[:8]}"
         result = await generate_complete(self.engine, request_id, prompt_ids, sampling, images=images)
