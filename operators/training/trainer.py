@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from flowrl_operators.training import checkpoint, tuning
+from flowrl_operators.training.alignment import GradientAlignment
 from flowrl_operators.training.batch import (
     SAMPLING_DEFAULTS,
     TOKEN_FIELDS,
@@ -42,7 +43,6 @@ from flowrl_operators.training.batch import (
     Normaliser,
     micro_batch_rows,
 )
-from flowrl_operators.training.alignment import GradientAlignment
 from flowrl_operators.training.engine import EngineEntry
 from flowrl_operators.training.head import loss_token_logprobs, packing_supported, shares_prefixes
 from flowrl_operators.training.losses import LossFn
