@@ -1,7 +1,7 @@
 """Async where it pays: sync and async GRPO on the long-tail agentic task, at several tail settings.
 
-    python tools/bench_longtail.py --warmups DIR [--seeds 0,1,2,3,4] [--tails 0,0.5,1] [--target 0.5]
-                                   [--grpo-seconds 150] [--eval-every 5] [--async-set KEY=VALUE ...]
+    python tools/bench_longtail.py --warmups DIR [--seeds 0,1,2,3,4] [--tails 0,0.5,1] [--target 0.4]
+                                   [--grpo-seconds 240] [--eval-every 5] [--async-set KEY=VALUE ...]
                                    [--sync-set KEY=VALUE ...]
 
 For each seed and tail setting (`data.options.tail` of builtin:longtail_digits, 0 uniform .. 1 heavy:
@@ -96,8 +96,8 @@ def main() -> None:
     parser.add_argument("--warmups", required=True, help="folder of per-seed warm-ups (made once, shared with bench_e2e)")
     parser.add_argument("--seeds", type=lambda v: [int(x) for x in v.split(",") if x], default=[0, 1, 2, 3, 4])
     parser.add_argument("--tails", type=lambda v: [float(x) for x in v.split(",") if x], default=[0.0, 0.5, 1.0])
-    parser.add_argument("--target", type=float, default=0.5)
-    parser.add_argument("--grpo-seconds", type=float, default=150)
+    parser.add_argument("--target", type=float, default=0.4)
+    parser.add_argument("--grpo-seconds", type=float, default=240)
     parser.add_argument("--eval-every", type=int, default=5)
     parser.add_argument("--warmup-steps", type=int, default=650, help="steps of a warm-up made here (bench_e2e's)")
     parser.add_argument("--async-set", action="append", default=[], metavar="KEY=VALUE")
