@@ -74,6 +74,13 @@ def run_one(name: str, run_dir: Path, seed: int, tail: float, args: argparse.Nam
             "episode_p99_over_median": episode_tail(grpo / "trace.json")}
 
 
+def failed_run() -> dict:
+    """A run that failed (its message printed): a miss in every figure."""
+    return {"wall_s": None, "steps": 0, "s_to_target": None, "samples_to_target": None, "dropped_to_target": None,
+            "steps_to_target": None, "s_per_step": None, "best_eval": 0.0, "episode_p99_over_median": None,
+            "failed": True}
+
+
 def ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a and b else None
 
@@ -88,7 +95,8 @@ def summarise(runs: dict[str, list[dict]]) -> dict:
             "sample_ratio": ratio(med["async"]["samples_to_target"], med["sync"]["samples_to_target"]),
             "async_wins": wins, "seeds": len(sync_s),
             **{f"{n}_median_{k}": v for n, m in med.items() for k, v in m.items()},
-            **{f"{n}_{k}_by_seed": [r[k] for r in rs] for n, rs in runs.items() for k in rs[0]}}
+            "failed_runs": sum(r.get("failed", False) for rs in runs.values() for r in rs),
+            **{f"{n}_{k}_by_seed": [r[k] for r in rs] for n, rs in runs.items() for k in rs[0] if k != "failed"}}
 
 
 def main() -> None:
@@ -109,7 +117,11 @@ def main() -> None:
         for seed in args.seeds:
             for tail in args.tails:
                 for name in ("sync", "async"):
-                    r = run_one(name, Path(tmp) / f"{name}-{tail}-{seed}", seed, tail, args)
+                    try:
+                        r = run_one(name, Path(tmp) / f"{name}-{tail}-{seed}", seed, tail, args)
+                    except RuntimeError as e:  # reported, and counted as a miss rather than ending the benchmark
+                        print(f"seed {seed} tail {tail} {name}: FAILED: {str(e)[-1500:]}", flush=True)
+                        r = failed_run()
                     results[tail][name].append(r)
                     print(f"seed {seed} tail {tail} {name:>5}: to eval >= {args.target}: {r['s_to_target']} s, "
                           f"{r['steps_to_target']} steps, {r['samples_to_target']} samples "
