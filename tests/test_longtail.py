@@ -105,4 +105,4 @@ def test_pipelines_validate(name):
     loaded = load(ROOT / f"pipelines/{name}.yaml", ["data.options.tail=0.5"])
     [warmup, grpo] = loaded.spec.phases
     assert (warmup.name, grpo.name) == ("warmup", "grpo")
-    assert loaded.spec.data.options == {"tail": 0.5, "latency_s": 0.1}
+    assert loaded.spec.data.options == {"tail": 0.5, "latency_s": 0.2}
