@@ -107,6 +107,12 @@ class RewardConfig(Strict):
     concurrency: PositiveInt = 16
 
 
+class GACConfig(Strict):
+    # At most max_cos x |g_t| of a step's gradient may lie along the previous step's gradient; the
+    # rest of that component is projected out (0: all of the aligned component).
+    max_cos: Annotated[float, Meta(ge=-1.0, lt=1.0)] = 0.0
+
+
 class OptimConfig(Strict):
     lr: Annotated[float, Meta(gt=0)] = 1.0e-5
     betas: tuple[Beta, Beta] = (0.9, 0.999)  # AdamW's decay rates, each in [0, 1)
@@ -117,6 +123,9 @@ class OptimConfig(Strict):
     # run's (phase's) `steps`. The decay spans total_steps x epochs optimizer steps, warm-up included.
     total_steps: PositiveInt | None = None
     grad_clip: Annotated[float, Meta(gt=0)] | None = 1.0
+    # Gradient alignment control (GAC, arXiv 2603.01501; flowrl_operators/training/alignment.py):
+    # cap each step's gradient component along the previous step's gradient. null: off.
+    gac: GACConfig | None = None
 
     def __post_init__(self) -> None:
         if self.total_steps is not None and self.schedule == "constant":

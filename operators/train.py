@@ -51,6 +51,7 @@ def trainer_config(optim: OptimConfig, micro_batch_tokens: int, max_nonfinite_st
     return TrainerConfig(
         lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay, warmup_steps=optim.warmup_steps,
         schedule=optim.schedule, total_steps=steps, grad_clip=optim.grad_clip,
+        gac_max_cos=optim.gac.max_cos if optim.gac is not None else None,
         micro_batch_tokens=micro_batch_tokens, max_nonfinite_steps=max_nonfinite_steps, seed=seed, **model_keys,
     )
 

@@ -58,7 +58,8 @@ def supervise(command: list[str], evals_file: Path, args: argparse.Namespace, in
     started = time.time()
     stopped = False
     with tempfile.TemporaryFile("w+") as stderr:  # a file, not a pipe: a full pipe would block the run
-        process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=stderr, text=True)
+        # stdout too: a run that fails says why there (`--quiet` leaves nothing else on it)
+        process = subprocess.Popen(command, cwd=ROOT, stdout=stderr, stderr=stderr, text=True)
         while process.poll() is None:
             time.sleep(1.0)
             if not args.full and first_hit(read_jsonl(evals_file), args.target):

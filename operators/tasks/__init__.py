@@ -9,8 +9,9 @@ from flowrl_operators.tasks.calculator import CalculatorEnv, calculator
 from flowrl_operators.tasks.digits import copy_digits, positions_correct, reverse_digits
 from flowrl_operators.tasks.grid_nav import GridNavEnv, grid_nav
 from flowrl_operators.tasks.guess import GuessNumberEnv, guess_number
+from flowrl_operators.tasks.longtail import longtail_digits
 
-TASKS = {t.name: t for t in (reverse_digits, copy_digits, guess_number, calculator, grid_nav)}
+TASKS = {t.name: t for t in (reverse_digits, copy_digits, guess_number, calculator, grid_nav, longtail_digits)}
 
 __all__ = ["TASKS", "CalculatorEnv", "GridNavEnv", "GuessNumberEnv", "calculator", "copy_digits", "grid_nav",
-           "guess_number", "positions_correct", "reverse_digits"]
+           "guess_number", "longtail_digits", "positions_correct", "reverse_digits"]

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from flowrl_operators.training import checkpoint, tuning
+from flowrl_operators.training.alignment import GradientAlignment
 from flowrl_operators.training.batch import (
     SAMPLING_DEFAULTS,
     TOKEN_FIELDS,
@@ -62,6 +63,7 @@ class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     total_steps: int | None = None  # the decay horizon of linear / cosine
     min_lr_ratio: float = 0.0
     grad_clip: float | None = 1.0
+    gac_max_cos: float | None = None  # gradient alignment control (training/alignment.py); None: off
     # Tokens per micro-batch: packed rows (the policy's forward on llama / qwen2) count their tokens
     # and are balanced by them; padded rows count rows x the longest (a longer row runs alone).
     micro_batch_tokens: int = 8192
@@ -172,6 +174,7 @@ class Trainer:
         self.skipped_steps = 0
         self.nonfinite_in_row = 0
         self._nonfinite_loss = False
+        self.alignment = GradientAlignment(self.config.gac_max_cos)
         if self.trainable:
             self.model.train()
             self.optimizer = torch.optim.AdamW(  # frozen parameters get no optimizer state
@@ -301,13 +304,14 @@ class Trainer:
                     "Lower the learning rate, check the rewards and advantages for nan/inf, or raise max_nonfinite_steps."
                 )
             return {"skipped": 1.0, "skipped_steps": float(self.skipped_steps), "grad_norm": norm, "lr": lr}
+        aligned = self.alignment.apply(self.model.parameters(), self._all_reduce)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.nonfinite_in_row = 0
         self.step_count += 1
         self.policy_version += 1
-        return {"skipped": 0.0, "skipped_steps": float(self.skipped_steps), "grad_norm": norm, "lr": lr}
+        return {"skipped": 0.0, "skipped_steps": float(self.skipped_steps), "grad_norm": norm, "lr": lr} | aligned
 
     @torch.no_grad()
     def _per_token(self, batch: Batch, key: str) -> torch.Tensor:
