@@ -54,7 +54,7 @@ def test_validate_process_exits_1_without_traceback(name: str) -> None:
 
 
 # Pipelines whose model folder the user builds first (README): validated with a tiny local model there.
-BUILT_MODELS = {"smollm2_math": "models/smollm2-135m-instruct"}
+BUILT_MODELS = {"smollm2_math": "models/smollm2-135m-instruct", "smollm2_sums": "models/smollm2-135m-instruct"}
 
 
 @pytest.mark.parametrize("file", PIPELINES, ids=lambda f: f.stem)

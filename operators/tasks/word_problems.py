@@ -8,6 +8,7 @@ response's final answer with `math-verify` (the `math` extra), as verl's and ARe
 from __future__ import annotations
 
 import random
+import re
 from typing import Any
 
 from flowrl.data.trajectory import Trajectory
@@ -36,6 +37,14 @@ def make_problem(rng: random.Random) -> dict[str, Any]:
     return {"messages": [{"role": "user", "content": f"{text} {INSTRUCTION}"}], "answer": str(answer), "kind": kind}
 
 
+def make_sum(rng: random.Random) -> dict[str, Any]:
+    """One two-digit sum (pipelines/smollm2_sums.yaml): SmolLM2-135M-Instruct answers about 3 in 10
+    right greedily, in a dozen tokens, so a CPU sees GRPO move it within minutes."""
+    a, b = rng.randint(10, 99), rng.randint(10, 99)
+    text = f"What is {a} + {b}? Reply with only the number."
+    return {"messages": [{"role": "user", "content": text}], "answer": str(a + b), "kind": "sum"}
+
+
 def final_answer(trajectory: Trajectory) -> float:
     """1.0 when the response's last number equals the row's `answer` (math-verify), else 0.0."""
     from math_verify import parse, verify
@@ -45,3 +54,15 @@ def final_answer(trajectory: Trajectory) -> float:
     gold = parse(str(trajectory.metadata["sample"]["answer"]), parsing_timeout=None)
     guess = parse(response_text(trajectory), parsing_timeout=None)
     return 1.0 if guess and verify(gold, guess, timeout_seconds=None) else 0.0
+
+
+def last_integer(trajectory: Trajectory) -> float:
+    """1.0 when the response's last integer, as written, equals the row's `answer`, else 0.0.
+
+    Stricter than `final_answer` on purpose: math-verify reads "To find 67 + 91, we" as the
+    expression 67 + 91 and so scores a reply that only restates a sum as right; GRPO on sums
+    learned exactly that (sampled reward 0.19 -> 0.63 in 3 steps, eval "0.97"). Here a number
+    the model did not write earns nothing.
+    """
+    numbers = re.findall(r"-?\d+", response_text(trajectory).replace(",", ""))
+    return 1.0 if numbers and numbers[-1] == str(trajectory.metadata["sample"]["answer"]).strip() else 0.0
