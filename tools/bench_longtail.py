@@ -11,8 +11,9 @@ both from the same per-seed warm-up (DIR/seed-N: the quickstart's copy warm-up, 
 tools/bench_e2e.py's `warmup_policy` and shared with `bench_e2e.py --warmups DIR`). Each run stops
 once its greedy eval reaches `--target` (or after `--grpo-seconds`) and reports wall seconds to the
 target (from the phase's start, setup included, as eval.jsonl's `time`), samples (groups) trained
-on until then, samples dropped as stale on the way, the median step time and the p99 / median of
-its episodes' generate time (trace.json).
+on until then, samples dropped as stale on the way, the median step time and
+`episode_p99_over_median`: the p99 / median of its samples' generate spans in trace.json (one span
+per sample: its group of episodes, the engine's queueing included).
 
 The last line is one JSON object: per tail setting (`by_tail`), `wall_speedup` (sync's median
 seconds to the target over async's), `sample_ratio` (async's median samples to the target over
