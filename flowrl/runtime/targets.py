@@ -40,13 +40,21 @@ class Targets:
     def __init__(self, stop_when: dict[str, float]) -> None:
         self.wanted = {name: float(value) for name, value in stop_when.items()}
         self.reached: str | None = None  # e.g. "eval_reward 0.94 >= 0.9"
+        # A train.<key> target that the train node's first trained step did not report: it never
+        # would be reached (no node declares its metrics beforehand, so this is found at step 0).
+        self.unread: str | None = None
 
     def row(self, row: dict[str, Any] | None) -> bool:
         """A metrics row (after a train step): has any row or train.* target been reached?"""
         if not row:
             return False
         values = {name: row.get(name) for name in ROW_KEYS}
-        values.update({f"train.{k}": v for k, v in (row.get("train") or {}).items()})
+        train = row.get("train") or {}
+        values.update({f"train.{k}": v for k, v in train.items()})
+        missing = [n for n in self.wanted if n.startswith("train.") and n not in values]
+        if missing and train and train.get("trajectories", 1) > 0 and self.unread is None:
+            self.unread = (f"run.stop_when: {missing[0]} is not a metric the train node reports, so the run "
+                           f"would never stop on it; it reports {', '.join(f'train.{k}' for k in sorted(train))}")
         return self._check(values)
 
     def operators(self, metrics: dict[str, Any]) -> bool:
