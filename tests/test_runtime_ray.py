@@ -89,8 +89,9 @@ def test_ray_operator_exception_names_the_node_and_leaves_no_process(tmp_path):
 def test_ray_setup_that_raises_names_the_node_not_a_flowrl_bug(tmp_path):
     plan = ops.grpo("sync", steps=2, train={"fail_setup": True})
     with pytest.raises(StageFailed, match=r"(?s)node 'learner' \(replica 0\): \w+\.setup\(\) failed: "
-                                          ".*toy train cannot set up"):
+                                          ".*toy train cannot set up") as info:
         run(plan, tmp_path, executor="ray", progress=False)
+    assert "stage.py" not in str(info.value) and "ray::" not in str(info.value), str(info.value)  # the user's frames only
 
 
 def metrics(run_dir):
