@@ -15,6 +15,8 @@ written, status "done", stopped_by "stop_when", `flowrl run` exits 0. Metric nam
   `train.entropy`).
 
 A metric that should fall (a loss) is not a stop_when target: thresholds are lower bounds.
+A `train.<key>` that the train node's first trained step does not report fails the run there,
+naming the keys it does report (operators declare no metric names that validate could read).
 """
 
 from __future__ import annotations
