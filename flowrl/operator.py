@@ -79,6 +79,7 @@ class GraphFacts(msgspec.Struct, frozen=True):
     # Trajectory fields filled by upstream nodes (their operators' `provides`), e.g. values.
     upstream_provides: frozenset[str] = frozenset()
     replicas: int = 1  # the node's own resources.replicas
+    model_path: str = ""  # model.path of the spec, for checks against the model's config (no weights)
 
 
 class ConfigError(Exception):

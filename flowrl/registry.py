@@ -61,8 +61,14 @@ def check(cls: object, name: str) -> None:
     if cls.kind not in KINDS:
         raise OperatorError(f"operator '{name}' has kind '{cls.kind}', expected one of {', '.join(KINDS)}")
     for direction in ("inputs", "outputs"):
-        for port, port_type in getattr(cls, direction).items():
+        ports = getattr(cls, direction)
+        if not isinstance(ports, dict):  # e.g. inputs = "trajectories": a plugin author's slip, not a flowrl bug
+            raise OperatorError(f"operator '{name}' {direction} is a {type(ports).__name__}; it must be a dict "
+                                f"of port name to port type, e.g. {{'trajectories': 'trajectories'}}")
+        for port, port_type in ports.items():
             if port_type not in PORT_TYPES:
                 raise OperatorError(
                     f"operator '{name}' {direction[:-1]} port '{port}' has unknown type '{port_type}'"
                 )
+    if not (isinstance(cls.provides, set | frozenset) and all(isinstance(f, str) for f in cls.provides)):
+        raise OperatorError(f"operator '{name}' provides is {cls.provides!r}; it must be a frozenset of field names")

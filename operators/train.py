@@ -28,7 +28,8 @@ import asyncio
 from pathlib import Path
 from typing import Any, ClassVar
 
-from flowrl.data.trajectory import Group
+from flowrl.blame import UserCodeFailed
+from flowrl.data.trajectory import Group, Trajectory
 from flowrl.operator import (
     POLICY,
     TRAJECTORIES,
@@ -245,6 +246,7 @@ class Train(Operator):
         out = [(("engine",), problem)] if (problem := check_name(config.engine)) else []
         if config.freeze and config.lora is not None:
             out.append((("freeze",), "with lora only the adapters train (the base is frozen already); remove freeze"))
+        out += cls._check_tuning_names(config, facts)
         if config.own_process is not None and facts.replicas > 1:
             out.append((("own_process",), f"own_process runs one trainer in a child process; with replicas: "
                         f"{facts.replicas} the ranks are their own processes under Ray already: remove own_process"))
@@ -282,12 +284,29 @@ class Train(Operator):
                         "or set coef: 0"))
         return out
 
+    @classmethod
+    def _check_tuning_names(cls, config: TrainConfig, facts: GraphFacts) -> list[tuple[tuple, str]]:
+        """LoRA's rank limit and the freeze / lora names against a weightless model (as setup checks)."""
+        from flowrl_operators.training.tuning import check
+
+        if config.lora is not None and facts.replicas > 1:
+            return [(("lora",), f"LoRA trains on one rank here; this node has replicas: {facts.replicas}: "
+                     "use replicas: 1")]
+        if not (config.freeze or config.lora is not None) or (config.freeze and config.lora is not None) \
+                or not facts.model_path or facts.model_path.startswith("phase:"):
+            return []
+        try:
+            return check(facts.model_path, list(config.freeze), config.lora)
+        except Exception:  # noqa: BLE001 - a model path that cannot be read is reported at model.path
+            return []
+
     def __init__(self, config: TrainConfig, context: OperatorContext) -> None:
         super().__init__(config, context)
         # setup() makes one of the two; close() may follow a setup that failed half-way.
         self.learner: Learner | None = None
         self.child: Any = None  # flowrl_operators.training.process.Child
         self.steps_done = 0
+        self.vocab = 0  # the model's embedding rows (setup): token ids at or past it cannot train
 
     async def setup(self) -> None:
         from flowrl_operators.models import import_transformers
@@ -305,6 +324,7 @@ class Train(Operator):
         loss, advantage = loss_config(c.loss), advantage_config(c.advantage)
         check_compatible(loss, advantage)
         self._check_tuning()
+        self.vocab = _vocab_size(self.context.model["path"])
         horizon = schedule_horizon(c.optim, self.context, c.epochs)
         config = trainer_config(c.optim, c.micro_batch_tokens, c.max_nonfinite_steps, horizon, self.context.seed,
                                 gradient_checkpointing=c.gradient_checkpointing, freeze=list(c.freeze), lora=c.lora)
@@ -344,6 +364,8 @@ class Train(Operator):
         trajectories = [t for g in groups for t in g.trajectories]
         if not trajectories:
             return TrainResult(policy=None, metrics={"trajectories": 0.0})
+        if self.vocab and (problem := out_of_vocabulary(trajectories, self.vocab)):
+            raise UserCodeFailed(f"node '{self.context.node}': {problem}")
         metrics, policy = await self._call("train", trajectories, step)
         self.steps_done += 1
         every = self.config.export_every
@@ -385,3 +407,24 @@ class Train(Operator):
         finally:
             if self.child is not None:
                 await asyncio.to_thread(self.child.close)
+
+
+def _vocab_size(model_path: str) -> int:
+    """The model's vocabulary (its text model's, for a vision-language one), from config.json."""
+    from flowrl_operators.models import load_config
+
+    return int(getattr(load_config(model_path).get_text_config(), "vocab_size", 0) or 0)
+
+
+def out_of_vocabulary(trajectories: list[Trajectory], vocab: int) -> str | None:
+    """The first token id outside 0..vocab-1, said with its trajectory and position (a workflow's or
+    an operator's mistake upstream, which the embedding would answer with a bare IndexError)."""
+    for t in trajectories:
+        for field in ("prompt_ids", "response_ids"):
+            ids = getattr(t, field)
+            if ids and (min(ids) < 0 or max(ids) >= vocab):
+                i, bad = next((i, x) for i, x in enumerate(ids) if not 0 <= x < vocab)
+                return (f"trajectory {t.id} (sample {t.sample_id}) has token id {bad} at {field}[{i}], outside "
+                        f"the model's vocabulary (ids 0..{vocab - 1}); the node that built it (a workflow or an "
+                        "operator upstream) must emit the model's own token ids")
+    return None

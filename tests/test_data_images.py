@@ -175,6 +175,27 @@ def test_flowrl_validate_finds_a_bad_image_in_a_later_row(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+def test_image_parts_without_an_images_column_are_refused_at_their_row(tmp_path, store):
+    rows = [{"messages": chat(0)}] * 3 + [{"messages": chat(2)}]
+    (tmp_path / "r.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(SourceError, match="r.jsonl: row 4: its messages have 2 \\{type: image\\} part\\(s\\) but "
+                       "the rows have no images column \\(columns: 'messages'\\)") as e:
+        source(file=str(tmp_path / "r.jsonl"))
+    assert e.value.key == "images"
+    spec = tmp_path / "p.yaml"
+    spec.write_text("flowrl: 1\nname: x\nmodel: {path: builtin:tiny-qwen2}\n"
+                    "data: {source: {file: r.jsonl}, batch_size: 1}\n"
+                    "nodes:\n  rollout: {op: generate}\n  score: {op: reward, fn: builtin:grid_nav}\n"
+                    "  learner: {op: train}\n  publish: {op: sync}\n"
+                    "edges:\n  - rollout -> score\n  - score -> learner\n  - learner -> publish\n"
+                    "  - publish -> rollout: {kind: weights}\n")
+    proc = subprocess.run([sys.executable, "-m", "flowrl.cli", "validate", str(spec)], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert "p.yaml:4:16 data.source.images: r.jsonl: row 4: its messages have 2" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 def test_a_source_of_images_needs_a_vision_language_model(tmp_path, store):
     (tmp_path / "r.jsonl").write_text(json.dumps({"messages": chat(1), "images": ["a.png"]}) + "\n")
     picture(COLORS[0]).save(tmp_path / "a.png")

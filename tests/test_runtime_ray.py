@@ -86,6 +86,14 @@ def test_ray_operator_exception_names_the_node_and_leaves_no_process(tmp_path):
     pytest.fail(f"train actor process {pid} still alive after the run failed")
 
 
+def test_ray_setup_that_raises_names_the_node_not_a_flowrl_bug(tmp_path):
+    plan = ops.grpo("sync", steps=2, train={"fail_setup": True})
+    with pytest.raises(StageFailed, match=r"(?s)node 'learner' \(replica 0\): \w+\.setup\(\) failed: "
+                                          ".*toy train cannot set up") as info:
+        run(plan, tmp_path, executor="ray", progress=False)
+    assert "stage.py" not in str(info.value) and "ray::" not in str(info.value), str(info.value)  # the user's frames only
+
+
 def metrics(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

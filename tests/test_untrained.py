@@ -71,6 +71,33 @@ def test_an_operators_own_mistake_is_named_where_it_happens(tmp_path, op, words)
 
 
 @pytest.mark.slow
+def test_token_ids_outside_the_vocabulary_are_named_at_the_train_node(tmp_path):
+    proc = flowrl("run", str(BASE), *TINY, "run.steps=2", "nodes.rollout.workflow=user_code:foreign_ids",
+                  "--run-dir", str(tmp_path / "run"))
+    failed(proc, "node 'learner': trajectory ", "has token id 1000000 at prompt_ids[2], outside the model's vocabulary")
+    assert "IndexError" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_a_stop_when_metric_the_train_node_does_not_report_fails_at_the_first_step(tmp_path):
+    proc = flowrl("run", str(BASE), *TINY, "run.steps=3", "run.stop_when={train.bogus: 1.0}",
+                  "--run-dir", str(tmp_path / "run"))
+    failed(proc, "run.stop_when: train.bogus is not a metric the train node reports", "train.entropy")
+    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_an_operators_setup_that_raises_is_named_with_its_node(tmp_path):
+    spec = BASE.read_text().replace("  learner:\n", "  tag:\n    op: user_code:SetupRaises\n  learner:\n").replace(
+        "  - score -> learner\n", "  - score -> tag\n  - tag -> learner\n")
+    (tmp_path / "user_op.yaml").write_text(spec)
+    proc = flowrl("run", str(tmp_path / "user_op.yaml"), *TINY, "run.steps=2", "--run-dir", str(tmp_path / "run"))
+    failed(proc, "node 'tag' (replica 0): SetupRaises.setup() failed", "user_code.py", "in setup", "in lookup",
+           "KeyError: 'tokenizer'")
+    assert "stage.py" not in proc.stderr
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(("fn", "words"), [
     ("user_code:nan_reward", ["invalid reward: reward is nan"]),
     ("user_code:raising_reward", ["user_code.py", "in raising_reward", "in parse_answer",

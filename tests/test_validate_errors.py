@@ -186,6 +186,34 @@ class CheckRaises(Operator):
     @classmethod
     def check_graph(cls, config, facts):
         raise RuntimeError("the plugin's own bug")
+
+class CheckReturnsText(CheckRaises):
+    @classmethod
+    def check_graph(cls, config, facts):
+        return "everything is fine"
+
+class CheckReturnsStrings(CheckRaises):
+    @classmethod
+    def check_graph(cls, config, facts):
+        return ["lr: too high"]
+
+class KnobsNone(CheckRaises):
+    @classmethod
+    def check_graph(cls, config, facts):
+        return []
+    @classmethod
+    def knobs(cls, config):
+        return None
+
+class PortsText(KnobsNone):
+    inputs = "trajectories"
+    @classmethod
+    def knobs(cls, config):
+        return super(KnobsNone, cls).knobs(config)
+
+class ProvidesText(PortsText):
+    inputs = {"trajectories": TRAJECTORIES}
+    provides = "values"
 '''
 # name -> (overrides or spec edits, where the message points: LINE:COL or the override, words it contains)
 PLUGIN_CASES: dict[str, tuple[list[str], str, str]] = {
@@ -204,6 +232,16 @@ PLUGIN_CASES: dict[str, tuple[list[str], str, str]] = {
     "eval_without_reward": (["data.eval={source: 'broken_plugin:ThreeHeldOut', samples: 3}"], "data.eval",
                             "needs a reward"),
     "check_graph_raises": ([], "nodes.check.op", "check_graph failed: RuntimeError: the plugin's own bug"),
+    "check_graph_returns_text": (["nodes.check.op=broken_plugin:CheckReturnsText"], "nodes.check.op",
+                                 "its check_graph returned str 'everything is fine'; it must return a list"),
+    "check_graph_returns_strings": (["nodes.check.op=broken_plugin:CheckReturnsStrings"], "nodes.check.op",
+                                    "its check_graph returned list ['lr: too high']"),
+    "knobs_none": (["nodes.check.op=broken_plugin:KnobsNone"], "nodes.check.op",
+                   "KnobsNone: its knobs() returned NoneType; it must return flowrl.operator.Knobs"),
+    "ports_text": (["nodes.check.op=broken_plugin:PortsText"], "nodes.check.op",
+                   "inputs is a str; it must be a dict of port name to port type"),
+    "provides_text": (["nodes.check.op=broken_plugin:ProvidesText"], "nodes.check.op",
+                      "provides is 'values'; it must be a frozenset of field names"),
     "sample_without_prompt": (["data.source=broken_plugin:NoPrompt"], "data.source",
                               "sample(0, 0) has no prompt (keys: question)"),
     "sample_not_a_dict": (["data.source=broken_plugin:NotADict"], "data.source", "returned str; a sample is a dict"),
@@ -221,7 +259,7 @@ def test_a_broken_plugin_is_found_by_validate_at_its_key(name: str, tmp_path: Pa
     (tmp_path / "broken_plugin.py").write_text(PLUGIN)
     monkeypatch.syspath_prepend(str(tmp_path))
     spec = tmp_path / "pipeline.yaml"
-    spec.write_text(CHECKED if name == "check_graph_raises" else BASE)
+    spec.write_text(CHECKED if name == "check_graph_raises" or "nodes.check.op" in PLUGIN_CASES[name][1] else BASE)
     overrides, key, words = PLUGIN_CASES[name]
     assert main(["validate", str(spec), *overrides]) == 1
     err = capsys.readouterr().err

@@ -22,6 +22,12 @@ async def wrong_returns(ctx: Any, sample: dict) -> Any:
                       behaviour_logprobs=[0.0, 0.0, 0.0], versions=[0, 0, 0])
 
 
+async def foreign_ids(ctx: Any, sample: dict) -> Any:
+    """A trajectory tokenized with another vocabulary: a prompt id past the model's."""
+    return Trajectory(id="", group_id="", sample_id="", prompt_ids=[1, 2, 1_000_000], response_ids=[3, 4],
+                      loss_mask=[1, 1], behaviour_logprobs=[-1.0, -1.0], versions=[0, 0])
+
+
 def nan_reward(trajectory: Trajectory) -> float:
     return float("nan")
 
@@ -42,6 +48,13 @@ class WrongPort(Operator):
 
     async def process(self, inputs: dict[str, Any]) -> dict[str, Any]:
         return {"trajectory": inputs["trajectories"]}
+
+
+class SetupRaises(WrongPort):
+    """Its setup() fails on a resource it expects (a plugin's own bug, not flowrl's)."""
+
+    async def setup(self) -> None:
+        lookup({}, "tokenizer")
 
 
 def lookup(table: dict, key: str) -> Any:

@@ -131,6 +131,7 @@ class FileSource:
         """Every row's images, as every row's prompt (_check_rows): a missing, corrupt or non-image
         file, or a wrong image count, deep in the file is found at load, located, not at its step."""
         if self.images is None:
+            _check_no_image_parts(rows, self.key, self.column, file, list(rows[0]))
             return
         for number in _spread(len(rows), self.check_images, file):
             row = rows[number]
@@ -208,6 +209,18 @@ def _check_image_count(key: str, prompt: Any, count: int, column: str) -> None:
     if parts != count:
         raise SourceError("images", f"a row holds {count} image(s) in column {column!r} but its messages have "
                                     f"{parts} {{type: image}} part(s); give one part per image, in order")
+
+
+def _check_no_image_parts(rows: Rows, key: str, column: str, file: str, columns: list[str]) -> None:
+    """Rows without an images column whose messages still hold {type: image} parts: the model would
+    get placeholders without pictures. Rows in memory are checked one by one, a parquet file's first."""
+    if key != "messages":
+        return
+    for number, row in enumerate(rows if isinstance(rows, list) else [rows[0]], 1):
+        if parts := image_columns.image_parts(row.get(column) or []):
+            raise SourceError("images", f"{file}: row {number}: its messages have {parts} {{type: image}} part(s) "
+                              f"but the rows have no images column (columns: {', '.join(map(repr, columns))}); "
+                              "add an 'images' column, name yours with images: <column>, or remove the parts")
 
 
 def _hold_out(rows: Rows, count: int | None, fraction: float | None) -> tuple[Rows, Rows]:

@@ -21,7 +21,7 @@ import networkx as nx
 from flowrl import registry
 from flowrl.graph import rules
 from flowrl.graph.plan import EdgePlan, NodePlan, Plan
-from flowrl.operator import PROMPTS, WEIGHTS, GraphFacts, Operator, Resources
+from flowrl.operator import PROMPTS, WEIGHTS, GraphFacts, Knobs, Operator, Resources
 from flowrl.spec.errors import Diagnostic, SpecError, did_you_mean
 from flowrl.spec.load import LoadedSpec, load, validation_diagnostic
 from flowrl.spec.schema import EdgeSpec
@@ -63,7 +63,7 @@ def compile_spec(loaded: LoadedSpec) -> Compiled:
     _check_resources(spec, resources, loc, problems)
     if not problems:
         rules.check_fan_in(edges, ops, loc, problems)
-        _check_operators(edges, ops, configs, resources, spec.run.executor, loc, problems)
+        _check_operators(edges, ops, configs, resources, spec, loc, problems)
     rules.check_references(spec, configs, loc, problems)  # imports the modules named, builds the data source
     if problems:
         raise SpecError(_ordered(problems))
@@ -124,7 +124,46 @@ def _read_nodes(nodes: dict[str, Any], loc, problems: list[Diagnostic]
             configs[name] = msgspec.convert(body, op.Config)
         except msgspec.ValidationError as e:
             problems.append(validation_diagnostic(e, body, node_path, loc, op.Config))
+            continue
+        if (problem := _knobs_problem(op, configs[name])) is not None:
+            problems.append(loc.diagnostic((*node_path, "op"), problem))
     return ops, configs, resources
+
+
+def _who(op: type[Operator]) -> str:
+    return f"operator {op.__module__}:{op.__qualname__}"
+
+
+def _knobs_problem(op: type[Operator], config: msgspec.Struct) -> str | None:
+    """Why the operator's `knobs(config)` is unusable (it raised, or is not a Knobs), or None."""
+    try:
+        knobs = op.knobs(config)
+    except Exception as e:  # noqa: BLE001 - the plugin's own bug: say whose
+        return f"{_who(op)}: its knobs() failed: {type(e).__name__}: {e}"
+    if not isinstance(knobs, Knobs):
+        return f"{_who(op)}: its knobs() returned {type(knobs).__name__}; it must return flowrl.operator.Knobs"
+    if not isinstance(knobs.provides, frozenset | set):
+        return f"{_who(op)}: its knobs().provides is {knobs.provides!r}; it must be a frozenset of field names"
+    return None
+
+
+def _graph_checks(op: type[Operator], config: msgspec.Struct, facts: GraphFacts) -> list[tuple[tuple, str]]:
+    """The operator's `check_graph`, its result held to the contract: a list of (key path, message)."""
+    try:
+        found = op.check_graph(config, facts)
+    except Exception as e:  # noqa: BLE001 - a plugin's own check failing is its author's to fix: say whose
+        return [(("op",), f"{_who(op)}: its check_graph failed: {type(e).__name__}: {e}")]
+    good = isinstance(found, list | tuple) and all(
+        isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], tuple) and isinstance(p[1], str) for p in found)
+    if not good:
+        return [(("op",), f"{_who(op)}: its check_graph returned {_short(found)}; it must return a list of "
+                 "(key path tuple, message) pairs, e.g. [(('lr',), 'too high')]")]
+    return list(found)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text[:80]}{'...' if len(text) > 80 else ''}"
 
 
 def _parse_edges(entries, ops, nodes, loc, problems) -> list[tuple[int, EdgePlan]]:
@@ -253,6 +292,26 @@ def custom_problem(name: str, amount: float) -> str | None:
     return None
 
 
+# Ray's label syntax (Kubernetes-style): a name of at most 63 letters, digits, '-', '_', '.', starting
+# and ending with a letter or digit; a key may have a DNS prefix ('example.com/gpu'); a selector value
+# is `v`, `!v`, `in(v1, v2)` or `!in(v1, v2)` (Ray's label_selector documentation).
+LABEL_NAME = r"[A-Za-z0-9](?:[A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?"
+LABEL_SELECTOR = re.compile(rf"!?(?:{LABEL_NAME}|in\({LABEL_NAME}(?:, ?{LABEL_NAME})*\))")
+
+
+def label_key_problem(key: str) -> str | None:
+    """Why `key` cannot be a key of `resources.labels`, Ray's label selector (None: it can)."""
+    if not key.strip():
+        return "a node label needs a name"
+    prefix, _, label = key.rpartition("/")
+    if prefix and (len(prefix) > 253 or not all(re.fullmatch(LABEL_NAME, p) for p in prefix.split("."))):
+        return f"label key {key!r}: its prefix must be a DNS name (e.g. example.com/{label})"
+    if not re.fullmatch(LABEL_NAME, label):
+        return (f"label key {key!r}: a label name is 1-63 letters, digits, '-', '_' or '.', starting and "
+                "ending with a letter or digit")
+    return None
+
+
 def _check_resources(spec, resources: dict[str, Resources], loc, problems) -> None:
     cluster = spec.cluster
     total_cpus = total_gpus = 0.0
@@ -260,9 +319,14 @@ def _check_resources(spec, resources: dict[str, Resources], loc, problems) -> No
         for key, amount in r.custom.items():  # Ray placement keys (flowrl/runtime/ray_placement.py)
             if (problem := custom_problem(key, amount)) is not None:
                 problems.append(loc.diagnostic(("nodes", name, "resources", "custom", key), problem, at_key=True))
-        for key in r.labels:
-            if not key.strip():
-                problems.append(loc.diagnostic(("nodes", name, "resources", "labels"), "a node label needs a name"))
+        for key, value in r.labels.items():
+            at = ("nodes", name, "resources", "labels", *((key,) if key.strip() else ()))
+            if (problem := label_key_problem(key)) is not None:
+                problems.append(loc.diagnostic(at, problem, at_key=bool(key.strip())))
+            elif value and not LABEL_SELECTOR.fullmatch(value):
+                problems.append(loc.diagnostic(at, f"{value!r} is not a Ray label selector; write a value (a1), "
+                                               "its negation (!a1), in(a1, a2) or !in(a1, a2), each value 1-63 "
+                                               "letters, digits, '-', '_' or '.'"))
         cpus, gpus = r.cpus * r.replicas, r.gpus * r.replicas
         total_cpus, total_gpus = total_cpus + cpus, total_gpus + gpus
         if cpus > cluster.cpus or gpus > cluster.gpus:
@@ -275,7 +339,7 @@ def _check_resources(spec, resources: dict[str, Resources], loc, problems) -> No
             f"the nodes together ask for {total_cpus:g} CPUs and {total_gpus:g} GPUs; the cluster offers {cluster.cpus:g} and {cluster.gpus:g}"))
 
 
-def _check_operators(edges, ops, configs, resources, executor: str, loc, problems) -> None:
+def _check_operators(edges, ops, configs, resources, spec, loc, problems) -> None:
     data = nx.DiGraph([(e.src, e.dst, {"mode": e.mode}) for _, e in edges if e.kind == "data"])
     data.add_nodes_from(ops)
     for name, op in ops.items():
@@ -286,14 +350,10 @@ def _check_operators(edges, ops, configs, resources, executor: str, loc, problem
         partial = any(ops[u].knobs(configs[u]).partial_rollout for u in upstream if u in configs)
         provided = frozenset(field for u in upstream if u in configs
                              for field in ops[u].provides | ops[u].knobs(configs[u]).provides)
-        facts = GraphFacts(async_upstream=async_in, partial_rollout_upstream=partial, executor=executor,
-                           upstream_provides=provided, replicas=resources[name].replicas if name in resources else 1)
-        try:
-            found = list(op.check_graph(configs[name], facts))
-        except Exception as e:  # noqa: BLE001 - a plugin's own check failing is its author's to fix: say whose
-            found = [(("op",), f"operator {op.__module__}:{op.__qualname__}: its check_graph failed: "
-                               f"{type(e).__name__}: {e}")]
-        for key_path, message in found:
+        facts = GraphFacts(async_upstream=async_in, partial_rollout_upstream=partial, executor=spec.run.executor,
+                           upstream_provides=provided, replicas=resources[name].replicas if name in resources else 1,
+                           model_path=spec.model.path)
+        for key_path, message in _graph_checks(op, configs[name], facts):
             problems.append(loc.diagnostic(("nodes", name, *key_path), message))
 
 

@@ -299,6 +299,9 @@ class Coordinator:
         self.flush()  # each step's records reach the disk with it, whatever the periodic flush does
         if self.targets.row(self.observe.last_row):
             self.stop("target")
+        elif self.targets.unread:
+            self.error = self.error or self.targets.unread
+            self.stop("error")
         if version >= self.stop_at and version < self.steps:
             self.stop("interrupt")
         elif self.clock < self.steps:

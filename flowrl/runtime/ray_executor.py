@@ -32,6 +32,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
+from flowrl.blame import UserCodeFailed
 from flowrl.graph.plan import Plan
 from flowrl.runtime import ray_placement as placement
 from flowrl.runtime.coordinator import Coordinator
@@ -97,6 +98,8 @@ class RayExecutor:
         except RayTaskError as e:  # a user's mistake (a checkpoint it cannot load): its own message
             if isinstance(e.cause, UserError):
                 raise e.cause from None
+            if isinstance(e.cause, UserCodeFailed):  # a setup() that raised: named with its node
+                raise StageFailed(str(e.cause)) from None
             raise
         self.where = dict(zip(self.actors, where, strict=True))
         placement.write(self.run_dir, self.where, self.attached)

@@ -13,6 +13,7 @@ from typing import Any
 
 import msgspec
 
+from flowrl.blame import UserCodeFailed
 from flowrl.graph.plan import Plan
 from flowrl.runtime import checkpoints, streams
 
@@ -108,7 +109,10 @@ async def _run(plan: Plan, run_dir: Path | None, executor: str | None, resume: b
 
     ex = _executor(executor, plan, run_dir, origin)
     try:
-        await ex.start(steps, max_steps, state, checkpoint)
+        try:
+            await ex.start(steps, max_steps, state, checkpoint)
+        except UserCodeFailed as e:  # a node's setup() failed: its message names the node
+            raise StageFailed(str(e)) from e
         reason = await _supervise(ex, plan, run_dir, progress)
         failures = await ex.join(JOIN_TIMEOUT_S[reason])
         if reason == "error" and getattr(ex, "lost_train", None) and run_dir is not None:

@@ -19,7 +19,7 @@ from flowrl import registry
 from flowrl.blame import UserCodeFailed, describe, user_frames
 from flowrl.data import images
 from flowrl.graph.plan import Plan
-from flowrl.operator import Operator, OperatorContext, TrainResult
+from flowrl.operator import ConfigError, Operator, OperatorContext, TrainResult
 from flowrl.runtime import faults
 from flowrl.runtime.channel import Work
 from flowrl.runtime.observe import node_pids, span
@@ -60,7 +60,7 @@ class Stage:
         cls = registry.resolve(self.node.op)
         config = msgspec.convert(self.node.config, cls.Config)
         self.op = cls(config, self.context())
-        await self.op.setup()
+        await self._setup()
         if checkpoint is not None:
             self._restore(Path(checkpoint))
         # What setup built (models, tokenizers, libraries' modules) lives for the whole run: move it
@@ -70,6 +70,17 @@ class Stage:
         self.events.append(span(self.pid, self.replica * 100, "setup", start, time.time(), self.origin))
         await self.coord.attach(self.node.name, self.replica, self.version)
         await self._report()  # what setup measured (e.g. the first evaluation), before any work
+
+    async def _setup(self) -> None:
+        """The operator's setup(); a failure is reported naming the node and the user's frames (a
+        plugin's bug, a model it cannot load), not as flowrl's own. ConfigError keeps its key path."""
+        try:
+            await self.op.setup()
+        except (ConfigError, UserCodeFailed, KeyboardInterrupt, SystemExit, asyncio.CancelledError):
+            raise
+        except Exception as e:  # noqa: BLE001 - said with the node; --debug keeps the whole traceback
+            raise UserCodeFailed(f"node '{self.node.name}' (replica {self.replica}): "
+                                 f"{type(self.op).__name__}.setup() failed: {describe(e)}") from e
 
     def _restore(self, path: Path) -> None:
         """Load the operator's checkpoint. Its files matched their checksums (resume.py), so a failure

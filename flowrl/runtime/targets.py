@@ -15,6 +15,8 @@ written, status "done", stopped_by "stop_when", `flowrl run` exits 0. Metric nam
   `train.entropy`).
 
 A metric that should fall (a loss) is not a stop_when target: thresholds are lower bounds.
+A `train.<key>` that the train node's first trained step does not report fails the run there,
+naming the keys it does report (operators declare no metric names that validate could read).
 """
 
 from __future__ import annotations
@@ -40,13 +42,21 @@ class Targets:
     def __init__(self, stop_when: dict[str, float]) -> None:
         self.wanted = {name: float(value) for name, value in stop_when.items()}
         self.reached: str | None = None  # e.g. "eval_reward 0.94 >= 0.9"
+        # A train.<key> target that the train node's first trained step did not report: it never
+        # would be reached (no node declares its metrics beforehand, so this is found at step 0).
+        self.unread: str | None = None
 
     def row(self, row: dict[str, Any] | None) -> bool:
         """A metrics row (after a train step): has any row or train.* target been reached?"""
         if not row:
             return False
         values = {name: row.get(name) for name in ROW_KEYS}
-        values.update({f"train.{k}": v for k, v in (row.get("train") or {}).items()})
+        train = row.get("train") or {}
+        values.update({f"train.{k}": v for k, v in train.items()})
+        missing = [n for n in self.wanted if n.startswith("train.") and n not in values]
+        if missing and train and train.get("trajectories", 1) > 0 and self.unread is None:
+            self.unread = (f"run.stop_when: {missing[0]} is not a metric the train node reports, so the run "
+                           f"would never stop on it; it reports {', '.join(f'train.{k}' for k in sorted(train))}")
         return self._check(values)
 
     def operators(self, metrics: dict[str, Any]) -> bool:
