@@ -329,7 +329,13 @@ class Trainer:
 
     def compute_logprobs(self, batch: Batch) -> torch.Tensor:
         """Logprobs of this rank's rows under the current weights (proximal or reference), (B, T)."""
-        return self._per_token(batch, "logprobs")
+        logprobs = self._per_token(batch, "logprobs")
+        if self.sharded:
+            # FSDP2 keeps the root's parameters gathered after a forward without backward; gathered
+            # weights that the policy snapshot then reads could not be freed again ("Trying to resize
+            # storage that is not resizable" at the next step, two ranks under Ray).
+            self.model.reshard()
+        return logprobs
 
     # --- weights ---------------------------------------------------------------------------------
 
