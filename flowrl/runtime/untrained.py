@@ -40,6 +40,7 @@ class Untrained:
         self.lines: list[bytes] = []
         self.empty: dict[str, list[int]] = {}  # train node -> its empty steps in a row
         self.invalid = 0  # groups trained on whose every trajectory is invalid (no real reward)
+        self.bad = 0  # rejected + filtered + invalid + errors seen, at the last step
 
     def errors(self, node: str, replica: int, texts: list[str]) -> None:
         for text in texts:
@@ -59,6 +60,12 @@ class Untrained:
         self.invalid += invalid
         if len(groups) > invalid:
             self.empty[node] = []
+            return None
+        bad = sum(counters.get(k, 0) for k in ("rejected", "filtered")) + self.invalid + sum(self.seen.values())
+        went_bad, self.bad = bad > self.bad, bad
+        if not went_bad:
+            # Empty with no sample rejected, filtered or invalid and no error: samples dropped as too
+            # stale (an async run's last steps), the runtime's choice and not a broken workflow.
             return None
         empty = self.empty.setdefault(node, [])
         empty.append(step)
