@@ -129,3 +129,33 @@ def test_records_are_on_disk_from_the_first_step(tmp_path):
     assert [r["step"] for r in rows] == [0]
     events = [json.loads(line)["event"] for line in (run_dir / "ledger.jsonl").read_text().splitlines()]
     assert "issue" in events and "consume" in events
+
+
+class _Group:
+    def __init__(self, invalid: bool) -> None:
+        from flowrl.data.trajectory import INVALID
+        self.trajectories = [type("T", (), {"metadata": {INVALID: True} if invalid else {}})()]
+
+
+def test_trailing_steps_emptied_by_staleness_drops_do_not_fail_an_async_run():
+    from flowrl.runtime.untrained import Untrained
+    untrained = Untrained(None, 2, 100, 0.0)
+    counters = {"rejected": 2}  # rejections early in the run, then healthy steps
+    assert untrained.step("learner", 0, [{"x": _Group(False)}], counters) is None
+    for step in range(1, 6):  # the last steps: every sample dropped as too stale, none went bad
+        assert untrained.step("learner", step, [], dict(counters, dropped=step)) is None
+    # Restored from a checkpoint, the count of bad samples is the saved one: no spurious "went bad".
+    restored = Untrained(None, 2, 100, 0.0)
+    restored.restore(untrained.state())
+    for step in range(6, 9):
+        assert restored.step("learner", step, [], counters) is None
+
+
+def test_empty_steps_with_samples_going_bad_fail_the_run_after_the_limit():
+    from flowrl.runtime.untrained import Untrained
+    untrained = Untrained(None, 3, 100, 0.0)
+    reasons = [untrained.step("learner", step, [], {"rejected": 4 * (step + 1)}) for step in range(3)]
+    assert reasons[:2] == [None, None] and "nothing was trained" in reasons[2] and "steps 0-2" in reasons[2]
+    invalid = Untrained(None, 2, 100, 0.0)
+    assert invalid.step("learner", 0, [{"x": _Group(True)}], {}) is None
+    assert "(2 invalid)" in invalid.step("learner", 1, [{"x": _Group(True)}], {})

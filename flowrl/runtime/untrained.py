@@ -58,11 +58,12 @@ class Untrained:
         groups = [v for item in batch for v in item.values()]
         invalid = sum(1 for g in groups if _invalid(g))
         self.invalid += invalid
+        # Counted every step, so "went bad" means since the step before this one, not since the last empty one.
+        bad = sum(counters.get(k, 0) for k in ("rejected", "filtered")) + self.invalid + sum(self.seen.values())
+        went_bad, self.bad = bad > self.bad, bad
         if len(groups) > invalid:
             self.empty[node] = []
             return None
-        bad = sum(counters.get(k, 0) for k in ("rejected", "filtered")) + self.invalid + sum(self.seen.values())
-        went_bad, self.bad = bad > self.bad, bad
         if not went_bad:
             # Empty with no sample rejected, filtered or invalid and no error: samples dropped as too
             # stale (an async run's last steps), the runtime's choice and not a broken workflow.
@@ -95,12 +96,15 @@ class Untrained:
         self.lines = []
 
     def state(self) -> dict[str, Any]:
-        return {"kept": dict(self.kept), "empty": {k: list(v) for k, v in self.empty.items()}, "invalid": self.invalid}
+        return {"kept": dict(self.kept), "seen": dict(self.seen), "empty": {k: list(v) for k, v in self.empty.items()},
+                "invalid": self.invalid, "bad": self.bad}
 
     def restore(self, state: dict[str, Any]) -> None:
         self.kept = dict(state.get("kept", {}))
         self.empty = {k: list(v) for k, v in state.get("empty", {}).items()}
+        self.seen = dict(state.get("seen", {}))
         self.invalid = int(state.get("invalid", 0))
+        self.bad = int(state.get("bad", 0))
 
 
 def _invalid(group: Any) -> bool:
