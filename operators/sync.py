@@ -12,14 +12,14 @@ from flowrl_operators.config import SyncConfig
 class Sync(Operator):
     """Delivers a new policy version to the generate engines in weight buckets.
 
-    `sync(policy, version=)` accepts what a train node publishes: a trainer (anything with
-    `named_weights(bucket_bytes)`), a torch module, a state dict, an iterable of buckets, None (the
-    step changed nothing: the version advances with no bytes), or a weights
-    record the trainer already sent itself (passed through; that is how a broadcast leaves a Ray train
-    actor's rank 0 without the weights travelling through this node). A policy a Ray train stage put
-    in the object store (`object_refs`) goes on by reference with the object store transport. It
-    returns the weights record
-    that the generate node hands to `flowrl_operators.transport.apply`.
+    `sync(policy, version=)` takes a policy record as a train node publishes it (`Policy`): a
+    `Snapshot` (in one process), a `StoredSnapshot` (under Ray: the train actor put it in the object
+    store), a weights record the trainer already sent itself (passed through: how a broadcast leaves
+    a Ray train rank 0 without the weights travelling through this node), or None (the step changed
+    nothing: the version advances with no bytes). A plugin's train node may publish a weights source
+    instead (a trainer, module, state dict or buckets: `weight_buckets`), streamed to the transport
+    as live tensors. Returns the weights record that the generate node hands to
+    `flowrl_operators.transport.apply`.
     """
 
     kind = "sync"
@@ -54,18 +54,24 @@ class Sync(Operator):
         self.sender = make_sender(self.config)
 
     async def sync(self, policy: Any, *, version: int) -> Any:
-        from flowrl_operators.transport import Snapshot, rebucket, registry, weight_buckets
+        from flowrl_operators.transport import (
+            ObjectStoreSender,
+            Snapshot,
+            StoredSnapshot,
+            rebucket,
+            registry,
+            weight_buckets,
+        )
 
-        if registry.of_record(policy) is not None:
-            return policy
         if self.sender is None:
             await self.setup()
-        # None: the train step changed nothing (no data); the version still advances, with no bytes.
-        stored = getattr(policy, "object_refs", None)
-        if stored is not None and hasattr(self.sender, "forward"):
-            # Under Ray the train stage put the version in buckets already: pass its refs on (the
-            # trainer's bucket size, not `bucket_mb`), no second copy into the object store.
-            return self.sender.forward(stored, version)
+        if isinstance(policy, StoredSnapshot):
+            if isinstance(self.sender, ObjectStoreSender):
+                # Put by the trainer already, in its buckets (not `bucket_mb`): the refs go on, no second copy.
+                return policy.record(version)
+            policy = await asyncio.to_thread(policy.load)
+        elif registry.of_record(policy) is not None:
+            return policy
         size = int(self.config.bucket_mb * 2**20)
         if isinstance(policy, Snapshot):  # the train node's private copy: stays one, so it is not copied again
             buckets = Snapshot(rebucket((pair for bucket in policy for pair in bucket), size))

@@ -18,6 +18,7 @@ the step (a `Snapshot`), so the sync node can ship them while the next step alre
 live weights; no one copies them again: the in-process transport hands them over as they are and
 the embedded engine adopts them as its weights. Only what a step can change is sent (frozen
 parameters are not; with LoRA the adapters), the whole model when a restored policy is published.
+Under Ray it is put into the object store by this node and published as a `StoredSnapshot`.
 All of it is the `Learner`'s work; with `own_process: {threads: N}` the Learner lives in a child
 process (flowrl_operators.training.process), and the node only passes trajectories and weights.
 """
@@ -329,8 +330,8 @@ class Train(Operator):
         config = trainer_config(c.optim, c.micro_batch_tokens, c.max_nonfinite_steps, horizon, self.context.seed,
                                 gradient_checkpointing=c.gradient_checkpointing, freeze=list(c.freeze), lora=c.lora)
         in_process = c.own_process is None
-        # Under Ray the stage puts the policy into the object store (its one copy) before the next
-        # step can change the weights (ray_stage.py): the Learner need not copy it first.
+        # Under Ray this node puts the policy into the object store (its one copy) before the next
+        # step can change the weights (`_published`): the Learner need not copy it first.
         copy = in_process and self.context.executor != "ray"
         args = (c.engine, self.context.model["path"], config, loss, advantage, c.epochs, copy,
                 in_process and self.context.executor == "inprocess", c.policy_kl_every)
@@ -375,10 +376,23 @@ class Train(Operator):
             await self._call("export_hf", str(folder))
         metrics |= _reward_means(trajectories)
         metrics["trajectories"] = float(len(trajectories))
-        return TrainResult(policy=policy, metrics=metrics)
+        return TrainResult(policy=await self._published(policy), metrics=metrics)
 
     async def publish(self) -> TrainResult:
-        return TrainResult(policy=await self._call("policy"))
+        return TrainResult(policy=await self._published(await self._call("policy")))
+
+    async def _published(self, policy: Any) -> Any:
+        """The policy record: the Snapshot itself in one process. Under Ray rank 0 puts it into the
+        object store here, its one copy, before the next step can change the weights, and publishes
+        the small StoredSnapshot (the runtime carries it opaque; the sync node hands its refs on);
+        the other ranks publish nothing, as the runtime keeps rank 0's policy only."""
+        if policy is None or self.context.executor != "ray":
+            return policy
+        if self.context.rank > 0:
+            return None
+        from flowrl_operators.transport import StoredSnapshot
+
+        return await asyncio.to_thread(StoredSnapshot.put, policy)
 
     def save(self, path: Path) -> None:
         self._call_now("save", self._trainer_dir(path))

@@ -185,31 +185,6 @@ def test_a_lost_machine_moves_the_generate_stage_to_another_node(ray_nodes, tmp_
     assert sorted(trained) == sorted(f"{s}:{i}" for s in range(30) for i in range(2))  # none lost, none twice
 
 
-def test_a_policy_goes_to_the_object_store_as_byte_arrays_of_its_own_memory():
-    import pickle
-
-    import torch
-
-    from flowrl.runtime.ray_stage import HostBytes, _unpack, to_store
-    from flowrl_operators.transport import Snapshot
-
-    weights, half = torch.arange(6.0).reshape(2, 3), torch.tensor([1.5, -2.0], dtype=torch.bfloat16)
-    policy = [Snapshot([[("w", weights), ("h", half)]]), {"version": 3, "extra": (weights,)}]
-    stored = to_store(policy)
-    assert isinstance(stored[0], Snapshot) and isinstance(stored[1]["extra"], tuple) and stored[1]["version"] == 3
-    packed = stored[0][0][0][1]
-    assert isinstance(packed, HostBytes) and packed.array.ctypes.data == weights.data_ptr()  # not copied
-    # Ray's pickling takes numpy arrays out of band (a reader maps them); back, they are the tensors.
-    buffers = []
-    blob = pickle.dumps(stored, protocol=5, buffer_callback=buffers.append)
-    assert len(buffers) == 3 and len(blob) < 1000
-    back = _unpack(pickle.loads(blob, buffers=buffers))
-    assert isinstance(back[0], Snapshot) and back[1]["version"] == 3
-    (name, w), (_, h) = back[0][0]
-    assert name == "w" and torch.equal(w, weights) and h.dtype == torch.bfloat16 and torch.equal(h, half)
-    assert torch.equal(back[1]["extra"][0], weights)
-
-
 def test_placement_check_refuses_what_the_alive_nodes_cannot_hold():
     from flowrl.operator import Resources
     from flowrl.runtime.ray_placement import check

@@ -60,11 +60,12 @@ class Publisher:
         return await self.nodes[transport, layout].sync(buckets, version=version)
 
     async def put_policy(self) -> list:
-        """The policy as a Ray train stage hands it to the coordinator: one ref (ray_stage)."""
+        """The policy as a Ray train stage hands it to the coordinator: the train node puts its
+        Snapshot into the object store (operators/train.py), the stage puts that record (ray_stage)."""
         from flowrl.runtime.ray_stage import _by_reference
-        from flowrl_operators.transport import Snapshot
+        from flowrl_operators.transport import Snapshot, StoredSnapshot
 
-        return [await _by_reference(Snapshot(rebucket(self.weights.items(), BUCKET_BYTES)), 0)]
+        return [await _by_reference(StoredSnapshot.put(Snapshot(rebucket(self.weights.items(), BUCKET_BYTES))), 0)]
 
     def _dies_after(self, buckets, count: int):
         yield from buckets[:count]
@@ -156,14 +157,13 @@ def test_publisher_dying_half_way_leaves_the_old_weights(ray_session, trained, t
 
 @pytest.mark.parametrize("transport", ["auto", "broadcast"])
 def test_a_ray_train_stages_put_reaches_the_engine_without_a_second_put(shared_publisher, trained, transport):
-    from flowrl.runtime.ray_stage import from_store
     from flowrl_operators.sync import Sync
-    from flowrl_operators.transport import ObjectStoreRecord, Snapshot
+    from flowrl_operators.transport import ObjectStoreRecord, StoredSnapshot
 
     async def run():
         [ref] = await shared_publisher.put_policy.remote()
-        policy = await from_store(ref)  # as the sync stage's proxy resolves it
-        assert isinstance(policy, Snapshot) and len(policy) > 1
+        policy = await ref  # as the sync stage's proxy resolves it
+        assert isinstance(policy, StoredSnapshot) and len(policy.buckets) > 1
         config = SyncConfig(transport=transport, bucket_mb=BUCKET_BYTES / 2**20, timeout_s=60.0)
         node = Sync(config, OperatorContext(node="sync"))
         engine = EmbeddedEngine(MODEL, max_slots=2)
@@ -171,7 +171,7 @@ def test_a_ray_train_stages_put_reaches_the_engine_without_a_second_put(shared_p
             record = await node.sync(policy, version=1)
             if transport == "auto":  # the object store: the trainer's objects go on as they are
                 assert isinstance(record, ObjectStoreRecord)
-                assert [r for r, _ in record.buckets] == [r for r, _ in policy.object_refs]
+                assert [r for r, _ in record.buckets] == [r for r, _ in policy.buckets]
             metrics = await apply(engine, record, 1)
             assert engine.version == 1
             assert_bitwise(engine, trained)
@@ -182,3 +182,25 @@ def test_a_ray_train_stages_put_reaches_the_engine_without_a_second_put(shared_p
 
     metrics = asyncio.run(run())
     assert metrics.bytes == sum(t.numel() * t.element_size() for t in trained.values())
+
+
+def test_a_policy_goes_to_the_object_store_as_byte_arrays_of_its_own_memory(ray_session, monkeypatch):
+    """The object store layout, once (transport/object_store.py): each bucket one object, a list of
+    uint8 arrays viewing the tensors' own memory (ray.put's is the one copy), mapped back on load."""
+    import numpy as np
+
+    from flowrl_operators.transport import Snapshot, StoredSnapshot
+
+    weights, half = torch.arange(6.0).reshape(2, 3), torch.tensor([1.5, -2.0], dtype=torch.bfloat16)
+    handed, real_put = [], ray.put
+    monkeypatch.setattr(ray, "put", lambda value: handed.append(value) or real_put(value))  # a spy: Ray stores it
+    stored = StoredSnapshot.put(Snapshot([[("w", weights), ("h", half)]]))
+    [arrays] = handed
+    assert all(isinstance(a, np.ndarray) and a.dtype == np.uint8 for a in arrays)
+    assert arrays[0].ctypes.data == weights.data_ptr()  # not copied before ray.put
+    assert stored.nbytes == 6 * 4 + 2 * 2 and [m.name for m in stored.buckets[0][1]] == ["w", "h"]
+    back = stored.load()
+    assert isinstance(back, Snapshot)
+    (name, w), (_, h) = back[0]
+    assert name == "w" and torch.equal(w, weights) and h.dtype == torch.bfloat16 and torch.equal(h, half)
+    assert w.data_ptr() != weights.data_ptr()  # read from the object store, not the original

@@ -1,8 +1,8 @@
 """The Ray path of a policy version, as a flowrl run under `executor: ray` takes it, on a loopback
 multi-node Ray cluster: used by `tools/bench_weight_sync.py --ray-path`.
 
-A train actor on worker node `a` publishes the weights as the train stage does (ray_stage's
-`_by_reference`: one `ray.put` per bucket, only a ref to them goes on); the driver stands for the
+A train actor on worker node `a` publishes the weights as the train stage does (the train node's
+`StoredSnapshot.put`: one `ray.put` per bucket; ray_stage's `_by_reference`: only a ref goes on); the driver stands for the
 coordinator and holds nothing but that ref (its tensor bytes are counted, as metrics.jsonl's
 `coordinator_weight_bytes`); a sync actor next to the trainer resolves the ref as the sync stage's
 proxy does and runs the real sync operator (`transport: auto`, the object store under Ray, which
@@ -52,10 +52,13 @@ class TrainEnd:
         self.policy = Snapshot(rebucket(self.weights.items(), int(bucket_mb * 2**20)))
 
     async def publish(self) -> list:
+        import asyncio
+
         from flowrl.runtime.ray_stage import _by_reference
+        from flowrl_operators.transport import StoredSnapshot
 
         start = time.perf_counter()
-        ref = await _by_reference(self.policy, 0)
+        ref = await _by_reference(await asyncio.to_thread(StoredSnapshot.put, self.policy), 0)
         return [ref, time.perf_counter() - start]  # in a list: Ray hands back the ref, not its value
 
     def checksum(self) -> float:
@@ -77,9 +80,7 @@ class SyncEnd:
         self.op = Sync(config, OperatorContext(node="publish"))
 
     async def sync(self, ref: list, version: int) -> Any:
-        from flowrl.runtime.ray_stage import from_store
-
-        policy = await from_store(ref[0])  # as RemoteCoordinator.take resolves a policy record
+        policy = await ref[0]  # as RemoteCoordinator.take resolves a policy record
         return await self.op.sync(policy, version=version)
 
 

@@ -56,6 +56,7 @@ from flowrl_operators.engine.sampling import sample, top_logprobs
 from flowrl_operators.engine.vl_requests import check_images
 from flowrl_operators.memory import configure, release
 from flowrl_operators.models import resolve_model, silence_hf
+from flowrl_operators.transport.base import Stream
 
 
 @dataclass(eq=False)
@@ -211,7 +212,7 @@ class EmbeddedEngine:
 
     async def update_weights(self, buckets: Buckets, version: int) -> None:
         """Apply a complete new version between two steps, or nothing (see the module docs)."""
-        owned = bool(getattr(buckets, "owned", False))  # a stream of tensors nobody changes later
+        owned = isinstance(buckets, Stream) and buckets.owned  # a stream of tensors nobody changes later
         staged: dict[str, torch.Tensor] = {}
         if isinstance(buckets, AsyncIterable):
             async for bucket in buckets:

@@ -32,15 +32,18 @@ from flowrl_operators.transport.base import (
 )
 from flowrl_operators.transport.broadcast import BroadcastGroup, BroadcastRecord, BroadcastSender
 from flowrl_operators.transport.inprocess import InProcessRecord, InProcessSender
-from flowrl_operators.transport.object_store import ObjectStoreRecord, ObjectStoreSender
+from flowrl_operators.transport.object_store import ObjectStoreRecord, ObjectStoreSender, StoredSnapshot
 
 __all__ = [
     "Bucket", "BroadcastGroup", "BroadcastRecord", "BroadcastSender", "InProcessRecord", "InProcessSender",
-    "ObjectStoreRecord", "ObjectStoreSender", "Snapshot", "Stream", "SyncMetrics", "TensorMeta", "TransferError",
+    "ObjectStoreRecord", "ObjectStoreSender", "Policy", "Snapshot", "StoredSnapshot", "Stream", "SyncMetrics", "TensorMeta", "TransferError",
     "WeightSender", "WeightsRecord", "apply", "make_sender", "open_stream", "rebucket", "weight_buckets",
 ]
 
 WeightsRecord = InProcessRecord | ObjectStoreRecord | BroadcastRecord  # the built-ins' records
+# What a train node publishes and a sync node takes: its copy of the weights, in one process or
+# (under Ray) put in the object store by the train actor; a record it sent itself; None, no change.
+Policy = Snapshot | StoredSnapshot | WeightsRecord | None
 
 
 def make_sender(config: Any) -> WeightSender:

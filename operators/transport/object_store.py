@@ -19,14 +19,61 @@ from typing import Any
 
 import torch
 
-from flowrl_operators.transport.base import Bucket, Stream, TensorMeta, TransferError, as_bytes, from_bytes
+from flowrl_operators.transport.base import (
+    Bucket,
+    Snapshot,
+    Stream,
+    TensorMeta,
+    TransferError,
+    as_bytes,
+    from_bytes,
+)
 from flowrl_operators.transport.registry import Transport
+
+
+@dataclass(frozen=True)
+class StoredSnapshot:
+    """A Snapshot in the Ray object store, put there by the process that made it: what a train node
+    publishes under Ray (operators/train.py), so the runtime carries only this small value and the
+    weights never pass through the coordinator. Each bucket is one object in this transport's layout
+    (a list of flat uint8 arrays; `metas` rebuild the tensors). The sync node hands the refs on as an
+    `ObjectStoreRecord` with no second copy, or `load`s the tensors for another transport."""
+
+    buckets: list[tuple[Any, list[TensorMeta]]]  # (ray.ObjectRef of a list of uint8 arrays, metas)
+    nbytes: int
+
+    @classmethod
+    def put(cls, buckets: Iterable[Bucket]) -> StoredSnapshot:
+        """Put each bucket into the object store (blocking: one copy of the bytes, none before it)."""
+        import ray
+
+        if not ray.is_initialized():
+            raise TransferError("the object_store transport needs Ray: call ray.init() first, or choose "
+                                "transport: inprocess")
+        stored, nbytes = [], 0
+        for bucket in buckets:
+            metas = [TensorMeta.of(name, t) for name, t in bucket]
+            arrays = [as_bytes(t.cpu()).numpy() for _, t in bucket]  # a host tensor's own memory, no copy
+            nbytes += sum(a.nbytes for a in arrays)
+            stored.append((ray.put(arrays), metas))
+        return cls(stored, nbytes)
+
+    def record(self, version: int) -> ObjectStoreRecord:
+        """The weights record of these objects as they are: nothing is copied or put again."""
+        return ObjectStoreRecord(version, self.buckets, self.nbytes)
+
+    def load(self) -> Snapshot:
+        """The tensors back (blocking); on the node that put them they map the objects, read-only."""
+        import ray
+
+        arrays = ray.get([ref for ref, _ in self.buckets], timeout=600)
+        return Snapshot([_tensors(a, metas) for a, (_, metas) in zip(arrays, self.buckets, strict=True)])
 
 
 @dataclass(frozen=True)
 class ObjectStoreRecord:
     version: int
-    buckets: list[tuple[Any, list[TensorMeta]]]  # (ray.ObjectRef of a list of uint8 arrays, metas)
+    buckets: list[tuple[Any, list[TensorMeta]]]  # as StoredSnapshot.buckets
     nbytes: int
     transport: str = "object_store"
 
@@ -35,32 +82,20 @@ class ObjectStoreSender:
     transport = "object_store"
 
     def send(self, buckets: Iterable[Bucket], version: int) -> ObjectStoreRecord:
-        import ray
-
-        if not ray.is_initialized():
-            raise TransferError("the object_store transport needs Ray: call ray.init() first, or choose "
-                                "transport: inprocess")
-        refs, nbytes = [], 0
-        for bucket in buckets:
-            metas = [TensorMeta.of(name, t) for name, t in bucket]
-            arrays = [as_bytes(t.cpu()).numpy() for _, t in bucket]
-            nbytes += sum(a.nbytes for a in arrays)
-            refs.append((ray.put(arrays), metas))
-        return ObjectStoreRecord(version, refs, nbytes)
-
-    def forward(self, stored: list[tuple[Any, list[tuple[str, str, tuple[int, ...]]]]], version: int) -> ObjectStoreRecord:
-        """The record of buckets already in the object store in this transport's layout (a list of
-        uint8 arrays per object; a Ray train stage puts a policy so, `object_refs` on what the sync
-        stage receives): their refs go on as they are, nothing is copied or put again. The engines
-        then read the trainer's objects, which live while a record holds their refs."""
-        buckets = [(ref, [TensorMeta(name, dtype, tuple(shape)) for name, dtype, shape in metas]) for ref, metas in stored]
-        return ObjectStoreRecord(version, buckets, sum(m.nbytes for _, metas in buckets for m in metas))
+        return StoredSnapshot.put(buckets).record(version)
 
     def wait(self, timeout: float | None = None) -> None:
         del timeout
 
     def close(self) -> None:
         pass
+
+
+def _tensors(arrays: list[Any], metas: list[TensorMeta]) -> Bucket:
+    """One bucket's tensors as views of its arrays (mapped read-only shared memory: readers only read)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return [(m.name, from_bytes(torch.from_numpy(a), m)) for m, a in zip(metas, arrays, strict=True)]
 
 
 class ObjectStoreStream(Stream):
@@ -83,10 +118,7 @@ class ObjectStoreStream(Stream):
             arrays = fetch.result()
         except Exception as exc:  # owner died, object lost, timeout: the version cannot be completed
             raise TransferError(f"weights bucket {ref} could not be read from the object store: {exc}") from exc
-        with warnings.catch_warnings():
-            # The arrays map read-only shared memory; the engine only reads (and copies) them.
-            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            return [(m.name, from_bytes(torch.from_numpy(a), m)) for m, a in zip(metas, arrays, strict=True)]
+        return _tensors(arrays, metas)  # the engine copies them
 
     def _finish(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
