@@ -1,4 +1,4 @@
-"""The README's "Bring your own data" example, as a user would write it: a parquet file of chat
+"""The "Bring your own data" example of docs/data.md, as a user would write it: a parquet file of chat
 messages and answers, a reward module of their own, a local checkpoint, and `flowrl run` in a
 fresh process. Then `run.stop_when` ending such a run at the version whose evaluation reached it."""
 
@@ -28,7 +28,7 @@ def digits_right(trajectory) -> float:
     return sum(a == b for a, b in zip(text, answer)) / len(answer)
 
 
-async def answer_once(ctx, sample):  # the README's workflow
+async def answer_once(ctx, sample):  # docs/data.md's workflow
     from flowrl_operators.workflows import TrajectoryBuilder
 
     builder = TrajectoryBuilder(ctx.prompt_ids(sample))

@@ -53,7 +53,7 @@ def test_validate_process_exits_1_without_traceback(name: str) -> None:
     assert f"tests/specs/bad/{name}.yaml:" in proc.stderr
 
 
-# Pipelines whose model folder the user builds first (README): validated with a tiny local model there.
+# Pipelines whose model folder the user builds first (README, "A real model"): validated with a tiny local model there.
 BUILT_MODELS = {"smollm2_math": "models/smollm2-135m-instruct", "smollm2_sums": "models/smollm2-135m-instruct"}
 
 
