@@ -5,7 +5,7 @@ A prompt is raw text: a start mark, the digits, then a marker (`<1234>` reverses
 the answer is the digits and the end-of-text token. The start mark gives the first digit a left
 neighbour, so a model reading the digits backwards meets it where the answer ends; without one it
 must count the digits to know when to stop, and the tiny quickstart model often did not (measured
-in the README). Raw prompts keep sequences short for a CPU quickstart; set `chat: true` to wrap the
+in docs/benchmarks.md). Raw prompts keep sequences short for a CPU quickstart; set `chat: true` to wrap the
 prompt in the chat template instead.
 """
 

@@ -1,7 +1,7 @@
 """Where a registered definition intentionally differs from the verl / AReaL one it names, and how to
 get the peer's (tests/test_peer_definitions.py checks each peer definition against flowrl's, on the
-settings given here). Keys are "concept:name" as `flowrl algorithms` lists them; the README's
-Algorithms section links here.
+settings given here). Keys are "concept:name" as `flowrl algorithms` lists them; docs/algorithms.md
+links here.
 """
 
 from __future__ import annotations
