@@ -7,10 +7,11 @@ stages call the object directly; under Ray it is an async actor and the stages c
 
 What a node is handed and when it finishes a step is the business of its kind's role, looked up
 in one table (`roles`): generate nodes in samples.py (with admission.py), train nodes in
-batches.py, sync and all other nodes in joins.py. The roles see this class only through
-`CoordinatorView` (role.py), the typed list of what they may read and call: the section "what
-the roles share" below, the run's configuration and the shared state; the graph facts they use (budgets, staleness
-limits, which generate nodes feed which train nodes) are in `plan.facts` (flowrl/graph/facts.py). The rules here:
+batches.py, sync and all other nodes in joins.py. A role sees this class only as a
+`CoordinatorView` (role.py), the typed list of what it may read and call: the run's
+configuration, the shared state and the methods under "what the roles share" below. The graph
+facts the roles use (budgets, staleness limits, which generate nodes feed which train nodes) are
+in `plan.facts` (flowrl/graph/facts.py). The rules here:
 - Version clock: a train node at version v runs step v and publishes version v+1 with its
   policy record. The clock is the lowest version of all train nodes.
 - Staleness (`deliver`): a consumer at version v (a train node's own version; the clock for other

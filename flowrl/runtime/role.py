@@ -50,10 +50,10 @@ class CoordinatorView(Protocol):
     def ins(self) -> Mapping[str, list[EdgePlan]]: ...  # node -> its data input edges
     @property
     def checkpoint_due(self) -> bool: ...  # a periodic checkpoint waits: hand out no batch
-    @property
-    def ledger(self) -> Ledger: ...  # where every record id's events are written (ledger.py)
 
     # ---- shared state, changed ---------------------------------------------------------------
+    @property
+    def ledger(self) -> Ledger: ...  # where a role writes its records' events (ledger.py)
     def hold(self, node: str, replica: int, work: Work) -> Work:
         """Count `work` as held by `replica` until it completes or is handed back; returns it."""
     def deliver(self, ch: Channel, record: Record, version: int) -> bool:
