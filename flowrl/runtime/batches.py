@@ -24,14 +24,16 @@ from __future__ import annotations
 from typing import Any
 
 from flowrl.runtime.channel import Record, Work
-from flowrl.runtime.role import Role
+from flowrl.runtime.role import CoordinatorView, Role
+from flowrl.runtime.samples import Samples
 
 
 class Batches(Role):
     shared = True
 
-    def __init__(self, coord: Any) -> None:
+    def __init__(self, coord: CoordinatorView, samples: Samples) -> None:
         super().__init__(coord)
+        self.samples = samples  # the generate nodes' admission: whether more samples may come
         plan = coord.plan
         self.input = {n: f.input for n, f in plan.facts.nodes.items() if f.input is not None}
         self.buffers: dict[str, list[Record]] = {t: [] for t in self.input}
@@ -41,16 +43,17 @@ class Batches(Role):
         self.arrived = {t: 0 for t in self.input}  # records put on the train node's input channel
         self.lost_before: dict[str, set[str]] = {t: set() for t in self.input}  # samples lost on their way
         self.republish: set[str] = set()  # after a resume: publish the restored policy first
+        self.resumes = 0  # how often the run has resumed (the id of a republished policy)
 
     def take(self, node: str, replica: int) -> Work | None:
         coord = self.coord
         t = coord.versions[node]
-        if coord.pacing.due is not None or replica in self.group_taken[node]:
+        if coord.checkpoint_due or replica in self.group_taken[node]:
             return None
         if node in self.republish and not coord.held[node]:
             self.republish.discard(node)
             self.group_taken[node].add(replica)
-            return coord.hold(node, replica, Work(f"v{t}:r{coord.resumes}", "publish", t - 1, t, None))
+            return coord.hold(node, replica, Work(f"v{t}:r{self.resumes}", "publish", t - 1, t, None))
         if t >= coord.steps:
             return None
         if coord.held[node]:  # the group's batch for step t, formed when its first rank asked
@@ -73,7 +76,7 @@ class Batches(Role):
             if t not in ch.ended:
                 return None
             records = [ch.pop(r.id) for r in ch.of_step(t)]
-            if self.coord.samples.oversampled(self.upstream(node)):  # the rest were not needed
+            if self.samples.oversampled(self.upstream(node)):  # the rest were not needed
                 for record in records[self.coord.batch_size:]:
                     self.coord.drop(ch, record, "surplus")
                 records = records[:self.coord.batch_size]
@@ -88,8 +91,8 @@ class Batches(Role):
                 buffer.append(record)
         if len(buffer) < self.coord.batch_size and self.more_may_come(node, t):
             return None
-        if not buffer and self.coord.samples.oversampled(self.upstream(node)):
-            self.coord.samples.starved(self.upstream(node))  # wait for more (quota.py)
+        if not buffer and self.samples.oversampled(self.upstream(node)):
+            self.samples.starved(self.upstream(node))  # wait for more (quota.py)
             self.coord.notify()
             return None
         self.buffers[node] = []
@@ -98,9 +101,9 @@ class Batches(Role):
     def more_may_come(self, node: str, t: int) -> bool:
         """Whether records for train step t can still arrive (the module docstring)."""
         gens = self.upstream(node)
-        if self.coord.samples.more_may_come(gens, t):
+        if self.samples.more_may_come(gens, t):
             return True
-        return self.coord.samples.issued(gens) - self.arrived[node] - len(self.lost_before[node]) > 0
+        return self.samples.issued(gens) - self.arrived[node] - len(self.lost_before[node]) > 0
 
     def upstream(self, node: str) -> list[str]:
         return self.coord.plan.facts.nodes[node].generators
@@ -151,6 +154,8 @@ class Batches(Role):
     def state(self) -> dict[str, Any]:
         return {"arrived": dict(self.arrived), "lost_before": {t: set(s) for t, s in self.lost_before.items()}}
 
-    def restore(self, state: dict[str, Any]) -> None:
+    def restore(self, state: dict[str, Any], resumes: int) -> None:
+        """`resumes`: how often the run has resumed, this time included."""
         self.arrived, self.lost_before = state["arrived"], state["lost_before"]
+        self.resumes = resumes
         self.republish = {t for t in self.input if self.coord.versions[t] > 0}

@@ -7,8 +7,11 @@ stages call the object directly; under Ray it is an async actor and the stages c
 
 What a node is handed and when it finishes a step is the business of its kind's role, looked up
 in one table (`roles`): generate nodes in samples.py (with admission.py), train nodes in
-batches.py, sync and all other nodes in joins.py; the graph facts they use (budgets, staleness
-limits, which generate nodes feed which train nodes) are in `plan.facts` (flowrl/graph/facts.py). The rules here:
+batches.py, sync and all other nodes in joins.py. A role sees this class only as a
+`CoordinatorView` (role.py), the typed list of what it may read and call: the run's
+configuration, the shared state and the methods under "what the roles share" below. The graph
+facts the roles use (budgets, staleness limits, which generate nodes feed which train nodes) are
+in `plan.facts` (flowrl/graph/facts.py). The rules here:
 - Version clock: a train node at version v runs step v and publishes version v+1 with its
   policy record. The clock is the lowest version of all train nodes.
 - Staleness (`deliver`): a consumer at version v (a train node's own version; the clock for other
@@ -78,7 +81,8 @@ class Coordinator:
         self.observe = Observer(plan, self.run_dir, self.origin)
         self.untrained = Untrained(self.run_dir, int(plan.run.get("max_empty_steps", DEFAULT_MAX_EMPTY)), steps,
                                    self.origin)
-        self.samples, self.batches, joins = Samples(self), Batches(self), Joins(self)
+        self.samples, joins = Samples(self), Joins(self)
+        self.batches = Batches(self, self.samples)
         table = {"generate": self.samples, "train": self.batches, "sync": Policies(self)}  # the one dispatch on kind
         self.roles: dict[str, Role] = {n: table.get(p.kind, joins) for n, p in plan.nodes.items()}
         if state is not None:
@@ -257,6 +261,13 @@ class Coordinator:
     @property
     def clock(self) -> int:
         return min(self.versions.values()) if self.versions else 0
+
+    @property
+    def checkpoint_due(self) -> bool:
+        return self.pacing.due is not None
+
+    def count(self, counter: str) -> None:
+        self.counters[counter] += 1
 
     def hold(self, node: str, replica: int, work: Work) -> Work:
         self.held[node][work.id] = (replica, work)

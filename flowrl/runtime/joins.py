@@ -46,7 +46,7 @@ class Joins(Role):
         return work.version, work.id
 
     def withheld(self, node: str, work: Work) -> bool:
-        self.coord.counters["filtered"] += 1
+        self.coord.count("filtered")
         self.coord.lose(node, work.id)
         return True
 

@@ -24,11 +24,11 @@ from flowrl.data.source import load_source
 from flowrl.runtime.admission import Admission
 from flowrl.runtime.channel import Record, Work
 from flowrl.runtime.quota import Quota
-from flowrl.runtime.role import Role
+from flowrl.runtime.role import CoordinatorView, Role
 
 
 class Samples(Role):
-    def __init__(self, coord: Any) -> None:
+    def __init__(self, coord: CoordinatorView) -> None:
         super().__init__(coord)
         plan, facts = coord.plan, coord.plan.facts
         if coord.run_dir is not None:  # a file source stores its rows' images as it draws them
@@ -49,6 +49,7 @@ class Samples(Role):
         # Per node: the generate nodes that wait for replacements of samples lost at (or before) it.
         self.refilled_by = {n: [g for g in f.generators if self.admission[g].quota.refills]
                             for n, f in facts.nodes.items()}
+        self.trains = any(f.input is not None for f in facts.nodes.values())  # the run has train nodes
 
     def attach(self, node: str, replica: int, version: int) -> None:
         if version < 0:  # it died (Ray restarts it): no share of new work until it attaches again
@@ -80,7 +81,7 @@ class Samples(Role):
             return None
         step, index, beyond = issued
         if beyond:
-            self.coord.counters["oversampled"] += 1
+            self.coord.count("oversampled")
         work = Work(f"{step}:{index}", "sample", step, version, self.source.sample(step, index))
         self.coord.ledger.write("issue", f"data -> {node}", work.id, step, version, admitted_version=version,
                                 budget=admission.budget, credit=credit, replica=replica)
@@ -106,7 +107,7 @@ class Samples(Role):
         of each generate node fed by weights (the one that evaluates) has loaded, and so evaluated,
         the final policy."""
         spec = self.coord.plan.data.get("eval")
-        if not self.coord.trains or not spec or not spec.get("final", True):
+        if not self.trains or not spec or not spec.get("final", True):
             return False
         return any(self.loaded.get((g, 0), 0) < steps for g, edge in self.weights_in.items() if edge is not None)
 
@@ -114,7 +115,7 @@ class Samples(Role):
         return (version if version is not None else work.version), work.id
 
     def withheld(self, node: str, work: Work) -> bool:
-        self.coord.counters["rejected"] += 1
+        self.coord.count("rejected")
         self.coord.lose(node, work.id)
         return True
 

@@ -8,14 +8,21 @@ they can be large. Instead, `restore` has every train node publish its restored 
 (a `publish` work item, see Stage._train_loop) and keeps each generate node from issuing anything
 until its engine has loaded that version: an engine is rebuilt from `model.path` (version 0), so
 without it a resumed run would generate with the initial weights under a later version's label.
+
+This module is the coordinator's own code, kept apart for size, not a role: it reads and sets the
+coordinator's fields and its roles' state, so it takes the `Coordinator` itself, not the roles'
+`CoordinatorView` (role.py).
 """
 
 from __future__ import annotations
 
 import pickle
-from typing import Any
+from typing import TYPE_CHECKING
 
 from flowrl.runtime.channel import Record, Work
+
+if TYPE_CHECKING:  # the coordinator imports this module
+    from flowrl.runtime.coordinator import Coordinator
 
 # Fields of the coordinator a checkpoint keeps as they are. The roles keep their own through one
 # state()/restore() pair each, with the same keys both ways: generate nodes (samples.py: cursor,
@@ -23,7 +30,7 @@ from flowrl.runtime.channel import Record, Work
 PLAIN = ("versions", "ended", "counters", "resumes")
 
 
-def outstanding(coord: Any) -> tuple[dict[str, list[Record]], dict[str, list[Work]]]:
+def outstanding(coord: Coordinator) -> tuple[dict[str, list[Record]], dict[str, list[Work]]]:
     """What is left anywhere, as if every stage died now: records per channel (those held by work
     or a train node's buffer first, in the order they were taken) and samples per generate node
     to be handed out again (those to re-issue, then those in flight). Copies; the run goes on."""
@@ -40,7 +47,7 @@ def outstanding(coord: Any) -> tuple[dict[str, list[Record]], dict[str, list[Wor
     return channels, samples
 
 
-def take(coord: Any) -> bytes:
+def take(coord: Coordinator) -> bytes:
     """The coordinator's state now, with held work counted as handed back (the live run goes on).
     Everything is pickled before this returns, so the live objects are never shared."""
     policy = _policy_edges(coord)
@@ -56,7 +63,7 @@ def take(coord: Any) -> bytes:
     return pickle.dumps(state)
 
 
-def restore(coord: Any, blob: bytes) -> None:
+def restore(coord: Coordinator, blob: bytes) -> None:
     state = pickle.loads(blob)
     for field in PLAIN:
         if field in state:
@@ -73,12 +80,12 @@ def restore(coord: Any, blob: bytes) -> None:
                 ch.put(r)
     # Every train node publishes its restored policy; engines load it before issuing anything.
     coord.samples.restore(state)
-    coord.batches.restore(state)
+    coord.batches.restore(state, coord.resumes)
     coord.observe.restore(state["observe"])
     coord.untrained.restore(state.get("untrained", {}))
     coord.ledger.write("resume", "", "", min(coord.versions.values(), default=0), coord.clock)
 
 
-def _policy_edges(coord: Any) -> set[str]:
+def _policy_edges(coord: Coordinator) -> set[str]:
     """Data edges out of train nodes: they carry policy records."""
     return {e.label for t in coord.trains for e in coord.outs[t] if e.kind == "data"}
