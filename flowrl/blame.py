@@ -9,17 +9,17 @@ from __future__ import annotations
 
 import sysconfig
 import traceback
+from importlib.metadata import packages_distributions
+from importlib.util import find_spec
 from pathlib import Path
 
 import flowrl
 
 _OURS = [str(Path(flowrl.__file__).resolve().parent)]
-try:
-    import flowrl_operators
-
-    _OURS.append(str(Path(flowrl_operators.__file__).resolve().parent))
-except ImportError:  # pragma: no cover - the engine without its operator library
-    pass
+# The other packages this distribution installs (its operator library), found without importing them.
+for _name, _dists in packages_distributions().items():
+    if "flowrl" in _dists and _name != "flowrl" and (_spec := find_spec(_name)) is not None and _spec.origin:
+        _OURS.append(str(Path(_spec.origin).resolve().parent))
 _STDLIB = str(Path(sysconfig.get_paths()["stdlib"]).resolve())
 MAX_FRAMES = 8
 

@@ -102,10 +102,11 @@ def cmd_algorithms(args: argparse.Namespace) -> int:
 
     from flowrl import plugins
     from flowrl.spec.describe import fields
-    from flowrl_operators.training.registry import REGISTRIES
 
     console = Console(width=140)
-    for registry in REGISTRIES:
+    # The registries themselves are registered (entry-point group flowrl.registries), as their entries are.
+    registries = [registry for _, registry in sorted(plugins.load("flowrl.registries").items())]
+    for registry in registries:
         shared = fields(registry.base)
         console.print(f"[bold underline]{registry.concept}[/]  (entry points {registry.group}; YAML key "
                       f"'{registry.key}', default {registry.default}; keys of every {registry.concept}:)")
@@ -119,7 +120,7 @@ def cmd_algorithms(args: argparse.Namespace) -> int:
             if rows:
                 console.print(_fields_table(rows))
             console.print()
-    broken = [why for registry in REGISTRIES for why in plugins.broken(registry.group).values()]
+    broken = [why for registry in registries for why in plugins.broken(registry.group).values()]
     for why in broken:  # a plugin that fails to load: the others are listed above
         print(f"flowrl algorithms: cannot be loaded: {why}", file=sys.stderr)
     return 1 if broken else 0

@@ -82,6 +82,15 @@ class GraphFacts(msgspec.Struct, frozen=True):
     model_path: str = ""  # model.path of the spec, for checks against the model's config (no weights)
 
 
+class DataFacts(msgspec.Struct, frozen=True):
+    """The pipeline's `data` and `model` sections as a run would use them, for `Operator.check_data`."""
+
+    data: dict[str, Any]  # the `data` section, as plain data
+    seed: int = 0  # run.seed
+    model: dict[str, Any] | None = None  # the `model` section; None where model.path is wrong (reported)
+    source: Any = None  # the training data source as built, None if it could not be built
+
+
 class ConfigError(Exception):
     """A node's config that its setup found wrong (e.g. a model path that cannot serve): raised from
     `setup()` with the node's name and the key path inside its config, it is reported like a
@@ -150,6 +159,13 @@ class Operator:
     @classmethod
     def check_graph(cls, config: msgspec.Struct, facts: GraphFacts) -> list[tuple[tuple[str, ...], str]]:
         """Rules that need the graph (e.g. a loss must correct stale data). Returns (key path, message)."""
+        del config, facts
+        return []
+
+    @classmethod
+    def check_data(cls, config: msgspec.Struct, facts: DataFacts) -> list[tuple[tuple[str, ...], str]]:
+        """What this node's use of the data would meet (e.g. generate: `data.eval`'s held-out source
+        and reward; images for a text-only model). Returns (key path from the spec's root, message)."""
         del config, facts
         return []
 

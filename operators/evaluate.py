@@ -128,3 +128,27 @@ class Evaluator:
         except asyncio.TimeoutError:
             raise TimeoutError(f"the eval reward took over {REWARD_TIMEOUT_S} s on {trajectory.id}") from None
         return as_reward(value, f"the eval reward of {trajectory.id}")
+
+
+def eval_problems(data: dict[str, Any], seed: int, model: dict[str, Any] | None,
+                  built: Any) -> list[tuple[tuple[str, ...], str]]:
+    """`data.eval` built as the generate node builds it (its source, held-out samples and reward),
+    for `flowrl validate` (Generate.check_data): (key path from the spec's root, message)."""
+    spec = data["eval"]
+    reward = (spec.get("options") or {}).get("reward")
+    if isinstance(reward, str) and not reward.startswith("builtin:"):
+        from flowrl.spec.refs import callable_path
+
+        problem = callable_path(reward, arguments=1)
+        if problem:
+            return [(("data", "eval", "options", "reward"), problem)]
+    try:
+        eval_parts(data, seed, model=model, source=built)
+    except EvalProblem as e:
+        return [(("data", *e.key), str(e))]
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - the user's factory may raise anything; report it at the key
+        own = set(spec.get("options") or {}) - {"reward"}  # options the eval passes its source
+        where = ("data", "eval", "source") if spec.get("source") else ("data", "eval", "options") if own else ("data", "eval")
+        return [(where, str(e) if isinstance(e, ValueError) else f"building the eval source failed: "
+                                                                 f"{type(e).__name__}: {e}")]
+    return []

@@ -15,6 +15,7 @@ from flowrl.operator import (
     TRAJECTORIES,
     WEIGHTS,
     ConfigError,
+    DataFacts,
     GraphFacts,
     Knobs,
     Operator,
@@ -53,6 +54,19 @@ class Generate(Operator):
                      f"sampling.max_new_tokens {config.sampling.max_new_tokens}; raise max_context or lower "
                      "max_new_tokens")]
         return []
+
+    @classmethod
+    def check_data(cls, config: GenerateConfig, facts: DataFacts) -> list[tuple[tuple[str, ...], str]]:
+        """`data.eval` as this node builds it, and a source of images against the model."""
+        from flowrl_operators.evaluate import eval_problems
+        from flowrl_operators.models_vl import image_model_problems
+
+        data, out = facts.data, []
+        if facts.source is not None and getattr(facts.source, "images", None) and facts.model:
+            out += image_model_problems(data["source"], facts.model)
+        if isinstance(data.get("eval"), dict) and (facts.source is not None or data["eval"].get("source")):
+            out += eval_problems(data, facts.seed, facts.model, facts.source)
+        return out
 
     inputs: ClassVar = {"prompts": PROMPTS, "weights": WEIGHTS}
     outputs: ClassVar = {"trajectories": TRAJECTORIES}

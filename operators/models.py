@@ -152,6 +152,12 @@ def load_hf_model(path: str | os.PathLike, dtype: Any = None):
 # --- built-in models ------------------------------------------------------------------------------
 
 
+def builtin_folder(name: str) -> Path:
+    """The folder of built-in model `name`, built on first use: what each name of the entry-point
+    group `flowrl.models` (pyproject.toml) loads to, so flowrl resolves `builtin:` paths by name."""
+    return resolve_model(BUILTIN_PREFIX + name)
+
+
 def builtin_names() -> list[str]:
     """Every `builtin:` model: the text ones here, the vision-language ones in models_vl.py."""
     from flowrl_operators.models_vl import VL_MODELS

@@ -56,11 +56,12 @@ class RewardFailed(UserCodeFailed):
 def load_reward(fn: str) -> Callable[..., Any]:
     """`module:attr` or `builtin:<task>` -> the callable."""
     if fn.startswith("builtin:"):
-        from flowrl_operators.tasks import TASKS
+        from flowrl_operators.tasks import tasks
 
-        task = TASKS.get(fn.removeprefix("builtin:"))
+        registered = tasks()
+        task = registered.get(fn.removeprefix("builtin:"))
         if task is None:
-            raise ValueError(f"unknown built-in reward {fn!r}; known: {', '.join('builtin:' + t for t in TASKS)}")
+            raise ValueError(f"unknown built-in reward {fn!r}; known: {', '.join('builtin:' + t for t in registered)}")
         return task.reward
     try:
         target = import_path(fn)

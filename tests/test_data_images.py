@@ -196,6 +196,17 @@ def test_image_parts_without_an_images_column_are_refused_at_their_row(tmp_path,
     assert "Traceback" not in proc.stderr
 
 
+def data_problems(data, model):
+    """The data checks `flowrl validate` runs: the source's own, then the generate node's (check_data)."""
+    from flowrl.data.source import check
+    from flowrl.operator import DataFacts
+    from flowrl_operators.config import GenerateConfig
+    from flowrl_operators.generate import Generate
+
+    built, found = check(data, 0, model)
+    return found + Generate.check_data(GenerateConfig(), DataFacts(data=data, model=model, source=built))
+
+
 def test_a_source_of_images_needs_a_vision_language_model(tmp_path, store):
     (tmp_path / "r.jsonl").write_text(json.dumps({"messages": chat(1), "images": ["a.png"]}) + "\n")
     picture(COLORS[0]).save(tmp_path / "a.png")
@@ -204,13 +215,13 @@ def test_a_source_of_images_needs_a_vision_language_model(tmp_path, store):
     text_folder.mkdir()
     (text_folder / "config.json").write_text(json.dumps({"model_type": "llama"}))
     for path, kind in (("builtin:tiny-qwen2", "qwen2"), (str(text_folder), "llama")):
-        [(key, message)] = problems(data, 0, {"path": path})
+        [(key, message)] = data_problems(data, {"path": path})
         assert key == ("model", "path") and f"is a text-only model ({kind})" in message
-    assert problems(data, 0, {"path": "builtin:tiny-qwen2-vl"}) == []
+    assert data_problems(data, {"path": "builtin:tiny-qwen2-vl"}) == []
     (tmp_path / "t.jsonl").write_text(json.dumps({"prompt": "no pictures"}) + "\n")
-    assert problems({"source": {"file": str(tmp_path / "t.jsonl")}, "batch_size": 1}, 0, {"path": "builtin:tiny-qwen2"}) == []
+    assert data_problems({"source": {"file": str(tmp_path / "t.jsonl")}, "batch_size": 1}, {"path": "builtin:tiny-qwen2"}) == []
     # A visual task: its episodes render the pictures, its samples hold none.
-    [(key, message)] = problems({"source": "builtin:grid_nav", "batch_size": 4}, 0, {"path": "builtin:tiny-qwen2"})
+    [(key, message)] = data_problems({"source": "builtin:grid_nav", "batch_size": 4}, {"path": "builtin:tiny-qwen2"})
     assert key == ("model", "path") and message.startswith("builtin:grid_nav gives the model images")
 
 

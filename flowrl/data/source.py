@@ -6,7 +6,8 @@ The pipeline's `data` section names a source and a batch size:
     data: {source: {file: train.parquet, messages: chat, eval_rows: 64}, batch_size: 16}
 
 `source` is a dataset file (a mapping with `file`: flowrl/data/files.py), `module:attr`, or
-`builtin:<name>` for `flowrl_operators.tasks:<name>`. The attribute is called once as
+`builtin:<name>`, a task registered in the entry-point group `flowrl.tasks` (the operator
+library's own, or a plugin's). The attribute is called once as
 `attr(seed=<run seed>, **options)`, plus `tokenizer=<the pipeline model's tokenizer>` and
 `batch_size=<data.batch_size>` if its signature names those parameters, and must return an
 object with
@@ -27,14 +28,13 @@ dies or a run resumes, and the result must be the same sample, so resume and re-
 from __future__ import annotations
 
 import inspect
-import json
 from collections.abc import Sized
-from pathlib import Path
 from typing import Any, Protocol
 
+from flowrl import plugins
 from flowrl.registry import OperatorError, import_path
 
-BUILTIN_MODULE = "flowrl_operators.tasks"
+TASKS = "flowrl.tasks"  # the entry-point group of `builtin:` sources
 _RESERVED = ("source", "batch_size", "options", "eval")
 
 
@@ -43,9 +43,14 @@ class Source(Protocol):
 
 
 def source_path(name: str) -> str:
-    """`builtin:<name>` -> `flowrl_operators.tasks:<name>`; `module:attr` unchanged."""
+    """`builtin:<name>` -> the `module:attr` its entry point names; `module:attr` unchanged."""
     if name.startswith("builtin:"):
-        return f"{BUILTIN_MODULE}:{name.removeprefix('builtin:')}"
+        tasks = plugins.targets(TASKS)
+        target = tasks.get(name.removeprefix("builtin:"))
+        if target is None:
+            known = ", ".join(f"builtin:{t}" for t in tasks)
+            raise ValueError(f"unknown built-in source '{name}'; known: {known}")
+        return target
     return name
 
 
@@ -90,7 +95,7 @@ def _asked(factory: Any, data: dict[str, Any], model: dict[str, Any] | None, tok
         if tokenizer is None:
             if not (model or {}).get("path"):
                 raise ValueError(f"data.source '{data['source']}' asks for a tokenizer; the pipeline's model.path is needed")
-            from flowrl_operators.models import load_tokenizer
+            from flowrl.data.models import load_tokenizer
 
             tokenizer = load_tokenizer(model["path"])
         extra["tokenizer"] = tokenizer
@@ -109,21 +114,25 @@ PROMPT_KEYS = ("prompt_ids", "messages", "prompt")  # what the single_turn workf
 
 def problems(data: dict[str, Any], seed: int = 0, model: dict[str, Any] | None = None,
              prompted: bool = False) -> list[tuple[tuple[str, ...], str]]:
-    """(key path, problem) of a pipeline's `data` section, found by building its source (and the
-    eval source) as a run would, and drawing its first sample, without generating anything.
-    `prompted`: a generate node's workflow (single_turn) needs each sample's prompt."""
+    """(key path, problem) of a pipeline's `data` section: `check` without the source."""
+    return check(data, seed, model, prompted)[1]
+
+
+def check(data: dict[str, Any], seed: int = 0, model: dict[str, Any] | None = None,
+          prompted: bool = False) -> tuple[Source | None, list[tuple[tuple[str, ...], str]]]:
+    """(the source, or None if it cannot be built; (key path, problem) of a pipeline's `data`
+    section), found by building its source as a run would and drawing its first sample, without
+    generating anything. `prompted`: a generate node's workflow (single_turn) needs each sample's
+    prompt. What the operators make of the data (its eval, images for the model) they check
+    themselves (`Operator.check_data`)."""
     built, out = _build(data, ("data", "source"), seed, model)
     if built is not None:
         out += _first_sample_problems(built, prompted)
-    if built is not None and getattr(built, "images", None) and model:
-        out += _vision_model_problems(data["source"], model)
     size = data.get("batch_size", 16)
     if isinstance(built, Sized) and len(built) < size:
         out.append((("data", "batch_size"), f"batch_size {size} is larger than the source, which holds "
                                             f"{len(built)} samples: no step could be filled"))
-    if isinstance(data.get("eval"), dict) and (built is not None or data["eval"].get("source")):
-        out += _eval_problems(data, seed, model, built)
-    return out
+    return built, out
 
 
 def _first_sample_problems(built: Source, prompted: bool) -> list[tuple[tuple[str, ...], str]]:
@@ -141,62 +150,10 @@ def _first_sample_problems(built: Source, prompted: bool) -> list[tuple[tuple[st
     return []
 
 
-def _eval_problems(data: dict[str, Any], seed: int, model: dict[str, Any] | None,
-                   built: Source | None) -> list[tuple[tuple[str, ...], str]]:
-    """`data.eval` built as the generate node builds it: its source, held-out samples and reward."""
-    from flowrl_operators.evaluate import EvalProblem, eval_parts
-
-    spec = data["eval"]
-    reward = (spec.get("options") or {}).get("reward")
-    if isinstance(reward, str) and not reward.startswith("builtin:"):
-        from flowrl.spec.refs import callable_path
-
-        problem = callable_path(reward, arguments=1)
-        if problem:
-            return [(("data", "eval", "options", "reward"), problem)]
-    try:
-        eval_parts(data, seed, model=model, source=built)
-    except EvalProblem as e:
-        return [(("data", *e.key), str(e))]
-    except (Exception, SystemExit) as e:  # noqa: BLE001 - the user's factory may raise anything; report it at the key
-        own = set(spec.get("options") or {}) - {"reward"}  # options the eval passes its source
-        where = ("data", "eval", "source") if spec.get("source") else ("data", "eval", "options") if own else ("data", "eval")
-        return [(where, str(e) if isinstance(e, ValueError) else f"building the eval source failed: "
-                                                                 f"{type(e).__name__}: {e}")]
-    return []
-
-
-def _vision_model_problems(name: Any, model: dict[str, Any]) -> list[tuple[tuple[str, ...], str]]:
-    """A source whose samples (or whose task's episodes) carry images (its `images` attribute is
-    truthy: a file source's image column, a visual task) needs a vision-language model."""
-    from flowrl_operators.models import BUILTIN_MODELS, BUILTIN_PREFIX
-    from flowrl_operators.models_vl import SUPPORTED
-
-    path = str(model.get("path", ""))
-    if path.startswith(BUILTIN_PREFIX):
-        kind = BUILTIN_MODELS.get(path.removeprefix(BUILTIN_PREFIX), (None,))[0]
-    else:
-        config = Path(path).expanduser() / "config.json"
-        kind = json.loads(config.read_text()).get("model_type") if config.is_file() else None
-    if kind is None or kind in SUPPORTED:  # a VL model, or one refs.py reports already
-        return []
-    what = name if isinstance(name, str) else "this data source"
-    return [(("model", "path"), f"{what} gives the model images, but '{path}' is a text-only model ({kind}); "
-                                f"use a vision-language one: builtin:tiny-qwen2-vl, or a Qwen2-VL, Qwen2.5-VL or "
-                                f"Qwen3-VL folder")]
-
-
 def _build(data: dict[str, Any], path: tuple[str, ...], seed: int,
            model: dict[str, Any] | None) -> tuple[Source | None, list[tuple[tuple[str, ...], str]]]:
     from flowrl.data.readers import SourceError
 
-    name = data["source"]
-    if isinstance(name, str) and name.startswith("builtin:"):
-        from flowrl_operators.tasks import TASKS
-
-        if name.removeprefix("builtin:") not in TASKS:
-            known = ", ".join(f"builtin:{t}" for t in TASKS)
-            return None, [(path, f"unknown built-in source '{name}'; known: {known}")]
     try:
         return load_source(data, seed, model), []
     except SourceError as e:  # a file source: located at its own key

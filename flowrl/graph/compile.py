@@ -64,7 +64,7 @@ def compile_spec(loaded: LoadedSpec) -> Compiled:
     if not problems:
         rules.check_fan_in(edges, ops, loc, problems)
         _check_operators(edges, ops, configs, resources, spec, loc, problems)
-    rules.check_references(spec, configs, loc, problems)  # imports the modules named, builds the data source
+    rules.check_references(spec, configs, ops, loc, problems)  # imports the modules named, builds the data source
     if problems:
         raise SpecError(_ordered(problems))
 
@@ -130,40 +130,17 @@ def _read_nodes(nodes: dict[str, Any], loc, problems: list[Diagnostic]
     return ops, configs, resources
 
 
-def _who(op: type[Operator]) -> str:
-    return f"operator {op.__module__}:{op.__qualname__}"
-
-
 def _knobs_problem(op: type[Operator], config: msgspec.Struct) -> str | None:
     """Why the operator's `knobs(config)` is unusable (it raised, or is not a Knobs), or None."""
     try:
         knobs = op.knobs(config)
     except Exception as e:  # noqa: BLE001 - the plugin's own bug: say whose
-        return f"{_who(op)}: its knobs() failed: {type(e).__name__}: {e}"
+        return f"{rules.who(op)}: its knobs() failed: {type(e).__name__}: {e}"
     if not isinstance(knobs, Knobs):
-        return f"{_who(op)}: its knobs() returned {type(knobs).__name__}; it must return flowrl.operator.Knobs"
+        return f"{rules.who(op)}: its knobs() returned {type(knobs).__name__}; it must return flowrl.operator.Knobs"
     if not isinstance(knobs.provides, frozenset | set):
-        return f"{_who(op)}: its knobs().provides is {knobs.provides!r}; it must be a frozenset of field names"
+        return f"{rules.who(op)}: its knobs().provides is {knobs.provides!r}; it must be a frozenset of field names"
     return None
-
-
-def _graph_checks(op: type[Operator], config: msgspec.Struct, facts: GraphFacts) -> list[tuple[tuple, str]]:
-    """The operator's `check_graph`, its result held to the contract: a list of (key path, message)."""
-    try:
-        found = op.check_graph(config, facts)
-    except Exception as e:  # noqa: BLE001 - a plugin's own check failing is its author's to fix: say whose
-        return [(("op",), f"{_who(op)}: its check_graph failed: {type(e).__name__}: {e}")]
-    good = isinstance(found, list | tuple) and all(
-        isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], tuple) and isinstance(p[1], str) for p in found)
-    if not good:
-        return [(("op",), f"{_who(op)}: its check_graph returned {_short(found)}; it must return a list of "
-                 "(key path tuple, message) pairs, e.g. [(('lr',), 'too high')]")]
-    return list(found)
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return f"{type(value).__name__} {text[:80]}{'...' if len(text) > 80 else ''}"
 
 
 def _parse_edges(entries, ops, nodes, loc, problems) -> list[tuple[int, EdgePlan]]:
@@ -353,7 +330,7 @@ def _check_operators(edges, ops, configs, resources, spec, loc, problems) -> Non
         facts = GraphFacts(async_upstream=async_in, partial_rollout_upstream=partial, executor=spec.run.executor,
                            upstream_provides=provided, replicas=resources[name].replicas if name in resources else 1,
                            model_path=spec.model.path)
-        for key_path, message in _graph_checks(op, configs[name], facts):
+        for key_path, message in rules.held(op, "check_graph", configs[name], facts):
             problems.append(loc.diagnostic(("nodes", name, *key_path), message))
 
 

@@ -13,14 +13,16 @@ import msgspec
 
 from flowrl.data import source
 from flowrl.graph.plan import EdgePlan
-from flowrl.operator import Operator
+from flowrl.operator import DataFacts, Operator
 from flowrl.spec import refs
 from flowrl.spec.errors import Diagnostic
 from flowrl.spec.load import Locator
 
 
-def check_references(spec: Any, configs: dict[str, msgspec.Struct], loc: Locator, problems: list[Diagnostic]) -> None:
-    """Every `module:attr`, model folder and data source the spec names."""
+def check_references(spec: Any, configs: dict[str, msgspec.Struct], ops: dict[str, type[Operator]], loc: Locator,
+                     problems: list[Diagnostic]) -> None:
+    """Every `module:attr`, model folder and data source the spec names, and what each operator's
+    use of the data would meet (`Operator.check_data`)."""
     found = refs.problems(spec.model, ("model",))
     model = None if found else msgspec.to_builtins(spec.model)  # a source may ask for its tokenizer
     found += refs.problems(spec.run, ("run",))  # run.trackers: registered and installed
@@ -28,7 +30,15 @@ def check_references(spec: Any, configs: dict[str, msgspec.Struct], loc: Locator
         found += refs.problems(config, ("nodes", name))
     if not any(path[:2] == ("data", "source") for path, _ in found):
         prompted = any(getattr(config, "workflow", None) == "single_turn" for config in configs.values())
-        found += source.problems(msgspec.to_builtins(spec.data), spec.run.seed, model, prompted)
+        data = msgspec.to_builtins(spec.data)
+        built, data_found = source.check(data, spec.run.seed, model, prompted)
+        found += data_found
+        facts = DataFacts(data=data, seed=spec.run.seed, model=model, source=built)
+        for name, op in ops.items():
+            for path, message in held(op, "check_data", configs[name], facts) if name in configs else []:
+                path = ("nodes", name, *path) if path == ("op",) else path  # the contract's breach: at the node
+                if (path, message) not in found:  # two generate nodes check the same eval once
+                    found.append((path, message))
     problems.extend(loc.diagnostic(path, message) for path, message in found)
 
 
@@ -46,3 +56,27 @@ def check_fan_in(edges: list[tuple[int, EdgePlan]], ops: dict[str, type[Operator
             what = "trajectories from one node" if kind == "train" else "the policy of one train node"
             problems.append(loc.diagnostic(("edges", feeding[1][0]), f"{kind} node '{node}' takes {what}, but "
                                            f"{sources} feed it; merge them before it", at_key=True))
+
+
+def held(op: type[Operator], method: str, config: msgspec.Struct, facts: Any) -> list[tuple[tuple, str]]:
+    """The operator's `check_graph` or `check_data`, its result held to the contract: a list of
+    (key path, message); a breach or a failure is reported at the node's `op` key, naming whose."""
+    try:
+        found = getattr(op, method)(config, facts)
+    except Exception as e:  # noqa: BLE001 - a plugin's own check failing is its author's to fix: say whose
+        return [(("op",), f"{who(op)}: its {method} failed: {type(e).__name__}: {e}")]
+    good = isinstance(found, list | tuple) and all(
+        isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], tuple) and isinstance(p[1], str) for p in found)
+    if not good:
+        return [(("op",), f"{who(op)}: its {method} returned {short(found)}; it must return a list of "
+                 "(key path tuple, message) pairs, e.g. [(('lr',), 'too high')]")]
+    return list(found)
+
+
+def who(op: type[Operator]) -> str:
+    return f"operator {op.__module__}:{op.__qualname__}"
+
+
+def short(value: Any) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text[:80]}{'...' if len(text) > 80 else ''}"

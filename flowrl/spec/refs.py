@@ -61,12 +61,9 @@ def model_folder(value: str, section: Any = None) -> str | None:
     if value.startswith("phase:"):  # an earlier phase's export: flowrl/spec/phases.py checks the name
         return None
     if value.startswith("builtin:"):
-        from flowrl_operators.models import builtin_names
+        from flowrl.data import models
 
-        name = value.removeprefix("builtin:")
-        names = builtin_names()
-        known = ", ".join(f"builtin:{n}" for n in names)
-        return None if name in names else f"unknown built-in model '{value}'; known: {known}"
+        return None if value.removeprefix("builtin:") in models.builtin_names() else models.unknown(value)
     folder = Path(value).expanduser()
     if not folder.is_dir():
         return f"no model folder '{value}' ({'not a folder' if folder.exists() else 'it does not exist'})"

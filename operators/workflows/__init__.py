@@ -49,11 +49,12 @@ def load_workflow(name: str, args: dict[str, Any] | None = None) -> Workflow:
             raise ValueError("workflow 'environment' needs workflow_args.env: module:attr of an environment class")
         return EnvironmentWorkflow(import_path(args.pop("env")), **args)
     if name.startswith("builtin:"):
-        from flowrl_operators.tasks import TASKS
+        from flowrl_operators.tasks import tasks
 
-        task = TASKS.get(name.removeprefix("builtin:"))
+        registered = tasks()
+        task = registered.get(name.removeprefix("builtin:"))
         if task is None:
-            raise ValueError(f"unknown built-in task {name!r}; known: {', '.join('builtin:' + t for t in TASKS)}")
+            raise ValueError(f"unknown built-in task {name!r}; known: {', '.join('builtin:' + t for t in registered)}")
         if not hasattr(task, "workflow"):
             return single_turn
         return task.workflow(**args)
