@@ -12,9 +12,9 @@ WORKFLOW_NAMES = ("single_turn", "supervised", "agent", "environment")
 
 
 def _task(value: str, what: str) -> str | None:
-    from flowrl_operators.tasks import tasks
+    from flowrl.data.source import builtin_tasks
 
-    registered = tasks()
+    registered = builtin_tasks()
     if value.removeprefix("builtin:") in registered:
         return None
     return f"unknown built-in {what} '{value}'; known: {', '.join('builtin:' + t for t in registered)}"
@@ -23,9 +23,9 @@ def _task(value: str, what: str) -> str | None:
 def _task_workflow_args(value: str, args: dict[str, Any]) -> str | None:
     """A built-in task's workflow built from `workflow_args` (cheap: no model), so a wrong or
     out-of-range argument is reported by `flowrl validate`, not after the weights load."""
-    from flowrl_operators.tasks import tasks
+    from flowrl.data.source import builtin_tasks
 
-    registered = tasks()
+    registered = builtin_tasks()
     factory = getattr(registered[value.removeprefix("builtin:")], "workflow", None)
     if factory is None:
         return "workflow_args: this task's workflow takes none" if args else None

@@ -34,7 +34,7 @@ class Critic(Operator):
         return [(("engine",), problem)] if (problem := check_name(config.engine)) else []
 
     async def setup(self) -> None:
-        from flowrl_operators.models import import_transformers
+        from flowrl_operators.tokenizer import import_transformers
         from flowrl_operators.train import schedule_horizon, trainer_config
         from flowrl_operators.training.engine import build
         from flowrl_operators.training.losses import ValueLossConfig, value_loss

@@ -23,7 +23,7 @@ from flowrl.operator import (
     Resources,
 )
 from flowrl_operators.config import EngineConfig, GenerateConfig
-from flowrl_operators.engine.base import SamplingParams
+from flowrl_operators.inference import SamplingParams
 
 KEPT_ERRORS = 8  # episode errors buffered between two errors() calls; the rest are counted only
 
@@ -59,7 +59,7 @@ class Generate(Operator):
     def check_data(cls, config: GenerateConfig, facts: DataFacts) -> list[tuple[tuple[str, ...], str]]:
         """`data.eval` as this node builds it, and a source of images against the model."""
         from flowrl_operators.evaluate import eval_problems
-        from flowrl_operators.models_vl import image_model_problems
+        from flowrl_operators.models import image_model_problems
 
         data, out = facts.data, []
         if facts.source is not None and getattr(facts.source, "images", None) and facts.model:
@@ -89,7 +89,8 @@ class Generate(Operator):
         self.evaluator: Any = None
 
     async def setup(self) -> None:
-        from flowrl_operators.models import import_transformers, load_tokenizer
+        from flowrl_operators.models import load_tokenizer
+        from flowrl_operators.tokenizer import import_transformers
         from flowrl_operators.workflows import load_workflow
 
         import_transformers()
@@ -140,7 +141,7 @@ class Generate(Operator):
         engine = self.config.engine
         if not isinstance(engine, EngineConfig) or engine.max_context is None:
             return
-        from flowrl_operators.engine.embedded import check_max_context
+        from flowrl_operators.engine.embedded.engine import check_max_context
         from flowrl_operators.models import load_config
 
         try:
@@ -151,7 +152,7 @@ class Generate(Operator):
     def _make_engine(self, model: str) -> Any:
         """The embedded engine in this process, or the SGLang adapter (servers at `engine.url`, or
         launched by it): both implement InferenceEngine, so workflows see no difference."""
-        from flowrl_operators.engine.sglang_launch import make_engine
+        from flowrl_operators.engine.factory import make_engine
 
         return make_engine(self.config.engine, model, dtype=self.context.model.get("dtype", "float32"),
                            seed=self.context.seed)
@@ -161,7 +162,7 @@ class Generate(Operator):
     async def generate(self, sample: dict[str, Any], *, step: int, sample_id: str,
                        greedy: bool = False) -> Group | None:
         """`group_size` episodes of `sample` (one greedy episode if `greedy`, for evaluation), and with
-        `greedy_baseline` one more, greedy, marked in its metadata (`training.batch.GREEDY_BASELINE`)."""
+        `greedy_baseline` one more, greedy, marked in its metadata (`flowrl.data.trajectory.GREEDY_BASELINE`)."""
         greedy_sampling = msgspec.structs.replace(self.sampling, temperature=0.0)
         # Evaluation trains on nothing: no top logprobs to record.
         sampling = msgspec.structs.replace(greedy_sampling, top_logprobs=0) if greedy else self.sampling
@@ -173,7 +174,7 @@ class Generate(Operator):
         results = await asyncio.gather(*(self._episode(sample, step, sample_id, i, s, prompt_cache)
                                          for i, s in enumerate(episodes)))
         if baseline:
-            from flowrl_operators.training.batch import GREEDY_BASELINE
+            from flowrl.data.trajectory import GREEDY_BASELINE
 
             for t in results[-1]:
                 t.metadata[GREEDY_BASELINE] = True

@@ -113,7 +113,7 @@ class Judge(Reward):
             self.url = c.url or await self._node_url(c.node)
             self.session = aiohttp.ClientSession()
         else:
-            from flowrl_operators.engine.embedded import EmbeddedEngine
+            from flowrl_operators.engine.embedded.engine import EmbeddedEngine
 
             self.engine = EmbeddedEngine(path, max_slots=c.concurrency, threads=1, seed=self.context.seed)
 
@@ -147,8 +147,8 @@ class Judge(Reward):
     async def ask(self, messages: list[dict[str, str]]) -> str:
         s = self.config.sampling
         if self.engine is not None:
-            from flowrl_operators.engine.base import GenerateRequest, SamplingParams
-            from flowrl_operators.workflows.base import chat_ids
+            from flowrl_operators.chat.template import chat_ids
+            from flowrl_operators.inference import GenerateRequest, SamplingParams
 
             self.counts["requests"] = self.counts.get("requests", 0) + 1
             request = GenerateRequest(

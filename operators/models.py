@@ -14,29 +14,26 @@ import hashlib
 import json
 import os
 import shutil
-import string
 import tempfile
-import threading
 from pathlib import Path
 from typing import Any
 
-BUILTIN_PREFIX = "builtin:"
-SEED = 1234
-# Bump when the build recipe changes in a way the spec fingerprint does not capture.
-RECIPE = 1
-
-PAD, UNK, EOS = "<|pad|>", "<|unk|>", "<|endoftext|>"
-IM_START, IM_END = "<|im_start|>", "<|im_end|>"
-SPECIAL_TOKENS = [PAD, UNK, EOS, IM_START, IM_END]
-# Every printable ASCII character except the whitespace ones we add explicitly.
-CHARACTERS = string.digits + string.ascii_letters + string.punctuation + " \n"
-
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+from flowrl_operators.models_vl import SUPPORTED, VL_MODELS, build_vl_model
+from flowrl_operators.models_vl import spec as vl_spec
+from flowrl_operators.tokenizer import (
+    BUILD_LOCK,
+    CHARACTERS,
+    CHAT_TEMPLATE,
+    EOS,
+    IM_END,
+    RECIPE,
+    SEED,
+    SPECIAL_TOKENS,
+    build_tokenizer,
+    silence_hf,
 )
+
+BUILTIN_PREFIX = "builtin:"
 
 # name -> (architecture, config keys). Vocabulary ids are filled in from the tokenizer.
 _SMALL = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -57,36 +54,6 @@ BUILTIN_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
         intermediate_size=4864, max_position_embeddings=4096, tie_word_embeddings=True,
         rope_theta=1000000.0, vocab_size=151936, torch_dtype="bfloat16")),
 }
-
-
-# Building a model is not thread-safe: transformers' from_pretrained switches process-wide weight-init
-# flags and patches torch's init functions, and fork_rng + manual_seed share torch's global RNG (seen:
-# "Cannot copy out of meta tensor" when the reference, critic and trainer set up together). The runtime
-# sets stages up together, so every model build in this process holds this lock; a trainer in a child
-# process of its own still builds alongside.
-BUILD_LOCK = threading.RLock()
-
-
-def import_transformers() -> None:
-    """Import transformers in this thread, before setup work moves to threads: two threads that
-    import it for the first time at once can fail ("cannot import name 'AutoModelForCausalLM' from
-    'transformers'": one sees the package half-initialised; reproduced here with two threads, and
-    seen when the runtime set up the engine and the trainer together)."""
-    import transformers  # noqa: F401
-
-
-def silence_hf() -> None:
-    """Hugging Face prints progress bars and advisory warnings on save/load; they drown test logs."""
-    import transformers
-
-    transformers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.set_verbosity_error()
-    try:
-        from huggingface_hub.utils import disable_progress_bars
-
-        disable_progress_bars()
-    except ImportError:  # pragma: no cover - huggingface_hub always ships with transformers
-        pass
 
 
 def cache_root() -> Path:
@@ -133,9 +100,17 @@ def auto_class(path: str | os.PathLike):
     vision-language model (operators/vision.py), else `AutoModelForCausalLM`."""
     import transformers
 
-    from flowrl_operators.vision import is_vl
-
     return transformers.AutoModelForImageTextToText if is_vl(path) else transformers.AutoModelForCausalLM
+
+
+def model_type(model: str | os.PathLike) -> str:
+    """The `model_type` of a checkpoint's config.json (a built-in is built first)."""
+    return json.loads((resolve_model(model) / "config.json").read_text()).get("model_type", "")
+
+
+def is_vl(model: str | os.PathLike) -> bool:
+    """Whether the checkpoint (a folder or `builtin:<name>`) is a vision-language model flowrl runs."""
+    return model_type(model) in SUPPORTED
 
 
 def load_hf_model(path: str | os.PathLike, dtype: Any = None):
@@ -160,18 +135,14 @@ def builtin_folder(name: str) -> Path:
 
 def builtin_names() -> list[str]:
     """Every `builtin:` model: the text ones here, the vision-language ones in models_vl.py."""
-    from flowrl_operators.models_vl import VL_MODELS
-
     return list(BUILTIN_MODELS) + list(VL_MODELS)
 
 
 def _fingerprint(name: str) -> str:
-    from flowrl_operators import models_vl
-
-    model = models_vl.spec(name) if name in models_vl.VL_MODELS else BUILTIN_MODELS[name]
-    spec = {"recipe": RECIPE, "seed": SEED, "model": model, "chars": CHARACTERS,
-            "special": SPECIAL_TOKENS, "template": CHAT_TEMPLATE}
-    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+    model = vl_spec(name) if name in VL_MODELS else BUILTIN_MODELS[name]
+    recipe = {"recipe": RECIPE, "seed": SEED, "model": model, "chars": CHARACTERS,
+              "special": SPECIAL_TOKENS, "template": CHAT_TEMPLATE}
+    return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _builtin_dir(name: str) -> Path:
@@ -209,68 +180,10 @@ def _builtin_dir(name: str) -> Path:
     return final
 
 
-def build_tokenizer(extra_special: list[str] | None = None, chat_template: str = CHAT_TEMPLATE):
-    """A character-level `PreTrainedTokenizerFast`: one token per character, specials first
-    (`extra_special` tokens, e.g. a VL family's vision tokens, go after the characters so that text
-    ids stay those of the text built-ins).
-
-    It is written as a byte-level BPE without merges (the pipeline of Qwen2/Llama-3 tokenizers):
-    transformers 5 loads any `qwen2` checkpoint through `Qwen2Tokenizer`, which rebuilds exactly
-    that pipeline from the saved vocabulary, so the tokenizer must already have that shape to
-    survive a reload. With no merges every character is its own token. Characters outside
-    CHARACTERS (non-ASCII) have no token and are dropped by the encoder.
-    """
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    symbol = _byte_symbols()
-    extra = list(extra_special or [])
-    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + [symbol[ord(c)] for c in CHARACTERS] + extra)}
-    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, fuse_unk=False, byte_fallback=False))
-    core.normalizer = normalizers.NFC()
-    core.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-    core.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=core,
-        pad_token=PAD,
-        unk_token=UNK,
-        eos_token=EOS,
-        additional_special_tokens=[IM_START, IM_END, *extra],
-        chat_template=chat_template,
-        clean_up_tokenization_spaces=False,
-    )
-
-
-# The word-splitting regex of Qwen2's tokenizer (transformers, models/qwen2): Qwen2Tokenizer rebuilds
-# with it on load. With no merges it changes no ids; it is here so both loaders agree exactly.
-_QWEN2_SPLIT = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
-)
-
-
-def _byte_symbols() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character map used by byte-level tokenizers."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
-        range(ord("®"), ord("ÿ") + 1))
-    symbols, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            symbols[b] = chr(b)
-        else:
-            symbols[b] = chr(256 + extra)
-            extra += 1
-    return symbols
-
-
 def build_model(name: str, folder: Path) -> None:
     """Write the built-in model `name` (config, weights, tokenizer) into `folder`."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
-
-    from flowrl_operators.models_vl import VL_MODELS, build_vl_model
 
     if name in VL_MODELS:
         return build_vl_model(name, folder)
@@ -296,3 +209,21 @@ def build_model(name: str, folder: Path) -> None:
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.to(dtype).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+
+
+def image_model_problems(name: Any, model: dict[str, Any]) -> list[tuple[tuple[str, ...], str]]:
+    """A source whose samples (or whose task's episodes) carry images (its `images` attribute is
+    truthy: a file source's image column, a visual task) needs a vision-language model; for
+    `flowrl validate` (Generate.check_data)."""
+    path = str(model.get("path", ""))
+    if path.startswith(BUILTIN_PREFIX):
+        kind = BUILTIN_MODELS.get(path.removeprefix(BUILTIN_PREFIX), (None,))[0]
+    else:
+        config = Path(path).expanduser() / "config.json"
+        kind = json.loads(config.read_text()).get("model_type") if config.is_file() else None
+    if kind is None or kind in SUPPORTED:  # a VL model, or one refs.py reports already
+        return []
+    what = name if isinstance(name, str) else "this data source"
+    return [(("model", "path"), f"{what} gives the model images, but '{path}' is a text-only model ({kind}); "
+                                f"use a vision-language one: builtin:tiny-qwen2-vl, or a Qwen2-VL, Qwen2.5-VL or "
+                                f"Qwen3-VL folder")]

@@ -94,7 +94,7 @@ def build_vl_model(name: str, folder: Path) -> None:
     from transformers import AutoConfig, AutoModelForImageTextToText
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    from flowrl_operators.models import EOS, IM_END, SEED, build_tokenizer, silence_hf
+    from flowrl_operators.tokenizer import EOS, IM_END, SEED, build_tokenizer, silence_hf
 
     silence_hf()
     model_type, text, vision, processor = VL_MODELS[name]
@@ -119,24 +119,3 @@ def build_vl_model(name: str, folder: Path) -> None:
     # flowrl loads the image processor and the tokenizer themselves (operators/vision.py).
     Qwen2VLImageProcessorPil(**processor).save_pretrained(folder)
 
-
-def image_model_problems(name: Any, model: dict[str, Any]) -> list[tuple[tuple[str, ...], str]]:
-    """A source whose samples (or whose task's episodes) carry images (its `images` attribute is
-    truthy: a file source's image column, a visual task) needs a vision-language model; for
-    `flowrl validate` (Generate.check_data)."""
-    import json
-
-    from flowrl_operators.models import BUILTIN_MODELS, BUILTIN_PREFIX
-
-    path = str(model.get("path", ""))
-    if path.startswith(BUILTIN_PREFIX):
-        kind = BUILTIN_MODELS.get(path.removeprefix(BUILTIN_PREFIX), (None,))[0]
-    else:
-        config = Path(path).expanduser() / "config.json"
-        kind = json.loads(config.read_text()).get("model_type") if config.is_file() else None
-    if kind is None or kind in SUPPORTED:  # a VL model, or one refs.py reports already
-        return []
-    what = name if isinstance(name, str) else "this data source"
-    return [(("model", "path"), f"{what} gives the model images, but '{path}' is a text-only model ({kind}); "
-                                f"use a vision-language one: builtin:tiny-qwen2-vl, or a Qwen2-VL, Qwen2.5-VL or "
-                                f"Qwen3-VL folder")]

@@ -31,7 +31,7 @@ class Reference(Operator):
         return self.config.model or self.context.model["path"]
 
     async def setup(self) -> None:
-        from flowrl_operators.models import import_transformers
+        from flowrl_operators.tokenizer import import_transformers
         from flowrl_operators.training.engine import build
         from flowrl_operators.training.trainer import TrainerConfig
 

@@ -56,9 +56,9 @@ class RewardFailed(UserCodeFailed):
 def load_reward(fn: str) -> Callable[..., Any]:
     """`module:attr` or `builtin:<task>` -> the callable."""
     if fn.startswith("builtin:"):
-        from flowrl_operators.tasks import tasks
+        from flowrl.data.source import builtin_tasks
 
-        registered = tasks()
+        registered = builtin_tasks()
         task = registered.get(fn.removeprefix("builtin:"))
         if task is None:
             raise ValueError(f"unknown built-in reward {fn!r}; known: {', '.join('builtin:' + t for t in registered)}")

@@ -91,7 +91,7 @@ def _join_train_group(rank: int, world_size: int) -> None:
 def _reward_means(trajectories: list) -> dict[str, float]:
     """reward_mean over the sampled trajectories; greedy_reward_mean over the greedy baselines
     (generate greedy_baseline: true), which are no samples of the policy's distribution."""
-    from flowrl_operators.training.batch import GREEDY_BASELINE
+    from flowrl.data.trajectory import GREEDY_BASELINE
 
     out = {}
     for key, greedy in (("reward_mean", False), ("greedy_reward_mean", True)):
@@ -310,7 +310,7 @@ class Train(Operator):
         self.vocab = 0  # the model's embedding rows (setup): token ids at or past it cannot train
 
     async def setup(self) -> None:
-        from flowrl_operators.models import import_transformers
+        from flowrl_operators.tokenizer import import_transformers
         from flowrl_operators.training.objective import advantage_config, check_compatible, loss_config
         from flowrl_operators.training.process import Child
 

@@ -40,22 +40,12 @@ import torch
 
 from flowrl.data.images import ImageRef
 from flowrl.data.images import store as image_store
-from flowrl_operators.models_vl import SUPPORTED  # re-exported: the families flowrl runs
+from flowrl_operators.models import model_type, resolve_model
+from flowrl_operators.models_vl import SUPPORTED
+from flowrl_operators.tokenizer import BUILD_LOCK, silence_hf
 
 _PLACEHOLDER = "\u0001FLOWRL\u0001"  # assistant content no template produces on its own
 IMAGE_PARTS = ("image", "image_url")
-
-
-def model_type(model: str | os.PathLike) -> str:
-    """The `model_type` of a checkpoint's config.json (a built-in is built first)."""
-    from flowrl_operators.models import resolve_model
-
-    return json.loads((resolve_model(model) / "config.json").read_text()).get("model_type", "")
-
-
-def is_vl(model: str | os.PathLike) -> bool:
-    """Whether the checkpoint (a folder or `builtin:<name>`) is a vision-language model flowrl runs."""
-    return model_type(model) in SUPPORTED
 
 
 @functools.lru_cache(maxsize=8)
@@ -65,8 +55,6 @@ def _load(folder: str) -> Vision:
 
 def vision(model: str | os.PathLike) -> Vision:
     """The `Vision` of a VL checkpoint, loaded once per process. A text-only model raises ValueError."""
-    from flowrl_operators.models import resolve_model
-
     folder = resolve_model(model)
     kind = model_type(folder)
     if kind not in SUPPORTED:
@@ -80,8 +68,6 @@ class Vision:
 
     def __init__(self, folder: Path) -> None:
         from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
-
-        from flowrl_operators.models import BUILD_LOCK, silence_hf
 
         silence_hf()
         self.folder = folder

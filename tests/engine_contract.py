@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from flowrl_operators.engine.base import GenerateRequest, GenerateResult, SamplingParams
+from flowrl_operators.inference import GenerateRequest, GenerateResult, SamplingParams
 
 # Tokens: long enough that a pause or abort 0.1 s in lands mid-request (fast engines: raise it).
 LONG = int(os.environ.get("FLOWRL_CONTRACT_LONG", "400"))

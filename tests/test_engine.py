@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from flowrl_operators.engine.base import GenerateRequest, InferenceEngine, SamplingParams
-from flowrl_operators.engine.embedded import EmbeddedEngine
+from flowrl_operators.engine.embedded.engine import EmbeddedEngine
+from flowrl_operators.inference import GenerateRequest, InferenceEngine, SamplingParams
 from flowrl_operators.models import load_hf_model, load_tokenizer
 
 torch.set_num_threads(1)
@@ -196,7 +196,7 @@ def test_truncation_from_the_head_equals_sorting_the_whole_row():
     """`truncation_mask` decides a row from its `head` largest logits when it can: the same set as a
     stable sort of the whole row, with ties (bf16-rounded and integer logits), top_k beyond the head
     and nuclei wider than it (those rows fall back to the sort)."""
-    from flowrl_operators.engine.sampling import truncation_mask
+    from flowrl_operators.sampling import truncation_mask
 
     g = torch.Generator().manual_seed(0)
     rows, vocab = 35, 300

@@ -12,9 +12,9 @@ import torch
 
 from flowrl.operator import ConfigError, GraphFacts, OperatorContext
 from flowrl_operators.config import GenerateConfig
-from flowrl_operators.engine.base import GenerateRequest, SamplingParams
-from flowrl_operators.engine.embedded import EmbeddedEngine
+from flowrl_operators.engine.embedded.engine import EmbeddedEngine
 from flowrl_operators.generate import Generate
+from flowrl_operators.inference import GenerateRequest, SamplingParams
 from flowrl_operators.models import load_config
 
 MODEL = "builtin:tiny-qwen2"

@@ -42,8 +42,8 @@ def weights():
 
 async def open_engine(kind: str, folder):
     """(engine, cleanup coroutine function) for one engine kind, inside the running loop."""
-    from flowrl_operators.engine.embedded import EmbeddedEngine
-    from flowrl_operators.engine.sglang import SGLangEngine
+    from flowrl_operators.engine.embedded.engine import EmbeddedEngine
+    from flowrl_operators.engine.sglang.adapter import SGLangEngine
 
     if kind == "url":
         engine = SGLangEngine(URL, weight_sync=os.environ.get("FLOWRL_CONTRACT_SYNC", "auto"), model_path=folder)
@@ -51,7 +51,7 @@ async def open_engine(kind: str, folder):
     embedded = EmbeddedEngine(folder, max_slots=8, device=DEVICE, dtype=DTYPE)
     if kind == "embedded":
         return embedded, embedded.close
-    from flowrl_operators.engine.server import start_server
+    from flowrl_operators.engine.server.server import start_server
 
     runner, port = await start_server(embedded)
     adapter = SGLangEngine(f"http://127.0.0.1:{port}", weight_sync="tensor")

@@ -8,8 +8,8 @@ import pytest
 import torch
 from test_engine import GREEDY, make_checkpoint, request, teacher_forced_logprobs
 
-from flowrl_operators.engine.base import SamplingParams
-from flowrl_operators.engine.embedded import EmbeddedEngine
+from flowrl_operators.engine.embedded.engine import EmbeddedEngine
+from flowrl_operators.inference import SamplingParams
 from flowrl_operators.models import load_hf_model
 
 torch.set_num_threads(1)

@@ -13,10 +13,10 @@ from test_engine import make_checkpoint, wait_for_tokens
 
 from flowrl.operator import OperatorContext
 from flowrl_operators.config import GenerateConfig
-from flowrl_operators.engine.base import GenerateRequest, SamplingParams
-from flowrl_operators.engine.embedded import EmbeddedEngine
-from flowrl_operators.engine.prefill import Leader, batches
+from flowrl_operators.engine.embedded.engine import EmbeddedEngine
+from flowrl_operators.engine.embedded.prefill import Leader, batches
 from flowrl_operators.generate import Generate
+from flowrl_operators.inference import GenerateRequest, SamplingParams
 from flowrl_operators.tasks import reverse_digits
 
 torch.set_num_threads(1)

@@ -1,4 +1,4 @@
-"""The engine's sampler (operators/engine/sampling.py): one batched draw, each row from its own
+"""The engine's sampler (operators/sampling.py): one batched draw, each row from its own
 request's seed and token index. Draws follow the (restricted) distribution, a row draws the same
 token alone or among others, and excluded tokens are never drawn."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from flowrl_operators.engine.base import SamplingParams
-from flowrl_operators.engine.sampling import inverse_cdf, sample, uniform
+from flowrl_operators.inference import SamplingParams
+from flowrl_operators.sampling import inverse_cdf, sample, uniform
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
 

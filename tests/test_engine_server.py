@@ -15,10 +15,10 @@ import pytest
 import torch
 from test_engine import make_checkpoint, teacher_forced_logprobs
 
-from flowrl_operators.engine.embedded import EmbeddedEngine
-from flowrl_operators.engine.server import start_server, version_spans
-from flowrl_operators.engine.transfer import encode_bucket, weight_update_group
+from flowrl_operators.engine.embedded.engine import EmbeddedEngine
+from flowrl_operators.engine.server.server import start_server, version_spans
 from flowrl_operators.models import load_hf_model, load_tokenizer
+from flowrl_operators.transport.engine_wire import encode_bucket, weight_update_group
 
 torch.set_num_threads(1)
 GREEDY = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
@@ -183,11 +183,11 @@ def test_abort_routes_and_disk_update(old_and_new):
 
 
 def test_openai_client_and_subprocess_server_with_broadcast_update(old_and_new):
-    """`python -m flowrl_operators.engine.server` as a real process: the openai client, then a weight
+    """`python -m flowrl_operators.engine.server.server` as a real process: the openai client, then a weight
     broadcast from this process (rank 0 of a gloo group), checked by greedy output."""
     old, new = old_and_new
     env = dict(os.environ, HF_HUB_OFFLINE="1")
-    server = subprocess.Popen([sys.executable, "-m", "flowrl_operators.engine.server", "--model", str(old),
+    server = subprocess.Popen([sys.executable, "-m", "flowrl_operators.engine.server.server", "--model", str(old),
                                "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         line = server.stdout.readline()

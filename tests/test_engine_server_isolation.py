@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from flowrl.data import images
-from flowrl_operators.engine.base import GenerateRequest, SamplingParams
-from flowrl_operators.engine.embedded import EmbeddedEngine
-from flowrl_operators.engine.server import start_server
+from flowrl_operators.engine.embedded.engine import EmbeddedEngine
+from flowrl_operators.engine.server.server import start_server
+from flowrl_operators.inference import GenerateRequest, SamplingParams
 from flowrl_operators.models import load_tokenizer
 
 torch.set_num_threads(1)
@@ -120,7 +120,7 @@ def test_a_row_whose_sampling_fails_aborts_that_request_only():
     """The sampler's last line of defence, for values no check let through: a batch whose sampling
     raises is sampled row by row, and a row with no valid token fails alone."""
     engine = EmbeddedEngine(MODEL, max_slots=4, threads=1, seed=0)
-    from flowrl_operators.engine.embedded import Sequence
+    from flowrl_operators.engine.embedded.engine import Sequence
 
     def seq(rid: str, **params) -> Sequence:
         request = GenerateRequest(request_id=rid, input_ids=[5], sampling=SamplingParams(seed=3, **params))

@@ -12,11 +12,11 @@ from engines import tap
 from test_engine import make_checkpoint
 from test_engine_server import post, serve
 
-from flowrl_operators.engine.base import GenerateResult
+from flowrl_operators.chat.request import choice
+from flowrl_operators.chat.tool_calls import parse_tool_calls, split_tool_calls
+from flowrl_operators.inference import GenerateResult
 from flowrl_operators.models import load_tokenizer
-from flowrl_operators.workflows.chat_request import choice
 from flowrl_operators.workflows.proxy import Proxy
-from flowrl_operators.workflows.tool_calls import parse_tool_calls, split_tool_calls
 
 torch.set_num_threads(1)
 CHAT = "/v1/chat/completions"

@@ -12,10 +12,10 @@ from test_engine_server import post, serve
 from test_engine_vl import noisy_checkpoint, picture
 
 from flowrl.data import images
+from flowrl_operators.chat.images import store_images
 from flowrl_operators.models import load_tokenizer
 from flowrl_operators.vision import vision
 from flowrl_operators.workflows.proxy import Proxy
-from flowrl_operators.workflows.vision_messages import store_images
 
 torch.set_num_threads(1)
 CHAT = "/v1/chat/completions"

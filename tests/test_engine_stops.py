@@ -12,8 +12,8 @@ import torch
 from test_engine import make_checkpoint
 from test_engine_server import post, serve
 
-from flowrl_operators.engine.base import GenerateRequest, SamplingParams
-from flowrl_operators.engine.embedded import EmbeddedEngine
+from flowrl_operators.engine.embedded.engine import EmbeddedEngine
+from flowrl_operators.inference import GenerateRequest, SamplingParams
 from flowrl_operators.models import load_tokenizer
 
 torch.set_num_threads(1)

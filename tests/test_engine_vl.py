@@ -15,8 +15,8 @@ from PIL import Image
 
 from flowrl.data.images import ImageStore, use_store
 from flowrl.data.trajectory import Trajectory
-from flowrl_operators.engine.base import GenerateRequest, SamplingParams
-from flowrl_operators.engine.embedded import EmbeddedEngine
+from flowrl_operators.engine.embedded.engine import EmbeddedEngine
+from flowrl_operators.inference import GenerateRequest, SamplingParams
 from flowrl_operators.models import load_hf_model, resolve_model
 from flowrl_operators.vision import vision
 

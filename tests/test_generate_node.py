@@ -199,8 +199,8 @@ def test_serve_openai_writes_endpoint(loop, tmp_path):
 def test_generate_over_the_sglang_adapter(loop, tmp_path):
     """The same node with `engine: {kind: sglang, url: ...}` against flowrl's SGLang-compatible
     server: multi-turn episodes, per-token versions after a weight update by tensor."""
-    from flowrl_operators.engine.embedded import EmbeddedEngine
-    from flowrl_operators.engine.server import start_server
+    from flowrl_operators.engine.embedded.engine import EmbeddedEngine
+    from flowrl_operators.engine.server.server import start_server
     from flowrl_operators.tasks import guess_number
 
     server_engine = EmbeddedEngine(MODEL, max_slots=8, threads=1)
@@ -227,9 +227,9 @@ def test_attached_server_is_loaded_with_the_pipelines_model(loop, tmp_path):
     """A server started from another checkpoint (and already at version 5) serves the pipeline's
     model.path as version 0 once the node attaches: what a later phase starting from an exported
     policy needs. With load_on_attach false it keeps its own weights."""
-    from flowrl_operators.engine.embedded import EmbeddedEngine
-    from flowrl_operators.engine.server import start_server
-    from flowrl_operators.engine.sglang_weights import write_checkpoint
+    from flowrl_operators.engine.embedded.engine import EmbeddedEngine
+    from flowrl_operators.engine.server.server import start_server
+    from flowrl_operators.engine.sglang.weights import write_checkpoint
     from flowrl_operators.models import resolve_model
 
     server_engine = EmbeddedEngine(MODEL, max_slots=4, threads=1, version=5)

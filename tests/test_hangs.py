@@ -148,7 +148,7 @@ def test_a_hung_sync_environment_step_neither_blocks_the_loop_nor_outlives_its_t
 def test_environment_step_rewards_must_be_finite_numbers(reward, error):
     import numpy as np
 
-    from flowrl_operators.workflows.base import EpisodeError
+    from flowrl_operators.chat.template import EpisodeError
     from flowrl_operators.workflows.environment import as_step
 
     assert as_step(("ok", np.float32(0.5), False)).reward == 0.5
@@ -359,8 +359,8 @@ def test_a_ray_address_where_no_cluster_is_a_message_within_seconds(tmp_path, ho
 def test_an_unreachable_weight_update_rendezvous_fails_in_its_connect_timeout_not_the_transfers():
     """Before: joining a broadcast group at an address where nothing answers waited the whole transfer
     timeout (600 s). Now the connection has its own, short one; a real closed port, both joins."""
-    from flowrl_operators.engine.transfer import weight_update_group
     from flowrl_operators.transport.broadcast import BroadcastGroup, connect
+    from flowrl_operators.transport.engine_wire import weight_update_group
 
     port = _closed_port()
     started = time.monotonic()

@@ -10,7 +10,7 @@ from PIL import Image
 
 from flowrl.data.images import ImageRef, ImageStore, decode_data_url
 from flowrl.data.trajectory import Trajectory
-from flowrl_operators.engine.base import GenerateRequest
+from flowrl_operators.inference import GenerateRequest
 
 
 def _picture(color=(200, 30, 40), size=(6, 4)) -> Image.Image:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import networkx as nx
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,3 +53,64 @@ def test_every_builtin_task_and_model_is_registered():
     assert models.builtin_names() == sorted(builtin_names())
     assert plugins.load("flowrl.tasks") == TASKS
     assert str(models.folder("builtin:tiny-qwen2")).endswith("tiny-qwen2")
+
+
+OPERATORS = ROOT / "operators"
+
+
+def _name(path: Path) -> str:
+    parts = path.relative_to(OPERATORS).with_suffix("").parts
+    return ".".join(("flowrl_operators", *parts)).removesuffix(".__init__")
+
+
+def _runtime_imports(path: Path) -> list[str]:
+    """The flowrl_operators modules `path` imports when it runs (`if TYPE_CHECKING:` blocks left out),
+    each as the module itself where an imported name is one (`from pkg import module`)."""
+    tree = ast.parse(path.read_text(), str(path))
+    typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+                   and ast.unparse(block.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+                   for n in ast.walk(block)}
+    found = []
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 \
+                and node.module.startswith("flowrl_operators"):
+            for alias in node.names:
+                sub = OPERATORS.joinpath(*node.module.split(".")[1:], alias.name)
+                found.append(f"{node.module}.{alias.name}" if sub.with_suffix(".py").is_file() or sub.is_dir()
+                             else node.module)
+        elif isinstance(node, ast.Import):
+            found += [a.name for a in node.names if a.name.startswith("flowrl_operators")]
+    return found
+
+
+def operator_graph(unit) -> nx.DiGraph:
+    import networkx as nx
+
+    graph = nx.DiGraph()
+    for path in OPERATORS.rglob("*.py"):
+        source = unit(_name(path))
+        for target in map(unit, _runtime_imports(path)):
+            if target != source:
+                graph.add_edge(source, target)
+    return graph
+
+
+def _package(module: str) -> str:
+    """A top-level module or package of the operator library: the unit of its layers."""
+    return ".".join(module.split(".")[:2])
+
+
+@pytest.mark.parametrize("unit", [_package, lambda m: m], ids=["packages", "modules"])
+def test_the_operator_library_has_no_import_cycle(unit):
+    assert sorted(map(sorted, nx.simple_cycles(operator_graph(unit)))) == []
+
+
+def test_the_cycle_check_finds_a_planted_cycle(tmp_path, monkeypatch):
+    monkeypatch.setattr(f"{__name__}.OPERATORS", tmp_path)
+    (tmp_path / "a.py").write_text("def f():\n    from flowrl_operators.b import x\n")
+    (tmp_path / "b.py").write_text("from flowrl_operators.a import f\n")
+    (tmp_path / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from flowrl_operators.a import f\n")
+    assert list(nx.simple_cycles(operator_graph(_package))) in (
+        [["flowrl_operators.a", "flowrl_operators.b"]], [["flowrl_operators.b", "flowrl_operators.a"]])

@@ -15,7 +15,7 @@ from engines import embedded_engine
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from flowrl.spec.load import load  # noqa: E402
-from flowrl_operators.engine.base import SamplingParams  # noqa: E402
+from flowrl_operators.inference import SamplingParams  # noqa: E402
 from flowrl_operators.tasks import TASKS  # noqa: E402
 from flowrl_operators.tasks.digits import position_rewards  # noqa: E402
 from flowrl_operators.tasks.longtail import chunk_count, longtail_digits, rollout_seconds, tool_waits  # noqa: E402

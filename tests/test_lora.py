@@ -14,8 +14,8 @@ import torch
 from flowrl.data.trajectory import Group, Trajectory
 from flowrl.operator import ConfigError, OperatorContext
 from flowrl_operators.config import LoraSpec, SyncConfig, TrainConfig
-from flowrl_operators.engine.base import GenerateRequest, SamplingParams
-from flowrl_operators.engine.embedded import EmbeddedEngine
+from flowrl_operators.engine.embedded.engine import EmbeddedEngine
+from flowrl_operators.inference import GenerateRequest, SamplingParams
 from flowrl_operators.models import load_hf_model
 from flowrl_operators.sync import Sync
 from flowrl_operators.train import Train

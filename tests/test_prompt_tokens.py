@@ -12,7 +12,7 @@ import pytest
 from tokenizers import AddedToken, Tokenizer
 from tokenizers.processors import TemplateProcessing
 
-from flowrl_operators.engine.base import SamplingParams
+from flowrl_operators.inference import SamplingParams
 from flowrl_operators.models import load_tokenizer, resolve_model
 from flowrl_operators.workflows import WorkflowContext
 

@@ -15,10 +15,10 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 import openai  # noqa: E402
 
 from flowrl.operator import OperatorContext  # noqa: E402
+from flowrl_operators.chat.template import chat_ids
 from flowrl_operators.config import GenerateConfig  # noqa: E402
 from flowrl_operators.generate import Generate  # noqa: E402
 from flowrl_operators.tasks import guess_number  # noqa: E402
-from flowrl_operators.workflows.base import chat_ids  # noqa: E402
 from flowrl_operators.workflows.proxy import Call, assemble  # noqa: E402
 
 MODEL = "builtin:tiny-qwen2"
@@ -176,7 +176,7 @@ def test_assemble_chains_calls_that_extend_each_other():
 
 
 def test_tool_calls_are_parsed_into_openai_shape():
-    from flowrl_operators.workflows.tool_calls import parse_tool_calls
+    from flowrl_operators.chat.tool_calls import parse_tool_calls
 
     text = 'ok <tool_call>{"name": "calc", "arguments": {"expression": "2*3"}}</tool_call> and ' \
            '<tool_call>not json</tool_call><tool_call>{"arguments": {}}</tool_call>'
@@ -189,7 +189,7 @@ def test_tool_calls_are_parsed_into_openai_shape():
 def test_render_splices_the_engines_ids_for_replies_it_sent():
     """A reply whose ids do not survive decode + re-encode (special tokens inside, no end-of-turn
     token) is spliced back as the engine's ids, so the next prompt extends the last one exactly."""
-    from flowrl_operators.engine.base import SamplingParams
+    from flowrl_operators.inference import SamplingParams
     from flowrl_operators.models import load_tokenizer
     from flowrl_operators.workflows.proxy import Proxy, Session
 

@@ -19,8 +19,8 @@ from test_proxy import tap  # noqa: E402
 
 from flowrl.operator import OperatorContext  # noqa: E402
 from flowrl_operators.config import GenerateConfig  # noqa: E402
-from flowrl_operators.engine.base import GenerateRequest, SamplingParams  # noqa: E402
 from flowrl_operators.generate import Generate  # noqa: E402
+from flowrl_operators.inference import GenerateRequest, SamplingParams  # noqa: E402
 from flowrl_operators.workflows.base import generate_complete, resubmit_seed  # noqa: E402
 
 MODEL = "builtin:tiny-qwen2"

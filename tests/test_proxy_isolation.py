@@ -13,8 +13,8 @@ import aiohttp
 import torch
 from test_engine_server_isolation import MALFORMED, _json, message, send
 
-from flowrl_operators.engine.base import SamplingParams
-from flowrl_operators.engine.embedded import EmbeddedEngine
+from flowrl_operators.engine.embedded.engine import EmbeddedEngine
+from flowrl_operators.inference import SamplingParams
 from flowrl_operators.models import load_tokenizer
 from flowrl_operators.workflows.proxy import Proxy
 

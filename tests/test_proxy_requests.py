@@ -20,10 +20,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import openai  # noqa: E402
 from test_engine_server_tools import CALC, REFUSED, TOOLS_TEMPLATE  # noqa: E402
 
-from flowrl_operators.engine.base import SamplingParams  # noqa: E402
-from flowrl_operators.engine.embedded import EmbeddedEngine  # noqa: E402
+from flowrl_operators.chat.template import chat_ids
+from flowrl_operators.engine.embedded.engine import EmbeddedEngine  # noqa: E402
+from flowrl_operators.inference import SamplingParams  # noqa: E402
 from flowrl_operators.models import load_hf_model, load_tokenizer  # noqa: E402
-from flowrl_operators.workflows.base import chat_ids  # noqa: E402
 from flowrl_operators.workflows.proxy import Proxy, assemble  # noqa: E402
 
 torch.set_num_threads(1)

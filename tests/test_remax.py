@@ -10,12 +10,13 @@ import msgspec
 import pytest
 import torch
 
+from flowrl.data.trajectory import GREEDY_BASELINE
 from flowrl.operator import OperatorContext
 from flowrl_operators.config import GenerateConfig
 from flowrl_operators.generate import Generate
 from flowrl_operators.tasks import reverse_digits
 from flowrl_operators.training.advantages import compute_advantages
-from flowrl_operators.training.batch import GREEDY_BASELINE, pack
+from flowrl_operators.training.batch import pack
 from flowrl_operators.training.losses import policy_loss
 from flowrl_operators.training.trainer import Trainer, TrainerConfig
 

@@ -34,7 +34,7 @@ def test_checking_an_engine_name_loads_no_engine() -> None:
 def test_the_engine_model_loads_without_torch_dynamo(model: str) -> None:
     out = fresh(
         "import sys, torch\n"
-        "from flowrl_operators.engine.model import load_model\n"
+        "from flowrl_operators.engine.embedded.load import load_model\n"
         "from flowrl_operators.models import resolve_model\n"
         f"m = load_model(resolve_model({model!r}), torch.float32, 'cpu')\n"
         "w = m.model.embed_tokens.weight\n"

@@ -11,14 +11,12 @@ import pytest
 import torch
 
 from flowrl_operators.config import EngineConfig
-from flowrl_operators.engine.base import GenerateRequest, SamplingParams
-from flowrl_operators.engine.embedded import EmbeddedEngine
-from flowrl_operators.engine.server import start_server
-from flowrl_operators.engine.sglang import SGLangEngine, parse_answer, sampling_params, token_versions
-from flowrl_operators.engine.sglang_launch import (
-    make_engine,
-)
-from flowrl_operators.engine.sglang_weights import ServerError
+from flowrl_operators.engine.embedded.engine import EmbeddedEngine
+from flowrl_operators.engine.factory import make_engine
+from flowrl_operators.engine.server.server import start_server
+from flowrl_operators.engine.sglang.adapter import SGLangEngine, parse_answer, sampling_params, token_versions
+from flowrl_operators.engine.sglang.weights import ServerError
+from flowrl_operators.inference import GenerateRequest, SamplingParams
 from flowrl_operators.models import load_hf_model, resolve_model
 
 torch.set_num_threads(1)

@@ -12,10 +12,11 @@ import pytest
 import torch
 from test_sglang_adapter import GREEDY, reference_greedy
 
-from flowrl_operators.engine.base import GenerateRequest
-from flowrl_operators.engine.sglang import SGLangEngine
-from flowrl_operators.engine.sglang_launch import ServerProcess, launch_servers, server_command, wait_healthy
-from flowrl_operators.engine.sglang_weights import PushedRecord, ServerError, SGLangSender, free_port
+from flowrl_operators.engine.sglang.adapter import SGLangEngine
+from flowrl_operators.engine.sglang.launch import ServerProcess, launch_servers, server_command, wait_healthy
+from flowrl_operators.engine.sglang.sender import PushedRecord, SGLangSender
+from flowrl_operators.engine.sglang.weights import ServerError, free_port
+from flowrl_operators.inference import GenerateRequest
 from flowrl_operators.models import load_hf_model, resolve_model
 
 torch.set_num_threads(1)
@@ -31,7 +32,7 @@ def model():
 
 
 def flowrl_command(folder, port, server_args):
-    return [sys.executable, "-m", "flowrl_operators.engine.server", "--model", str(folder), "--port", str(port)]
+    return [sys.executable, "-m", "flowrl_operators.engine.server.server", "--model", str(folder), "--port", str(port)]
 
 
 def test_server_command_forwards_server_args():

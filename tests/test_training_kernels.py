@@ -73,7 +73,7 @@ def test_temperature_scales_values_and_gradients():
 def test_top_k_top_p_follow_the_engines_kept_set_values_and_gradients():
     """Rows with a filter keep the engine's set (engine.sampling.restrict on x / T) renormalised,
     rows without one the full vocabulary; the gradient is that of log_softmax over the kept set."""
-    from flowrl_operators.engine.sampling import restrict
+    from flowrl_operators.sampling import restrict
 
     g = torch.Generator().manual_seed(3)
     rows, vocab = 9, 40

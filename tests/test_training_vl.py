@@ -87,8 +87,8 @@ def test_lora_adapters_reach_the_engine(tmp_path):
     import asyncio
 
     from flowrl_operators.config import LoraSpec
-    from flowrl_operators.engine.base import GenerateRequest, SamplingParams
-    from flowrl_operators.engine.embedded import EmbeddedEngine
+    from flowrl_operators.engine.embedded.engine import EmbeddedEngine
+    from flowrl_operators.inference import GenerateRequest, SamplingParams
     from flowrl_operators.training.tuning import adapter_tensors, lora_layers
 
     trainer = Trainer(MODEL, TrainerConfig(lora=LoraSpec(r=4, target_modules=["q_proj", "v_proj"])))
@@ -138,8 +138,8 @@ def test_an_exported_policy_is_a_vl_checkpoint(tmp_path):
     """export_hf of a VL policy: the engine and transformers load it, with its image processor."""
     import asyncio
 
-    from flowrl_operators.engine.base import GenerateRequest, SamplingParams
-    from flowrl_operators.engine.embedded import EmbeddedEngine
+    from flowrl_operators.engine.embedded.engine import EmbeddedEngine
+    from flowrl_operators.inference import GenerateRequest, SamplingParams
     from flowrl_operators.models import load_hf_model
 
     trainer = Trainer(MODEL, TrainerConfig())

@@ -11,8 +11,8 @@ import torch
 
 from flowrl.operator import OperatorContext
 from flowrl_operators.config import SyncConfig
-from flowrl_operators.engine.base import GenerateRequest, SamplingParams
-from flowrl_operators.engine.embedded import EmbeddedEngine
+from flowrl_operators.engine.embedded.engine import EmbeddedEngine
+from flowrl_operators.inference import GenerateRequest, SamplingParams
 from flowrl_operators.models import load_hf_model
 from flowrl_operators.sync import Sync
 from flowrl_operators.transport import (

@@ -13,7 +13,7 @@ from test_transport import MODEL, assert_bitwise, engine_weights, greedy_version
 
 from flowrl.operator import OperatorContext
 from flowrl_operators.config import SyncConfig
-from flowrl_operators.engine.embedded import EmbeddedEngine
+from flowrl_operators.engine.embedded.engine import EmbeddedEngine
 from flowrl_operators.transport import TransferError, apply, rebucket
 
 torch.set_num_threads(1)

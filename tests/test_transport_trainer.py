@@ -16,7 +16,7 @@ from test_transport import MODEL, assert_bitwise, greedy_version
 
 from flowrl.operator import OperatorContext
 from flowrl_operators.config import SyncConfig
-from flowrl_operators.engine.embedded import EmbeddedEngine
+from flowrl_operators.engine.embedded.engine import EmbeddedEngine
 from flowrl_operators.sync import Sync
 from flowrl_operators.training.trainer import Trainer
 from flowrl_operators.transport import BroadcastSender, apply

@@ -8,8 +8,8 @@ import torch
 from PIL import Image
 
 from flowrl.data.images import ImageStore, use_store
-from flowrl_operators.models import resolve_model
-from flowrl_operators.vision import is_vl, vision
+from flowrl_operators.models import is_vl, resolve_model
+from flowrl_operators.vision import vision
 
 FAMILIES = ["builtin:tiny-qwen2-vl", "builtin:tiny-qwen2.5-vl", "builtin:tiny-qwen3-vl"]
 

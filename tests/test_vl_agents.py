@@ -18,7 +18,7 @@ import openai  # noqa: E402
 from PIL import Image  # noqa: E402
 
 from flowrl.data import images  # noqa: E402
-from flowrl_operators.engine.base import GenerateRequest, SamplingParams  # noqa: E402
+from flowrl_operators.inference import GenerateRequest, SamplingParams  # noqa: E402
 from flowrl_operators.tasks.grid_nav import GridNavEnv, grid_nav, render  # noqa: E402
 from flowrl_operators.workflows.base import WorkflowContext  # noqa: E402
 from flowrl_operators.workflows.environment import EnvironmentWorkflow  # noqa: E402
@@ -86,9 +86,9 @@ def test_environment_episode_records_each_observation_image(loop, engine, store,
 
 
 def test_text_only_environment_is_unchanged(loop, engine):
+    from flowrl_operators.chat.template import chat_ids
     from flowrl_operators.models import load_tokenizer
     from flowrl_operators.tasks import guess_number
-    from flowrl_operators.workflows.base import chat_ids
 
     tok = load_tokenizer(MODEL)
     ctx = WorkflowContext(engine=engine, tokenizer=tok, sampling=SamplingParams(max_new_tokens=3), sample_id="1:0")
@@ -158,11 +158,11 @@ def test_openai_agent_with_images_is_recorded_with_the_engines_ids(loop, engine,
 
 
 def test_sglang_adapter_sends_images_to_the_flowrl_server(loop, engine, store, facts):
-    from flowrl_operators.engine.server import start_server
-    from flowrl_operators.engine.sglang import SGLangEngine
+    from flowrl_operators.chat.images import store_images
+    from flowrl_operators.chat.template import chat_ids
+    from flowrl_operators.engine.server.server import start_server
+    from flowrl_operators.engine.sglang.adapter import SGLangEngine
     from flowrl_operators.models import load_tokenizer
-    from flowrl_operators.workflows.base import chat_ids
-    from flowrl_operators.workflows.vision_messages import store_images
 
     tok = load_tokenizer(MODEL)
     view = GridNavEnv().reset({"size": 4, "agent": [1, 1], "target": [3, 0]})

@@ -13,10 +13,10 @@ import pytest
 from PIL import Image
 
 from flowrl.data import images
-from flowrl_operators.engine.base import SamplingParams
-from flowrl_operators.engine.image_data import image_data, request_images
+from flowrl_operators.chat.images import ImageContentError, as_ref, store_images
+from flowrl_operators.engine.sglang.image_data import image_data, request_images
+from flowrl_operators.inference import SamplingParams
 from flowrl_operators.workflows.proxy import Call, assemble
-from flowrl_operators.workflows.vision_messages import ImageContentError, as_ref, store_images
 
 MODEL = "builtin:tiny-qwen2"
 
@@ -94,7 +94,7 @@ def test_sglang_image_data_both_ways(store):
 def text_engine():
     import torch
 
-    from flowrl_operators.engine.embedded import EmbeddedEngine
+    from flowrl_operators.engine.embedded.engine import EmbeddedEngine
 
     torch.set_num_threads(1)
     loop = asyncio.new_event_loop()
@@ -155,7 +155,7 @@ def test_proxy_refuses_images_for_a_text_only_model(text_engine, store):
 
 
 def test_engine_server_answers_400_for_a_url_in_image_data(text_engine, store):
-    from flowrl_operators.engine.server import start_server
+    from flowrl_operators.engine.server.server import start_server
 
     loop, engine = text_engine
 

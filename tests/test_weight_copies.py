@@ -13,7 +13,7 @@ import torch
 from flowrl.data.trajectory import Group, Trajectory
 from flowrl.operator import OperatorContext
 from flowrl_operators.config import SyncConfig, TrainConfig
-from flowrl_operators.engine.embedded import EmbeddedEngine
+from flowrl_operators.engine.embedded.engine import EmbeddedEngine
 from flowrl_operators.sync import Sync
 from flowrl_operators.train import Train
 from flowrl_operators.transport import Snapshot, apply

@@ -11,7 +11,7 @@ from engines import embedded_engine
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from flowrl_operators.engine.base import GenerateRequest, SamplingParams  # noqa: E402
+from flowrl_operators.inference import GenerateRequest, SamplingParams  # noqa: E402
 from flowrl_operators.tasks import GuessNumberEnv, calculator, guess_number, reverse_digits  # noqa: E402
 from flowrl_operators.workflows import (  # noqa: E402
     EnvironmentWorkflow,

@@ -32,8 +32,8 @@ from pathlib import Path
 
 import torch
 
-from flowrl_operators.engine.base import GenerateRequest, SamplingParams
-from flowrl_operators.engine.embedded import EmbeddedEngine
+from flowrl_operators.engine.embedded.engine import EmbeddedEngine
+from flowrl_operators.inference import GenerateRequest, SamplingParams
 from flowrl_operators.models import load_hf_model
 
 

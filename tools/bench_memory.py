@@ -58,7 +58,7 @@ def build_model(folder: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from flowrl_operators.models import build_tokenizer
+    from flowrl_operators.tokenizer import build_tokenizer
 
     tokenizer = build_tokenizer()
     eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")

@@ -27,8 +27,8 @@ import torch
 
 from flowrl.data.trajectory import Trajectory
 from flowrl_operators.config import OptimConfig
-from flowrl_operators.engine.base import GenerateRequest, SamplingParams
-from flowrl_operators.engine.embedded import EmbeddedEngine
+from flowrl_operators.engine.embedded.engine import EmbeddedEngine
+from flowrl_operators.inference import GenerateRequest, SamplingParams
 from flowrl_operators.models import load_hf_model, load_tokenizer
 from flowrl_operators.train import Learner, trainer_config
 from flowrl_operators.training.objective import advantage_config, loss_config

@@ -137,8 +137,8 @@ async def bench_embedded(weights, bucket_mb: float, repeats: int) -> list[float]
     """In-process transport into the real embedded engine (its staging copy included)."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from flowrl_operators.engine.embedded import EmbeddedEngine
-    from flowrl_operators.models import build_tokenizer, silence_hf
+    from flowrl_operators.engine.embedded.engine import EmbeddedEngine
+    from flowrl_operators.tokenizer import build_tokenizer, silence_hf
 
     layers = 1 + max(int(n.split(".")[2]) for n in weights if n.startswith("model.layers."))
     config = Qwen2Config(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=layers,

@@ -123,8 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         summary["gpu"] = torch.cuda.get_device_name(0)
 
     from flowrl.data.trajectory import Trajectory
-    from flowrl_operators.engine.base import GenerateRequest, SamplingParams
-    from flowrl_operators.engine.embedded import EmbeddedEngine
+    from flowrl_operators.engine.embedded.engine import EmbeddedEngine
+    from flowrl_operators.inference import GenerateRequest, SamplingParams
     from flowrl_operators.models import load_tokenizer, resolve_model
     from flowrl_operators.training.advantages import AdvantageConfig, compute_advantages
     from flowrl_operators.training.batch import pack

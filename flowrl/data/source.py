@@ -42,6 +42,12 @@ class Source(Protocol):
     def sample(self, step: int, index: int) -> dict[str, Any]: ...
 
 
+def builtin_tasks() -> dict[str, Any]:
+    """Every task `builtin:<name>` names (a source, and to the operators a reward or workflow),
+    loaded: the entry-point group flowrl.tasks."""
+    return plugins.load(TASKS)
+
+
 def source_path(name: str) -> str:
     """`builtin:<name>` -> the `module:attr` its entry point names; `module:attr` unchanged."""
     if name.startswith("builtin:"):

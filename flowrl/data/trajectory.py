@@ -15,6 +15,9 @@ import msgspec
 from flowrl.data.images import ImageRef
 
 INVALID = "invalid"  # Trajectory.metadata key: why its reward is a stand-in (flowrl/runtime/untrained.py)
+# Trajectory.metadata key: an extra greedy sample of its group (generate's `greedy_baseline`), the
+# baseline of ReMax; the train node masks it out of the loss.
+GREEDY_BASELINE = "greedy_baseline"
 
 
 class Turn(msgspec.Struct, array_like=True):
@@ -27,7 +30,7 @@ class Turn(msgspec.Struct, array_like=True):
 class SamplingSpan(msgspec.Struct, array_like=True, frozen=True):
     """Response tokens `[start, end)` were drawn from softmax(logits / temperature) restricted to the
     `top_k` most likely tokens (all if <= 0), then to the smallest head of those whose mass reaches
-    `top_p`, as the engine samples (flowrl_operators.engine.sampling). Temperature 0 is greedy: the
+    `top_p`, as the engine samples (flowrl_operators.sampling). Temperature 0 is greedy: the
     engine reports the logprob at temperature 1 over the full vocabulary, and so does the trainer."""
 
     start: int

@@ -1,19 +1,15 @@
-"""Generate engines: the interface (`base`), flowrl's embedded torch engine, and its HTTP server."""
+"""Generate engines, in three wings: `embedded/` (flowrl's torch engine), `server/` (its HTTP
+server, SGLang's routes plus OpenAI chat) and `sglang/` (the adapter to SGLang servers); `factory`
+makes the one a generate node's config names. What an engine is (the protocol and its request and
+result types) is `flowrl_operators.inference`, below every wing."""
 
-from flowrl_operators.engine.base import (
-    GenerateRequest,
-    GenerateResult,
-    InferenceEngine,
-    SamplingParams,
-)
-
-__all__ = ["GenerateRequest", "GenerateResult", "InferenceEngine", "SamplingParams", "EmbeddedEngine"]
+__all__ = ["EmbeddedEngine"]
 
 
 def __getattr__(name: str):
-    # Importing the engine pulls in torch; keep `from flowrl_operators.engine import SamplingParams` light.
+    # Importing the engine pulls in torch: only when it is asked for.
     if name == "EmbeddedEngine":
-        from flowrl_operators.engine.embedded import EmbeddedEngine
+        from flowrl_operators.engine.embedded.engine import EmbeddedEngine
 
         return EmbeddedEngine
     raise AttributeError(name)

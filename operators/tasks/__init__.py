@@ -5,9 +5,6 @@ Every source is a pure function of (seed, split, step, index); `split: eval` (or
 gives held-out problems that the train split never draws.
 """
 
-from typing import Any
-
-from flowrl import plugins
 from flowrl_operators.tasks.calculator import CalculatorEnv, calculator
 from flowrl_operators.tasks.digits import copy_digits, positions_correct, reverse_digits
 from flowrl_operators.tasks.grid_nav import GridNavEnv, grid_nav
@@ -17,10 +14,5 @@ from flowrl_operators.tasks.longtail import longtail_digits
 # The built-ins, each registered in the entry-point group flowrl.tasks (pyproject.toml), as a plugin's would be.
 TASKS = {t.name: t for t in (reverse_digits, copy_digits, guess_number, calculator, grid_nav, longtail_digits)}
 
-
-def tasks() -> dict[str, Any]:
-    """Every task `builtin:<name>` names (a source, reward or workflow): the group flowrl.tasks."""
-    return plugins.load("flowrl.tasks")
-
-__all__ = ["TASKS", "tasks", "CalculatorEnv", "GridNavEnv", "GuessNumberEnv", "calculator", "copy_digits", "grid_nav",
+__all__ = ["TASKS", "CalculatorEnv", "GridNavEnv", "GuessNumberEnv", "calculator", "copy_digits", "grid_nav",
            "guess_number", "longtail_digits", "positions_correct", "reverse_digits"]

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import msgspec
 import torch
 
-from flowrl.data.trajectory import Trajectory
+from flowrl.data.trajectory import GREEDY_BASELINE, Trajectory
 from flowrl_operators.training.prefix import Unit, units
 
 # Fields of Batch shaped (B, L - 1); `input_ids`, `attention_mask`, `position_ids` are (B, L).
@@ -54,7 +54,6 @@ TOKEN_FIELDS = (
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k")
 ROW_FIELDS = ("group_index", "lengths", "baseline")  # shaped (B,)
 # Trajectory metadata key of a greedy baseline sample (generate `greedy_baseline: true`).
-GREEDY_BASELINE = "greedy_baseline"
 # The value of a sampling field on a token outside every span: the model's own distribution.
 SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1}
 

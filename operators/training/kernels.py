@@ -9,7 +9,7 @@ saved (original dtype) logits and the per-token log-sum-exp.
 
 Sampling distribution. With `temperature` (shaped like `targets`, > 0) each row's logits are
 divided by its temperature in fp32, exactly as the engine does before it samples
-(flowrl_operators.engine.sampling), so on-policy logprobs equal the engine's behaviour logprobs.
+(flowrl_operators.sampling), so on-policy logprobs equal the engine's behaviour logprobs.
 With `top_k` / `top_p` a row whose filter is on (0 < top_k < vocab, or top_p < 1) keeps only the
 tokens `engine.sampling.truncation_mask` keeps, renormalised, plus its target token. The kept set is
 recomputed from the trainer's own logits: on-policy (the same weights) it is the engine's set, the
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from flowrl_operators.engine.sampling import truncation_mask
+from flowrl_operators.sampling import truncation_mask
 
 ROW_CHUNK = 1024
 VOCAB_CHUNK = 8192

@@ -34,6 +34,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+from flowrl_operators.models import is_vl
 from flowrl_operators.training import checkpoint, tuning
 from flowrl_operators.training.alignment import GradientAlignment
 from flowrl_operators.training.batch import (
@@ -47,7 +48,6 @@ from flowrl_operators.training.engine import EngineEntry
 from flowrl_operators.training.head import loss_token_logprobs, packing_supported, shares_prefixes
 from flowrl_operators.training.losses import LossFn
 from flowrl_operators.training.vl_inputs import shard_units, vl_inputs, vl_value_model
-from flowrl_operators.vision import is_vl
 
 
 class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -99,7 +99,8 @@ def lr_factor(step: int, config: TrainerConfig) -> float:
 def _load_model(path: Path, head: str):
     from transformers import AutoModelForTokenClassification
 
-    from flowrl_operators.models import auto_class, silence_hf
+    from flowrl_operators.models import auto_class
+    from flowrl_operators.tokenizer import silence_hf
 
     silence_hf()
     if head == "value" and is_vl(path):
@@ -140,7 +141,8 @@ class Trainer:
 
     def __init__(self, model_path: str | Path, config: TrainerConfig | None = None) -> None:
         from flowrl_operators.memory import configure
-        from flowrl_operators.models import BUILD_LOCK, resolve_model
+        from flowrl_operators.models import resolve_model
+        from flowrl_operators.tokenizer import BUILD_LOCK
 
 
         self.config = config or TrainerConfig()

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from flowrl_operators.vision import SUPPORTED
+from flowrl_operators.models_vl import SUPPORTED
 
 
 def is_vl_model(model: torch.nn.Module) -> bool:

@@ -40,7 +40,6 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from flowrl_operators.engine.transfer import CONNECT_TIMEOUT_S, unreachable_as_error
 from flowrl_operators.transport.base import (
     Bucket,
     Stream,
@@ -51,6 +50,7 @@ from flowrl_operators.transport.base import (
     bucket_nbytes,
     from_bytes,
 )
+from flowrl_operators.transport.engine_wire import CONNECT_TIMEOUT_S, unreachable_as_error
 from flowrl_operators.transport.registry import Transport
 
 BUCKET, END, ABORT = 1, 2, 3

@@ -8,15 +8,9 @@ from __future__ import annotations
 from typing import Any
 
 from flowrl.registry import import_path
+from flowrl_operators.chat.template import EpisodeError, chat_ids, continuation_ids
 from flowrl_operators.workflows.agent import AgentWorkflow
-from flowrl_operators.workflows.base import (
-    EpisodeError,
-    TrajectoryBuilder,
-    Workflow,
-    WorkflowContext,
-    chat_ids,
-    continuation_ids,
-)
+from flowrl_operators.workflows.base import TrajectoryBuilder, Workflow, WorkflowContext
 from flowrl_operators.workflows.environment import Environment, EnvironmentWorkflow, StepResult
 from flowrl_operators.workflows.single_turn import single_turn, supervised
 
@@ -49,9 +43,9 @@ def load_workflow(name: str, args: dict[str, Any] | None = None) -> Workflow:
             raise ValueError("workflow 'environment' needs workflow_args.env: module:attr of an environment class")
         return EnvironmentWorkflow(import_path(args.pop("env")), **args)
     if name.startswith("builtin:"):
-        from flowrl_operators.tasks import tasks
+        from flowrl.data.source import builtin_tasks
 
-        registered = tasks()
+        registered = builtin_tasks()
         task = registered.get(name.removeprefix("builtin:"))
         if task is None:
             raise ValueError(f"unknown built-in task {name!r}; known: {', '.join('builtin:' + t for t in registered)}")

@@ -19,8 +19,9 @@ from typing import Any
 
 from flowrl.data.trajectory import Trajectory
 from flowrl.registry import import_path
+from flowrl_operators.chat.template import EpisodeError
 from flowrl_operators.reward_values import InvalidReward, as_reward
-from flowrl_operators.workflows.base import EpisodeError, WorkflowContext
+from flowrl_operators.workflows.base import WorkflowContext
 from flowrl_operators.workflows.proxy import assemble, run_agent
 
 

@@ -36,18 +36,11 @@ import msgspec
 
 from flowrl.data.images import ImageRef
 from flowrl.data.trajectory import Trajectory
+from flowrl_operators.chat.images import ImageContentError, store_images
+from flowrl_operators.chat.template import EpisodeError, chat_ids, continuation_ids
 from flowrl_operators.reward_values import InvalidReward, as_reward
 from flowrl_operators.threads import DaemonExecutor, call_in_thread
-from flowrl_operators.workflows.base import (
-    EpisodeError,
-    TrajectoryBuilder,
-    WorkflowContext,
-    chat_ids,
-    continuation_ids,
-    is_async_callable,
-    maybe_await,
-)
-from flowrl_operators.workflows.vision_messages import ImageContentError, store_images
+from flowrl_operators.workflows.base import TrajectoryBuilder, WorkflowContext, is_async_callable, maybe_await
 
 CLOSE_TIMEOUT_S = 30.0  # an abandoned episode's async close() (its sync close() queues in its thread)
 _CLOSING: set[asyncio.Task] = set()  # those closes, kept referenced until they finish

@@ -47,21 +47,20 @@ from jinja2 import TemplateError
 
 from flowrl.data.images import ImageRef
 from flowrl.data.trajectory import Trajectory
+from flowrl_operators.chat import request as rules
+from flowrl_operators.chat.http_body import MB, json_body
+from flowrl_operators.chat.images import ImageContentError, store_images
+from flowrl_operators.chat.template import chat_ids, chat_text
+from flowrl_operators.chat.vision_prompt import encode_with_images
 from flowrl_operators.checks import is_loopback
-from flowrl_operators.engine.base import GenerateResult, InferenceEngine, SamplingParams
-from flowrl_operators.engine.http_body import MB, json_body
+from flowrl_operators.inference import GenerateResult, InferenceEngine, SamplingParams
 from flowrl_operators.threads import DaemonExecutor, call_in_thread
-from flowrl_operators.workflows import chat_request as rules
 from flowrl_operators.workflows.base import (
     TrajectoryBuilder,
-    chat_ids,
-    chat_text,
     derive_seed,
     generate_complete,
     is_async_callable,
 )
-from flowrl_operators.workflows.vision_messages import ImageContentError, store_images
-from flowrl_operators.workflows.vision_prompt import encode_with_images
 
 _MARK = "\u0002"  # brackets spliced-reply indices in a rendered template
 

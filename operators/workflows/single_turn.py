@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from flowrl.data.trajectory import Trajectory, Turn
-from flowrl_operators.workflows.base import EpisodeError, TrajectoryBuilder, WorkflowContext
+from flowrl_operators.chat.template import EpisodeError
+from flowrl_operators.workflows.base import TrajectoryBuilder, WorkflowContext
 
 
 async def single_turn(ctx: WorkflowContext, sample: dict[str, Any]) -> Trajectory:

@@ -12,7 +12,8 @@ from collections.abc import Callable
 from typing import Any
 
 from flowrl.data.trajectory import Trajectory
-from flowrl_operators.workflows.base import EpisodeError, TrajectoryBuilder, WorkflowContext, chat_ids
+from flowrl_operators.chat.template import EpisodeError, chat_ids
+from flowrl_operators.workflows.base import TrajectoryBuilder, WorkflowContext
 from flowrl_operators.workflows.environment import as_messages, with_images
 from flowrl_operators.workflows.single_turn import data_trajectory
 

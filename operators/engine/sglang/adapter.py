@@ -3,7 +3,7 @@
 `sglang_launch.py`.
 
 Written against SGLang 0.5.23's protocol (read from its source; see the routes in
-`flowrl_operators.engine.server`, which speaks the same protocol and is what this adapter is tested
+`flowrl_operators.engine.server.server`, which speaks the same protocol and is what this adapter is tested
 against on CPU). Not run against a real SGLang server in flowrl's CI.
 
 Generation. `/generate` with `input_ids`, `sampling_params` and `return_logprob`; the answer's
@@ -49,7 +49,16 @@ from typing import Any, Literal
 
 import aiohttp
 
-from flowrl_operators.engine.base import (
+from flowrl_operators.engine.sglang.image_data import image_data
+from flowrl_operators.engine.sglang.weights import (
+    ServerError,
+    WeightGroup,
+    join_servers,
+    push_distributed,
+    sglang_ipc,
+    write_checkpoint,
+)
+from flowrl_operators.inference import (
     PAUSE_MODES,
     Buckets,
     FinishReason,
@@ -57,15 +66,6 @@ from flowrl_operators.engine.base import (
     GenerateResult,
     PauseMode,
     SamplingParams,
-)
-from flowrl_operators.engine.image_data import image_data
-from flowrl_operators.engine.sglang_weights import (
-    ServerError,
-    WeightGroup,
-    join_servers,
-    push_distributed,
-    sglang_ipc,
-    write_checkpoint,
 )
 
 WeightSync = Literal["auto", "tensor", "distributed", "disk"]
@@ -380,7 +380,7 @@ class SGLangEngine:
     async def _push_tensor(self, bucket, version: int) -> None:
         for server in self.servers:
             if server.kind == FLOWRL_SERVER:
-                from flowrl_operators.engine.transfer import LOAD_FORMAT, encode_bucket
+                from flowrl_operators.transport.engine_wire import LOAD_FORMAT, encode_bucket
 
                 body = {"serialized_named_tensors": [await asyncio.to_thread(encode_bucket, bucket)],
                         "load_format": LOAD_FORMAT}

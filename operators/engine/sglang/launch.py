@@ -1,6 +1,6 @@
 """Launching SGLang servers: one `python -m sglang.launch_server` per engine, each in a Ray actor on
 its own placement-group bundle (its GPUs), bound to 127.0.0.1 on a free port, returned once `/health`
-answers; and `make_engine`, which builds the engine an `EngineConfig` asks for.
+answers (`make_engine`, in engine/factory.py, builds the engine an `EngineConfig` asks for).
 
 Only the command building and the process / health handling run in flowrl's CI (against flowrl's
 own server, which starts the same way); launching real SGLang needs GPUs and the `sglang` extra.
@@ -18,8 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from flowrl_operators.engine.sglang import SGLangEngine
-from flowrl_operators.engine.sglang_weights import ServerError, free_port
+from flowrl_operators.engine.sglang.weights import ServerError, free_port
 
 # --- launching servers ---------------------------------------------------------------------------------
 
@@ -181,35 +180,3 @@ def launch_servers(model_path: str, engines: int, server_args: dict[str, Any] | 
     handles = [LaunchedServer(a) for a in actors]
     handles[-1].group = group  # the last handle stopped also frees the placement group
     return list(zip(urls, handles, strict=True))
-
-
-def make_engine(config: Any, model_path: str, *, dtype: str = "float32", seed: int = 0) -> Any:
-    """The engine an `EngineConfig` (or "embedded" / "sglang") asks for.
-
-    embedded: flowrl's in-process torch engine. sglang with `url`: attach to running servers.
-    sglang without `url`: launch `config.engines` servers (needs Ray and GPUs) and attach to them.
-    """
-    from flowrl_operators.config import EngineConfig
-
-    if isinstance(config, str):
-        config = EngineConfig(kind=config)
-    if config.kind == "embedded" and not config.url:
-        if config.engines != 1:
-            raise ValueError(f"engine.engines: the embedded engine runs one engine per generate replica, got "
-                             f"{config.engines}; raise the node's resources.replicas instead")
-        import torch
-
-        from flowrl_operators.engine.embedded import EmbeddedEngine
-
-        device = config.device if config.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        return EmbeddedEngine(model_path, max_slots=config.max_batch, max_context=config.max_context,
-                              device=device, threads=config.threads, dtype=dtype, seed=seed)
-    sync = getattr(config, "weight_sync", "auto")
-    if config.url is not None:  # an empty url is the adapter's clear error, not a launch
-        return SGLangEngine(config.url, weight_sync=sync, model_path=model_path)
-    from flowrl_operators.models import resolve_model
-
-    launched = launch_servers(str(resolve_model(model_path)), config.engines, config.server_args,
-                              timeout_s=getattr(config, "launch_timeout_s", 900.0))
-    return SGLangEngine([u for u, _ in launched], weight_sync=sync, model_path=model_path,
-                        owned=[h for _, h in launched])

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from flowrl_operators.engine.model import CausalLM, Linear
+from flowrl_operators.engine.embedded.model import CausalLM, Linear
 
 ADAPTER_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
 

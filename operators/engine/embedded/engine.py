@@ -23,7 +23,7 @@ Weights and the KV cache. `update_weights` stages every incoming tensor off to t
 engine keeps serving (a copy, or the tensor itself when the stream says the version owns it), and
 only when the whole version has arrived and checked out swaps the staged tensors in as the live
 parameters between two steps; an error leaves the old weights untouched (a version may also carry
-LoRA adapters: flowrl_operators.engine.weights). KV entries already computed by the old weights
+LoRA adapters: flowrl_operators.engine.embedded.weights). KV entries already computed by the old weights
 are *kept* ("in_place", cheap) unless the engine was paused with mode "retract": then each running
 request's prompt and output so far are prefilled again at resume, so its next tokens equal what the new weights produce from that prefix.
 """
@@ -41,8 +41,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flowrl_operators.engine import weights
-from flowrl_operators.engine.base import (
+from flowrl_operators.engine.embedded import weights
+from flowrl_operators.engine.embedded.load import load_model
+from flowrl_operators.engine.embedded.model import CausalLM, end_token_ids
+from flowrl_operators.engine.embedded.prefill import PrefillStats, compact, prefill
+from flowrl_operators.engine.embedded.vl_requests import check_images
+from flowrl_operators.inference import (
     PAUSE_MODES,
     Buckets,
     GenerateRequest,
@@ -50,12 +54,10 @@ from flowrl_operators.engine.base import (
     PauseMode,
     SamplingParams,
 )
-from flowrl_operators.engine.model import CausalLM, end_token_ids, load_model
-from flowrl_operators.engine.prefill import PrefillStats, compact, prefill
-from flowrl_operators.engine.sampling import sample, top_logprobs
-from flowrl_operators.engine.vl_requests import check_images
 from flowrl_operators.memory import configure, release
-from flowrl_operators.models import resolve_model, silence_hf
+from flowrl_operators.models import resolve_model
+from flowrl_operators.sampling import sample, top_logprobs
+from flowrl_operators.tokenizer import silence_hf
 from flowrl_operators.transport.base import Stream
 
 
@@ -225,7 +227,7 @@ class EmbeddedEngine:
     def stage(self, bucket, owned: bool = False) -> dict[str, torch.Tensor]:
         """Check one bucket of (HF name, tensor) against the model and set it aside, on the engine's
         device and dtype (a copy, or with `owned` the tensor itself); touches nothing live
-        (flowrl_operators.engine.weights, which also takes LoRA adapters)."""
+        (flowrl_operators.engine.embedded.weights, which also takes LoRA adapters)."""
         return weights.stage(self.model, bucket, self.device, owned)
 
     async def commit(self, staged: dict[str, torch.Tensor], version: int) -> None:

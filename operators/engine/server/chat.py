@@ -24,9 +24,8 @@ import msgspec
 from jinja2 import TemplateError
 
 from flowrl.data.images import ImageRef
-from flowrl_operators.engine.base import GenerateRequest
-from flowrl_operators.workflows.base import EpisodeError, chat_ids
-from flowrl_operators.workflows.chat_request import (
+from flowrl_operators.chat.images import ImageContentError, store_images
+from flowrl_operators.chat.request import (
     MAX_COMPLETIONS,
     check_keys,
     check_length,
@@ -41,7 +40,8 @@ from flowrl_operators.workflows.chat_request import (
     template_error,
     tools_of,
 )
-from flowrl_operators.workflows.vision_messages import ImageContentError, store_images
+from flowrl_operators.chat.template import EpisodeError, chat_ids
+from flowrl_operators.inference import GenerateRequest
 
 
 def prompt(tokenizer: Any, messages: list[Any], bad_request: type[Exception],

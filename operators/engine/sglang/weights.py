@@ -1,5 +1,6 @@
-"""Weight pushes into SGLang servers (used by `SGLangEngine.update_weights`), and `SGLangSender`, the
-same push from the trainer's side, where the trainer's rank 0 is rank 0 of the broadcast group.
+"""Weight pushes into SGLang servers (used by `SGLangEngine.update_weights`, and by `SGLangSender` in
+sender.py, the same push from the trainer's side, where the trainer's rank 0 is rank 0 of the
+broadcast group).
 
 Broadcast (SGLang's `update_weights_from_distributed`): the pusher creates a group (torch's TCP
 rendezvous, gloo on CPU / NCCL on GPU) and each server joins it through `/init_weights_update_group`
@@ -13,15 +14,13 @@ from __future__ import annotations
 import asyncio
 import shutil
 import socket
-import threading
 import uuid
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from flowrl_operators.engine.sglang import SGLangEngine
+    from flowrl_operators.engine.sglang.adapter import SGLangEngine
 
 GROUP_PREFIX = "flowrl-sglang-weights"
 
@@ -60,7 +59,7 @@ async def join_servers(engine: SGLangEngine, backend: str = "auto", address: str
     """Create the broadcast group: this process is rank 0, server i's TP ranks follow in order."""
     import torch
 
-    from flowrl_operators.engine.transfer import weight_update_group
+    from flowrl_operators.transport.engine_wire import weight_update_group
 
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -117,64 +116,3 @@ def write_checkpoint(source: Path, folder: Path, tensors: dict) -> None:
             tensors[name] = tensor.clone()
         seen.add(tensors[name].data_ptr())
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-
-
-
-
-@dataclass(frozen=True)
-class PushedRecord:
-    """A version the sender already pushed into the servers; the generate side only adopts it
-    (`SGLangEngine.adopt(record)`): nothing travels through the generate node."""
-
-    version: int
-    urls: tuple[str, ...]
-    transport: str = "sglang"
-
-
-class SGLangSender:
-    """Trainer side: pushes each version straight into the SGLang servers at `urls` (`WeightSender`).
-
-    With weight_sync "distributed" this process is rank 0 of the broadcast group (NCCL on GPU), as in
-    SGLang's RL recipe. `pause_mode` (retract by default) pauses the servers around each push, so
-    requests in flight continue under the new weights; None pushes without pausing. `send` returns
-    when the servers serve the new version.
-    """
-
-    transport = "sglang"
-
-    def __init__(self, urls: str | Iterable[str], *, weight_sync: str = "distributed", backend: str = "auto",
-                 model_path: str | None = None, pause_mode: str | None = "retract") -> None:
-        from flowrl_operators.engine.sglang import SGLangEngine
-
-        self.engine = SGLangEngine(urls, weight_sync=weight_sync, backend=backend, model_path=model_path)
-        self.pause_mode = pause_mode
-        self.loop = asyncio.new_event_loop()  # a private loop: the trainer's thread stays synchronous
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="flowrl-sglang-sender")
-        self.thread.start()
-
-    def _run(self, coroutine):
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
-
-    async def _push(self, buckets, version: int) -> None:
-        engine = self.engine
-        await engine.start()
-        if self.pause_mode:
-            await engine.pause(self.pause_mode)
-        try:
-            await engine.update_weights(buckets, version)
-        finally:
-            if self.pause_mode:
-                await engine.resume()
-
-    def send(self, buckets, version: int) -> PushedRecord:
-        self._run(self._push(buckets, version))
-        return PushedRecord(version, tuple(s.url for s in self.engine.servers))
-
-    def wait(self, timeout: float | None = None) -> None:
-        """`send` is synchronous: nothing is left to wait for."""
-
-    def close(self) -> None:
-        if self.loop.is_running():
-            self._run(self.engine.close())
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(30)

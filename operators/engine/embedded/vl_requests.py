@@ -1,5 +1,5 @@
 """Requests with images in the embedded engine: the checks before admission, and the key under which
-prefill shares KV between requests (flowrl_operators.engine.prefill).
+prefill shares KV between requests (flowrl_operators.engine.embedded.prefill).
 
 A prompt's KV depends on its images as well as its tokens, and two requests with equal token ids
 (the same number of placeholder tokens) may hold different images. Prefill therefore compares
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from flowrl_operators.engine.base import GenerateRequest
+from flowrl_operators.inference import GenerateRequest
 
 
 def check_images(model: Any, request: GenerateRequest) -> str | None:

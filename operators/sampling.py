@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from flowrl_operators.engine.base import SamplingParams
+from flowrl_operators.inference import SamplingParams
 
 _MASK = (1 << 64) - 1
 _GAMMA = 0x9E3779B97F4A7C15  # SplitMix64's increment (the golden ratio in 64 bits)

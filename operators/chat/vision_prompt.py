@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from flowrl.data.images import ImageRef
-from flowrl_operators.workflows.vision_messages import ImageContentError
+from flowrl_operators.chat.images import ImageContentError
 
 
 def encode_with_images(tokenizer: Any, text: str, pending: list[ImageRef]) -> list[int]:

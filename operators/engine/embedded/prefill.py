@@ -27,9 +27,9 @@ from typing import Any, Protocol
 
 import torch
 
-from flowrl_operators.engine.base import GenerateRequest
-from flowrl_operators.engine.model import CausalLM, KVCache
-from flowrl_operators.engine.vl_requests import prefix_key
+from flowrl_operators.engine.embedded.model import CausalLM, KVCache
+from flowrl_operators.engine.embedded.vl_requests import prefix_key
+from flowrl_operators.inference import GenerateRequest
 
 PADDING = 1.25  # a batched prefill forward computes at most this many tokens per real token
 # A leader sharing at least this many more tokens with another new prompt than with any cached one

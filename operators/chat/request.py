@@ -1,5 +1,5 @@
 """OpenAI chat requests as flowrl reads them: the rules shared by the engine server's
-`POST /v1/chat/completions` (operators/engine/chat.py) and the agent proxy (workflows/proxy.py),
+`POST /v1/chat/completions` (operators/engine/server/chat.py) and the agent proxy (workflows/proxy.py),
 so one request is read alike on both. Where the routes differ, their modules say so (the proxy:
 `n` 1 only, sampling defaults from the generate node, each call recorded, replies spliced back).
 
@@ -53,12 +53,12 @@ from typing import Any
 import msgspec
 from jinja2 import TemplateError
 
-from flowrl_operators.engine.base import GenerateResult, SamplingParams
+from flowrl_operators.chat.images import ImageContentError, data_url
+from flowrl_operators.chat.template import chat_text
+from flowrl_operators.chat.tool_calls import split_tool_calls
+from flowrl_operators.chat.vision_prompt import require_vision
+from flowrl_operators.inference import GenerateResult, SamplingParams
 from flowrl_operators.threads import DaemonExecutor, call_in_thread
-from flowrl_operators.workflows.base import chat_text
-from flowrl_operators.workflows.tool_calls import split_tool_calls
-from flowrl_operators.workflows.vision_messages import ImageContentError, data_url
-from flowrl_operators.workflows.vision_prompt import require_vision
 
 ROLES = ("system", "user", "assistant", "tool")
 # The most completions one request may ask for: a chat request's `n`, a /generate batch's prompts.
@@ -92,7 +92,7 @@ def check_keys(body: dict[str, Any], bad_request: type[Exception]) -> None:
     if unknown:
         hint = "; send tools instead of functions / function_call" if {"functions", "function_call"} & set(unknown) else ""
         raise bad_request(f"unsupported request keys {unknown}: flowrl's chat routes do not implement them{hint}; "
-                          f"accepted: {sorted(READ | METADATA | set(NEUTRAL))} (see operators/workflows/chat_request.py)")
+                          f"accepted: {sorted(READ | METADATA | set(NEUTRAL))} (see operators/chat/request.py)")
     for key, (neutral, why) in NEUTRAL.items():
         value = body.get(key)
         if value is not None and not any(_same(value, n) for n in neutral):

@@ -1,6 +1,6 @@
 """The embedded engine behind HTTP on 127.0.0.1, speaking SGLang's native protocol and OpenAI chat.
 
-    python -m flowrl_operators.engine.server --model builtin:tiny-qwen2 --port 0
+    python -m flowrl_operators.engine.server.server --model builtin:tiny-qwen2 --port 0
 
 prints `flowrl engine listening on http://127.0.0.1:PORT` once it serves. Routes (SGLang 0.5.23's
 names and bodies; weight versions are strings on the wire, as in SGLang, holding integers):
@@ -39,13 +39,19 @@ import msgspec
 import torch
 from aiohttp import web
 
-from flowrl_operators.engine import chat, http_body
-from flowrl_operators.engine.base import PAUSE_MODES, GenerateRequest, GenerateResult, SamplingParams
-from flowrl_operators.engine.embedded import EmbeddedEngine
-from flowrl_operators.engine.image_data import request_images
-from flowrl_operators.engine.transfer import LOAD_FORMAT, decode_bucket, parse_dtype, weight_update_group
+from flowrl_operators.chat import http_body
+from flowrl_operators.chat.request import MAX_COMPLETIONS, check_length, off_loop
+from flowrl_operators.engine.embedded.engine import EmbeddedEngine
+from flowrl_operators.engine.server import chat
+from flowrl_operators.engine.sglang.image_data import request_images
+from flowrl_operators.inference import PAUSE_MODES, GenerateRequest, GenerateResult, SamplingParams
 from flowrl_operators.models import load_tokenizer
-from flowrl_operators.workflows.chat_request import MAX_COMPLETIONS, check_length, off_loop
+from flowrl_operators.transport.engine_wire import (
+    LOAD_FORMAT,
+    decode_bucket,
+    parse_dtype,
+    weight_update_group,
+)
 
 # SGLang sampling keys this engine honours, and keys it may safely ignore at their defaults.
 SAMPLING_KEYS = {"temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "ignore_eos",
@@ -288,7 +294,7 @@ class EngineServer:
         load_format = body.get("load_format") or LOAD_FORMAT
         if load_format != LOAD_FORMAT:
             raise BadRequest(f"load_format {load_format!r} is not supported; the embedded engine takes "
-                             f"{LOAD_FORMAT!r} (base64 safetensors, see flowrl_operators.engine.transfer)")
+                             f"{LOAD_FORMAT!r} (base64 safetensors, see flowrl_operators.transport.engine_wire)")
         staged = {}
         for entry in body.get("serialized_named_tensors") or []:
             staged.update(await self._stage(decode_bucket, entry))

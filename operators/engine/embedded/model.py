@@ -315,57 +315,6 @@ def rope_tables(config, max_context: int, device: torch.device) -> tuple[torch.T
     return (angles.cos() * scale).to(device), (angles.sin() * scale).to(device)
 
 
-def load_model(folder: Path, dtype: torch.dtype, device: torch.device | str):
-    """Build the model for a checkpoint folder and load its safetensors by HF name."""
-    from transformers import AutoConfig
-
-    from flowrl_operators.models import BUILD_LOCK
-
-    with BUILD_LOCK:  # see BUILD_LOCK: other stages may build theirs in other threads meanwhile
-        config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
-        if hasattr(config, "vision_config"):  # a vision-language checkpoint
-            from flowrl_operators.engine.model_vl import build_vl
-
-            model = build_vl(folder, config, dtype, device)
-        else:
-            with torch.device("meta"):
-                model = CausalLM(config)
-            model = model.to_empty(device=device).to(dtype)
-    load_weights(model, folder)
-    model.eval()
-    return model
-
-
-def load_weights(model: CausalLM, folder: Path) -> None:
-    """Copy the folder's safetensors into the model's parameters, by name; every parameter must come."""
-    from safetensors import safe_open
-
-    params = dict(model.named_parameters())
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{folder} has no *.safetensors weights")
-    loaded = set()
-    for file in files:
-        # One tensor at a time (not load_file's whole dict): loading holds the model plus one tensor.
-        with safe_open(str(file), "pt") as reader:
-            for stored in reader.keys():  # noqa: SIM118 - safe_open has keys(), not iteration
-                name = model.live_name(stored)
-                if name in params and not (name == "lm_head.weight" and model.tied):
-                    _load_one(params[name], reader.get_tensor(stored), name, file)
-                    loaded.add(name)
-    missing = sorted(set(params) - loaded)
-    if missing:
-        raise ValueError(f"{folder}: checkpoint lacks {len(missing)} parameters, e.g. {missing[:3]}")
-
-
-def _load_one(param: torch.Tensor, tensor: torch.Tensor, name: str, file: Path) -> None:
-    if param.shape != tensor.shape:
-        raise ValueError(f"{file.name}: {name} has shape {tuple(tensor.shape)}, "
-                         f"the config implies {tuple(param.shape)}")
-    with torch.no_grad():
-        param.copy_(tensor)
-
-
 def end_token_ids(folder: Path, config) -> frozenset[int]:
     """The model's end-of-sequence ids: config.json's `eos_token_id` and generation_config.json's
     (an int or a list in either; instruct models often list their end-of-turn token only in the

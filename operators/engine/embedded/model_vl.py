@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from flowrl_operators.engine.model import CausalLM, DecoderBody, KVCache, head_dim_of
+from flowrl_operators.engine.embedded.model import CausalLM, DecoderBody, KVCache, head_dim_of
 
 VL_ARCHITECTURES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
