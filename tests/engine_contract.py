@@ -1,4 +1,4 @@
-"""The contract every generate engine passes (`InferenceEngine` in flowrl_operators/engine/base.py).
+"""The contract every generate engine passes (`InferenceEngine` in flowrl_operators/inference.py).
 
 Each check is `async def check_*(target)` on a `Target`: an engine that serves `folder`'s weights,
 and `new` weights of the same shapes to update it with. Checks are engine-agnostic: they speak only

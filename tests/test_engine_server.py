@@ -183,11 +183,11 @@ def test_abort_routes_and_disk_update(old_and_new):
 
 
 def test_openai_client_and_subprocess_server_with_broadcast_update(old_and_new):
-    """`python -m flowrl_operators.engine.server.server` as a real process: the openai client, then a weight
+    """`python -m flowrl_operators.engine.server` as a real process: the openai client, then a weight
     broadcast from this process (rank 0 of a gloo group), checked by greedy output."""
     old, new = old_and_new
     env = dict(os.environ, HF_HUB_OFFLINE="1")
-    server = subprocess.Popen([sys.executable, "-m", "flowrl_operators.engine.server.server", "--model", str(old),
+    server = subprocess.Popen([sys.executable, "-m", "flowrl_operators.engine.server", "--model", str(old),
                                "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         line = server.stdout.readline()

@@ -1,4 +1,4 @@
-"""The agent proxy reads requests as the engine server's chat route does (workflows/chat_request.py),
+"""The agent proxy reads requests as the engine server's chat route does (chat/request.py),
 over real loopback HTTP with a real tiny model and the `openai` client: what cannot be honoured is a
 400 with the route's message and records nothing; `tool_choice` "none" answers text; a tool-call
 answer sent back (content null) is spliced in as the model's own tokens, so the trajectory is exact;

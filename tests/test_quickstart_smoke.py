@@ -105,7 +105,7 @@ def test_async_quickstart_over_the_sglang_adapter(tmp_path: Path) -> None:
 
     log = tmp_path / "server.log"
     with open(log, "w") as sink:  # a file, not a pipe: nobody drains a pipe once the address is read
-        server = subprocess.Popen([sys.executable, "-m", "flowrl_operators.engine.server.server", "--model",
+        server = subprocess.Popen([sys.executable, "-m", "flowrl_operators.engine.server", "--model",
                                    "builtin:tiny-qwen2", "--max-slots", "16"], stdout=sink, stderr=subprocess.STDOUT)
     try:
         url = None

@@ -32,7 +32,7 @@ def model():
 
 
 def flowrl_command(folder, port, server_args):
-    return [sys.executable, "-m", "flowrl_operators.engine.server.server", "--model", str(folder), "--port", str(port)]
+    return [sys.executable, "-m", "flowrl_operators.engine.server", "--model", str(folder), "--port", str(port)]
 
 
 def test_server_command_forwards_server_args():

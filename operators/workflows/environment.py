@@ -70,7 +70,7 @@ def as_messages(observation: Any) -> list[dict[str, Any]]:
 
 
 def with_images(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[ImageRef]]:
-    """Image parts stored in the run's image store (`vision_messages.store_images`)."""
+    """Image parts stored in the run's image store (`chat.images.store_images`)."""
     try:
         return store_images(messages)
     except ImageContentError as e:

@@ -13,7 +13,7 @@ is built with that reply's original ids spliced in (see `Proxy.render`), so mult
 conversations chain even when decoding is lossy, and a tool-call turn is the model's own tokens,
 not the template's rendering of the calls.
 
-Requests are read by workflows/chat_request.py, as the engine server's chat route reads them:
+Requests are read by chat/request.py, as the engine server's chat route reads them:
 every key honoured or a 400 naming it (unknown keys, penalties, forced tool choices, ...), `tools`
 refused where the chat template does not render them, `tool_choice` "auto" / "none", and a
 tool-call answer's `content` is the text outside its blocks (null if none), so a client that sends
@@ -106,7 +106,7 @@ def reply_key(message: dict[str, Any]) -> str | None:
         return None
     calls = []
     for call in message.get("tool_calls") or []:
-        function = call.get("function") or {}  # its shape was checked (chat_request.check_message)
+        function = call.get("function") or {}  # its shape was checked (chat/request.py check_message)
         arguments = function.get("arguments")
         if isinstance(arguments, str):
             try:
@@ -124,7 +124,7 @@ class ProxyError(Exception):
 
 
 class BadRequest(ProxyError):
-    """A 400; chat_request's checks raise it with the message alone."""
+    """A 400; chat/request.py's checks raise it with the message alone."""
 
     def __init__(self, message: str) -> None:
         super().__init__(400, message)

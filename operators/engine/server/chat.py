@@ -1,7 +1,7 @@
 """The engine server's `POST /v1/chat/completions`: OpenAI chat through the tokenizer's chat template.
 
 The request rules (every key honoured or refused with a 400 that names it; messages, images,
-tools and tool calls, stop, logprobs) are workflows/chat_request.py's, shared with the agent proxy,
+tools and tool calls, stop, logprobs) are chat/request.py's, shared with the agent proxy,
 so a request reads alike on both. What is this route's own:
 - `max_tokens` defaults to 128 and sampling to temperature 1 (SamplingParams' defaults); the proxy
   takes its defaults from the generate node's `sampling` instead.
@@ -9,7 +9,7 @@ so a request reads alike on both. What is this route's own:
   per request: `n` 1 only).
 - Images are put in this process's image store and generated with, as on `/generate` with
   `image_data`: the prompt is the chat template's, each image's placeholder expanded to the
-  image's token count (workflows/base.py `chat_ids`), and the request carries the `ImageRef`s.
+  image's token count (chat/template.py `chat_ids`), and the request carries the `ImageRef`s.
 - Nothing is recorded: the answer is for the caller only.
 """
 

@@ -1,6 +1,6 @@
 """The embedded engine behind HTTP on 127.0.0.1, speaking SGLang's native protocol and OpenAI chat.
 
-    python -m flowrl_operators.engine.server.server --model builtin:tiny-qwen2 --port 0
+    python -m flowrl_operators.engine.server --model builtin:tiny-qwen2 --port 0
 
 prints `flowrl engine listening on http://127.0.0.1:PORT` once it serves. Routes (SGLang 0.5.23's
 names and bodies; weight versions are strings on the wire, as in SGLang, holding integers):

@@ -1,6 +1,6 @@
 """SGLang backend: `SGLangEngine` drives SGLang servers over their native HTTP API behind flowrl's
 `InferenceEngine` interface. Launching servers (`launch_servers`, `make_engine`) is in
-`sglang_launch.py`.
+`launch.py` and `../factory.py`.
 
 Written against SGLang 0.5.23's protocol (read from its source; see the routes in
 `flowrl_operators.engine.server.server`, which speaks the same protocol and is what this adapter is tested

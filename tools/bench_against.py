@@ -1,0 +1,86 @@
+"""A benchmark run side by side on an earlier commit and on this tree, in one command.
+
+    python tools/bench_against.py REV tools/bench_weight_sync.py --layers 2 [--rounds 2]
+
+The earlier commit is checked out into a temporary git worktree and imported in place of this tree
+(its `flowrl/` and `operators/` put first on PYTHONPATH, for the benchmark and every process it
+starts), so both run in this environment, one after the other, `--rounds` times alternately. Each
+benchmark's last output line is its JSON summary; every number in both is printed with the ratio
+this tree / REV. The last line is one JSON object: {"rev", "bench", "figures": {key: [rev, this]}}.
+A refactor that should not change speed keeps the ratios of each summary where they were.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def checkout(rev: str, where: Path) -> Path:
+    """REV's tree in a detached worktree, and a folder that imports it as flowrl / flowrl_operators."""
+    tree = where / "tree"
+    subprocess.run(["git", "worktree", "add", "--detach", "-q", str(tree), rev], cwd=ROOT, check=True)
+    shadow = where / "path"
+    shadow.mkdir()
+    (shadow / "flowrl").symlink_to(tree / "flowrl")
+    (shadow / "flowrl_operators").symlink_to(tree / "operators")
+    return tree
+
+
+def run(tree: Path, bench: str, args: list[str], path: str | None) -> dict:
+    env = dict(os.environ)
+    if path is not None:
+        env["PYTHONPATH"] = os.pathsep.join([path, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    proc = subprocess.run([sys.executable, str(tree / bench), *args], cwd=tree, env=env,
+                          capture_output=True, text=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        sys.exit(f"{bench} on {tree} failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1])
+
+
+def numbers(summary: dict, prefix: str = "") -> dict[str, float]:
+    out: dict[str, float] = {}
+    for key, value in summary.items():
+        if isinstance(value, dict):
+            out |= numbers(value, f"{prefix}{key}.")
+        elif isinstance(value, int | float) and not isinstance(value, bool):
+            out[prefix + key] = float(value)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("rev", help="the earlier commit")
+    parser.add_argument("bench", help="the benchmark, a path relative to the repository root")
+    parser.add_argument("--rounds", type=int, default=1, help="runs of each, alternately (medians are shown)")
+    args, rest = parser.parse_known_args()
+    with tempfile.TemporaryDirectory(prefix="flowrl-against-") as scratch:
+        tree = checkout(args.rev, Path(scratch))
+        try:
+            runs: dict[str, list[dict[str, float]]] = {"rev": [], "this": []}
+            for _ in range(args.rounds):
+                runs["rev"].append(numbers(run(tree, args.bench, rest, str(Path(scratch) / "path"))))
+                runs["this"].append(numbers(run(ROOT, args.bench, rest, None)))
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT, check=False)
+    keys = [k for k in runs["this"][0] if k in runs["rev"][0]]
+    figures = {k: [statistics.median(r[k] for r in runs["rev"]), statistics.median(r[k] for r in runs["this"])]
+               for k in keys}
+    print(f"{'figure':<44} {args.rev[:10]:>12} {'this tree':>12} {'this/rev':>9}")
+    for key, (old, new) in figures.items():
+        ratio = f"{new / old:9.3f}" if old else f"{'-':>9}"
+        print(f"{key:<44} {old:12.4g} {new:12.4g} {ratio}")
+    print(json.dumps({"rev": args.rev, "bench": args.bench, "figures": figures}))
+
+
+if __name__ == "__main__":
+    main()
