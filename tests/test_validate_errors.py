@@ -214,6 +214,19 @@ class PortsText(KnobsNone):
 class ProvidesText(PortsText):
     inputs = {"trajectories": TRAJECTORIES}
     provides = "values"
+
+class DataCheck(KnobsNone):
+    @classmethod
+    def knobs(cls, config):
+        return super(KnobsNone, cls).knobs(config)
+    @classmethod
+    def check_data(cls, config, facts):
+        return [(("data", "batch_size"), f"this node wants an even batch, not {facts.data['batch_size']}")]
+
+class DataCheckReturnsText(DataCheck):
+    @classmethod
+    def check_data(cls, config, facts):
+        return "the data is fine"
 '''
 # name -> (overrides or spec edits, where the message points: LINE:COL or the override, words it contains)
 PLUGIN_CASES: dict[str, tuple[list[str], str, str]] = {
@@ -242,6 +255,10 @@ PLUGIN_CASES: dict[str, tuple[list[str], str, str]] = {
                    "inputs is a str; it must be a dict of port name to port type"),
     "provides_text": (["nodes.check.op=broken_plugin:ProvidesText"], "nodes.check.op",
                       "provides is 'values'; it must be a frozenset of field names"),
+    "check_data_finds": (["nodes.check.op=broken_plugin:DataCheck", "data.batch_size=3"], "data.batch_size",
+                         "this node wants an even batch, not 3"),
+    "check_data_returns_text": (["nodes.check.op=broken_plugin:DataCheckReturnsText"], "nodes.check.op",
+                                "its check_data returned str 'the data is fine'; it must return a list"),
     "sample_without_prompt": (["data.source=broken_plugin:NoPrompt"], "data.source",
                               "sample(0, 0) has no prompt (keys: question)"),
     "sample_not_a_dict": (["data.source=broken_plugin:NotADict"], "data.source", "returned str; a sample is a dict"),
@@ -259,8 +276,9 @@ def test_a_broken_plugin_is_found_by_validate_at_its_key(name: str, tmp_path: Pa
     (tmp_path / "broken_plugin.py").write_text(PLUGIN)
     monkeypatch.syspath_prepend(str(tmp_path))
     spec = tmp_path / "pipeline.yaml"
-    spec.write_text(CHECKED if name == "check_graph_raises" or "nodes.check.op" in PLUGIN_CASES[name][1] else BASE)
     overrides, key, words = PLUGIN_CASES[name]
+    checked = name == "check_graph_raises" or any(o.startswith("nodes.check.op=") for o in overrides)
+    spec.write_text(CHECKED if checked else BASE)
     assert main(["validate", str(spec), *overrides]) == 1
     err = capsys.readouterr().err
     assert "Traceback" not in err and "internal error" not in err, err

@@ -34,7 +34,7 @@ from typing import Any, Protocol
 from flowrl import plugins
 from flowrl.registry import OperatorError, import_path
 
-TASKS = "flowrl.tasks"  # the entry-point group of `builtin:` sources
+TASKS_GROUP = "flowrl.tasks"  # the entry-point group of `builtin:` tasks
 _RESERVED = ("source", "batch_size", "options", "eval")
 
 
@@ -45,13 +45,13 @@ class Source(Protocol):
 def builtin_tasks() -> dict[str, Any]:
     """Every task `builtin:<name>` names (a source, and to the operators a reward or workflow),
     loaded: the entry-point group flowrl.tasks."""
-    return plugins.load(TASKS)
+    return plugins.load(TASKS_GROUP)
 
 
 def source_path(name: str) -> str:
     """`builtin:<name>` -> the `module:attr` its entry point names; `module:attr` unchanged."""
     if name.startswith("builtin:"):
-        tasks = plugins.targets(TASKS)
+        tasks = plugins.targets(TASKS_GROUP)
         target = tasks.get(name.removeprefix("builtin:"))
         if target is None:
             known = ", ".join(f"builtin:{t}" for t in tasks)
