@@ -151,3 +151,25 @@ def test_policy_kl_is_the_mean_logprob_drop_over_the_trained_tokens(tmp_path: Pa
         await op.close()
 
     asyncio.run(main())
+
+
+def test_a_converged_run_is_not_flagged_but_a_stalled_one_is() -> None:
+    """Entropy spent, groups tied and a flat reward are a stall at 0.8 and a solved task at 0.97,
+    the best trajectory having reached 1.0 in both."""
+    def run(final: float) -> list[dict]:
+        rows = []
+        for step in range(600):
+            late = min(1.0, step / 300)
+            r = row(step, reward=0.3 + (final - 0.3) * late, entropy=1.0 - 0.95 * late, tied_group_fraction=0.9 * late)
+            rows.append(r | {"reward_max": 1.0})
+        return events_of(rows)
+
+    assert set(active(run(0.8))) == {"entropy_collapse", "tied_groups", "reward_plateau"}
+    converged = run(0.97)
+    assert active(converged) == {}  # what began on the way up ended once it was near solved
+    assert "reward_plateau" not in {e["condition"] for e in converged}
+
+
+def test_without_reward_max_the_solved_rule_does_not_apply() -> None:
+    rows = [row(step, reward=0.97, entropy=0.01 if step > 10 else 1.0) for step in range(40)]
+    assert [e["condition"] for e in events_of(rows)] == ["entropy_collapse"]

@@ -57,11 +57,14 @@ def write_phase(directory: Path, steps: int, supervised: bool, monkeypatch: pyte
     _prepare(plan, directory, "inprocess", steps, False, clock.now)
     writer = observe.Observer(plan, directory, clock.now)
     pid = writer.pids
+    # A group's two samples score 0.1 apart (real ones differ): its best is above the batch mean, so a
+    # run stuck at 0.8 is not "solved" (flowrl/health.py SOLVED_SHARE).
+    spread = (0.0, 0.0) if supervised else (-0.1, 0.1)
     for step in range(steps):
         start = clock.now
         groups = [Group(id=f"{step}:{g}", step=step, trajectories=[Trajectory(
             id=f"{step}:{g}:{i}", group_id=f"{step}:{g}", sample_id=f"{step}:{g}", prompt_ids=[1, 2], response_ids=[3],
-            loss_mask=[1], behaviour_logprobs=[-0.1], versions=[step], reward=reward(step, supervised),
+            loss_mask=[1], behaviour_logprobs=[-0.1], versions=[step], reward=reward(step, supervised) + spread[i],
             metadata={"text": "4321", "sample": {"prompt": "<1234>"}}) for i in range(2)]) for g in range(GROUPS)]
         for g in range(GROUPS):  # what a real step's stages record
             writer.events.append(observe.span(pid["rollout"], 100 + g, "generate", start, start + 0.1, writer.origin))

@@ -113,6 +113,7 @@ class Observer:
             "step_seconds": round(dt, 4), "groups": len(values), "samples_per_s": round(len(values) / dt, 3),
             "trajectories_per_s": round(len(trajectories) / dt, 3),
             "reward": (sum(rewards) / len(rewards)) if rewards else None,
+            "reward_max": max(rewards) if rewards else None,  # the batch's best trajectory (flowrl/health.py)
             "queues": queues, "staleness": staleness, "dropped": self.dropped - self._mark["dropped"],
             "dropped_total": counters["dropped"], "stale_kept_total": counters["stale_kept"],
             "rejected_total": counters["rejected"], "filtered_total": counters["filtered"],
