@@ -1,0 +1,2 @@
+"""The engine server (`server.py`): an engine behind HTTP with SGLang's native routes and OpenAI chat
+(`chat.py`). `python -m flowrl_operators.engine.server --model PATH` runs it."""
