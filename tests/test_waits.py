@@ -7,8 +7,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -133,12 +135,15 @@ def _rows(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def test_flowrl_run_records_a_hanging_environment_call_while_it_hangs(tmp_path):
+@pytest.mark.parametrize("executor", ["inprocess", pytest.param("ray", marks=pytest.mark.slow)])
+def test_flowrl_run_records_a_hanging_environment_call_while_it_hangs(tmp_path, executor):
     """Through `flowrl run`: the environment's step hangs until the test has read, in waits.jsonl,
-    the row naming the waiting episode; only then does it answer, and the run finishes."""
+    the row naming the waiting episode; only then does it answer, and the run finishes. Under Ray
+    the generate stage is an actor: its reports reach the coordinator actor, which writes the file."""
     spec = tmp_path / "spec.yaml"
-    spec.write_text(SPEC)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+    spec.write_text(SPEC.replace("executor: inprocess", f"executor: {executor}"))
+    ray_tmp = tempfile.mkdtemp(prefix="flowrl-ray-")  # short: Ray's socket paths must fit 107 bytes
+    env = {**os.environ, "RAY_TMPDIR": ray_tmp, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1", HANGING: str(tmp_path)}
     proc = subprocess.Popen([sys.executable, "-m", "flowrl.cli", "run", str(spec), "--run-dir", str(tmp_path / "run"),
                              "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
@@ -154,6 +159,7 @@ def test_flowrl_run_records_a_hanging_environment_call_while_it_hangs(tmp_path):
         out, _ = proc.communicate()
     finally:
         killer.cancel()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
     assert during, out
     began = during[0]
     assert began["event"] == "began" and began["node"] == "rollout" and began["replica"] == 0
