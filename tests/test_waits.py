@@ -18,6 +18,7 @@ from typing import Any
 
 import msgspec
 import pytest
+import runtime_ops as ops
 
 from flowrl_operators.config import GenerateConfig
 
@@ -171,3 +172,37 @@ def test_flowrl_run_records_a_hanging_environment_call_while_it_hangs(tmp_path, 
         (began["sample_id"], began["episode"], "environment.step")]
     rows = _rows(tmp_path / "run" / "metrics.jsonl")
     assert rows[-1]["operators"]["rollout"]["generate/slow_episodes"] == 0
+
+
+class WaitingGenerate(ops.ToyGenerate):
+    """A plugin generate operator (runtime_ops.ToyGenerate, whose sample `slow_on` sleeps
+    `slow_delay` s) that reports its own waits past 0.5 s, in the Operator.waits contract's least
+    form: what it awaits, for how long, and what names the work."""
+
+    async def generate(self, sample: dict[str, Any], *, step: int, sample_id: str) -> Any:
+        self.started = getattr(self, "started", {})
+        self.started[sample_id] = time.monotonic()
+        try:
+            return await super().generate(sample, step=step, sample_id=sample_id)
+        finally:
+            del self.started[sample_id]
+
+    def waits(self) -> list[dict[str, Any]]:
+        now = time.monotonic()
+        return [{"sample_id": s, "awaits": "simulator", "waited_s": round(now - t, 1)}
+                for s, t in getattr(self, "started", {}).items() if now - t >= 0.5]
+
+
+def test_a_plugin_operators_waits_reach_waits_jsonl_though_none_of_its_work_ends(tmp_path):
+    """The runtime side of Operator.waits, for any operator: the stage's heartbeat reports while its
+    only work in flight sleeps (no work ends meanwhile), and each wait is written when it begins
+    and when it ends."""
+    from flowrl.runtime.run import run
+
+    plan = ops.grpo("sync", steps=2, batch_size=1, gen={"slow_on": "1:0", "slow_delay": 2.5})
+    plan.nodes["rollout"].op = "test_waits:WaitingGenerate"
+    assert run(plan, tmp_path, progress=False).status == "done"
+    rows = _rows(tmp_path / "waits.jsonl")
+    assert [(r["event"], r["node"], r["sample_id"], r["awaits"]) for r in rows] == [
+        ("began", "rollout", "1:0", "simulator"), ("ended", "rollout", "1:0", "simulator")]
+    assert 0.5 <= rows[0]["waited_s"] < 2.0 and rows[0]["time"] < rows[1]["time"]
