@@ -236,6 +236,14 @@ class Operator:
         (flowrl.blame.describe)."""
         return []
 
+    def waits(self) -> list[dict[str, Any]]:
+        """What this operator's work has awaited too long now (a generate node's slow episodes:
+        flowrl_operators.waits), one dict each with at least `awaits` (what it waits on) and
+        `waited_s`, plus what names the work (e.g. `sample_id`, `episode`, `turn`). Asked about once
+        a second; the runtime writes each wait to waits.jsonl when it first and last appears, and
+        the live view names the longest."""
+        return []
+
     def state_dict(self) -> dict[str, Any]:
         return {}
 

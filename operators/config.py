@@ -89,6 +89,10 @@ class GenerateConfig(Strict):
     # episode (minutes even for long reasoning on a busy engine) and still ends a hang within the
     # hour; null (explicit only) waits forever.
     episode_timeout_s: Annotated[float, Meta(gt=0)] | None = 1800.0
+    # An episode awaiting one thing (the engine, an environment call, an agent) this long is reported
+    # as slow: in the live view, in waits.jsonl, and as generate/slow_episodes (0: never). A minute
+    # is past any single engine turn or tool call of a healthy run, and still 30x before the timeout.
+    slow_episode_s: Annotated[float, Meta(ge=0)] = 60.0
     # Where agent workflows' OpenAI proxy listens: a loopback address, unless proxy_allow_remote
     # (the proxy has no authentication; allow it only on a trusted network).
     proxy_host: Annotated[str, check_with(checks.proxy_host)] = "127.0.0.1"

@@ -24,6 +24,7 @@ from flowrl.operator import (
 )
 from flowrl_operators.config import EngineConfig, GenerateConfig
 from flowrl_operators.inference import SamplingParams
+from flowrl_operators.waits import Episodes
 
 KEPT_ERRORS = 8  # episode errors buffered between two errors() calls; the rest are counted only
 
@@ -87,6 +88,7 @@ class Generate(Operator):
         self.last_error: str | None = None
         self.isolated: list[str] = []  # errors() since its last call, at most KEPT_ERRORS
         self.evaluator: Any = None
+        self.episodes = Episodes(config.slow_episode_s)  # in flight, with what each awaits
 
     async def setup(self) -> None:
         from flowrl_operators.models import load_tokenizer
@@ -189,9 +191,11 @@ class Generate(Operator):
                        sampling: SamplingParams, prompt_cache: dict) -> list[Trajectory]:
         from flowrl_operators.workflows.base import WorkflowContext
 
+        wait = self.episodes.begin(sample_id, episode)
         ctx = WorkflowContext(engine=self.engine, tokenizer=self.tokenizer, sampling=sampling,
                               sample_id=sample_id, episode=episode, step=step, seed=self.context.seed,
-                              args=dict(self.config.workflow_args), services=self.services, prompt_cache=prompt_cache)
+                              args=dict(self.config.workflow_args), services=self.services, prompt_cache=prompt_cache,
+                              wait=wait)
         self.counts["episodes"] += 1
         try:
             out = await _within(self.workflow(ctx, sample), self.config.episode_timeout_s)
@@ -212,6 +216,8 @@ class Generate(Operator):
                     f"{self.config.max_episode_errors}); the last one, {self.last_error}"
                 ) from None
             return []
+        finally:
+            self.episodes.end(wait)
         return trajectories
 
     def _trajectories(self, out: Any, sample_id: str, episode: int) -> list[Trajectory]:
@@ -283,9 +289,16 @@ class Generate(Operator):
         return self.last_eval
 
     def metrics(self) -> dict[str, float]:
-        """Cumulative counters since setup (episodes, episode_errors, rejected_samples, ...)."""
+        """Cumulative counters since setup (episodes, episode_errors, rejected_samples, ...), and
+        the episodes slow now (`slow_episode_s`)."""
         evaluation = {"eval/reward": self.last_eval["eval_reward"]} if self.last_eval else {}
-        return {f"generate/{k}": float(v) for k, v in self.counts.items()} | self.last_sync | evaluation
+        slow = {"generate/slow_episodes": float(len(self.episodes.slow()))}
+        return {f"generate/{k}": float(v) for k, v in self.counts.items()} | slow | self.last_sync | evaluation
+
+    def waits(self) -> list[dict[str, Any]]:
+        """The episodes awaiting one thing for `slow_episode_s` or longer now, longest first
+        (flowrl_operators.waits.Episodes.slow)."""
+        return self.episodes.slow()
 
     async def close(self) -> None:
         proxy = self.services.get("proxy")

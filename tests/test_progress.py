@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from rich.console import Console
@@ -49,3 +50,25 @@ def test_frame_warns_of_each_health_condition_on_now() -> None:
     assert "! learner: entropy collapse from step 20: entropy 0.001" in text
     assert "tied groups" not in text  # it ended
     assert "!" not in frame(view, status | {"health": []})
+
+
+def test_frame_warns_of_each_node_whose_episodes_wait_naming_the_longest(tmp_path) -> None:
+    from flowrl.runtime.waits import Waits
+
+    plan = compile_file(str(ROOT / "pipelines/grpo_sync.yaml")).plan
+    view = ProgressView(plan, executor=None)
+    waits = Waits(tmp_path, origin=0.0)  # what the coordinator's status() hands the view
+    step = {"sample_id": "3:1", "episode": 2, "turn": 4, "awaits": "environment.step", "waited_s": 75.2}
+    engine = {"sample_id": "3:0", "episode": 0, "turn": 1, "awaits": "engine", "waited_s": 61.0}
+    waits.report("rollout", 0, [engine])
+    waits.report("rollout", 1, [step])
+    status = {"versions": {"learner": 3}, "counters": {"dropped": 0}, "queues": {}, "last": {},
+              "waits": waits.status()}
+    text = frame(view, status)
+    assert "! rollout: 2 episodes waiting; the longest 75 s on environment.step (sample 3:1, episode 2, turn 4)" in text
+    waits.report("rollout", 0, [])
+    waits.report("rollout", 1, [])
+    assert "!" not in frame(view, status | {"waits": waits.status()})
+    rows = [json.loads(line) for line in (tmp_path / "waits.jsonl").read_text().splitlines()]
+    assert [(r["event"], r["replica"], r["awaits"]) for r in rows] == [
+        ("began", 0, "engine"), ("began", 1, "environment.step"), ("ended", 0, "engine"), ("ended", 1, "environment.step")]

@@ -170,3 +170,22 @@ def test_a_checkpoint_from_before_checksums_that_cannot_be_loaded_is_a_located_e
     weights.write_bytes(weights.read_bytes()[:1000])
     refused(flowrl("run", "--resume", str(run_dir)), "cannot restore node 'learner' (replica 0)",
             str(run_dir / "checkpoints/step-2/learner/r0"), str(run_dir / "checkpoints/latest"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", ["deleted", "torn"])
+def test_a_deleted_or_torn_trace_does_not_block_resume_it_starts_anew(run_dir, damage):
+    """trace.json is an observation stream, not state: before, a deleted one refused the resume
+    ("trace.json is 0 bytes, shorter than ..."). Now the resumed run writes a fresh, valid trace."""
+    trace = run_dir / "trace.json"
+    if damage == "deleted":
+        trace.unlink()
+    else:
+        trace.write_bytes(trace.read_bytes()[:200])
+    proc = flowrl("run", "--resume", str(run_dir))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert any(e.get("name") == "train" for e in events)  # the resumed steps' spans
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [0, 1, 2, 3]  # the other records as an uninterrupted run's
+    assert ledger.check(run_dir).clean

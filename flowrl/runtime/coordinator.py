@@ -49,6 +49,7 @@ from flowrl.runtime.role import Role
 from flowrl.runtime.samples import Samples
 from flowrl.runtime.targets import Targets
 from flowrl.runtime.untrained import DEFAULT_MAX_EMPTY, Untrained
+from flowrl.runtime.waits import Waits
 
 
 class Coordinator:
@@ -81,6 +82,7 @@ class Coordinator:
         self.observe = Observer(plan, self.run_dir, self.origin)
         self.untrained = Untrained(self.run_dir, int(plan.run.get("max_empty_steps", DEFAULT_MAX_EMPTY)), steps,
                                    self.origin)
+        self.waits = Waits(self.run_dir, self.origin)
         self.samples, joins = Samples(self), Joins(self)
         self.batches = Batches(self, self.samples)
         table = {"generate": self.samples, "train": self.batches, "sync": Policies(self)}  # the one dispatch on kind
@@ -153,8 +155,12 @@ class Coordinator:
         self.notify()
 
     async def report(self, node: str, replica: int, events: list[dict[str, Any]], busy: float,
-                     metrics: dict[str, float] | None = None, errors: list[str] | None = None) -> None:
+                     metrics: dict[str, float] | None = None, errors: list[str] | None = None,
+                     waits: list[dict[str, Any]] | None = None) -> None:
+        """A stage's periodic report: trace events, busy time, its operator's counters, the errors
+        it isolated, and what it awaits too long now (Operator.waits; runtime/waits.py)."""
         self.observe.busy[(node, replica)] = busy
+        self.waits.report(node, replica, waits or [])
         if errors:
             self.untrained.errors(node, replica, errors)
         self.observe.events.extend(events)
@@ -193,7 +199,7 @@ class Coordinator:
     async def status(self) -> dict[str, Any]:
         return {"versions": dict(self.versions), "steps": self.steps, "stopping": self.stopping, "error": self.error,
                 "queues": self._queues(), "last": self.observe.last_row, "counters": dict(self.counters),
-                "reached": self.targets.reached, "health": self.observe.health_events}
+                "reached": self.targets.reached, "health": self.observe.health_events, "waits": self.waits.status()}
 
     async def snapshot(self) -> dict[str, Any]:
         """What a checkpoint needs, taken without stopping anything (snapshot.py): the state, and

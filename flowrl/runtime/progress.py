@@ -14,6 +14,7 @@ from rich.text import Text
 
 from flowrl.graph.plan import Plan
 from flowrl.health import active
+from flowrl.runtime.waits import warning
 
 REFRESH_S = 0.5
 
@@ -68,9 +69,14 @@ class ProgressView:
         queues = Table("edge", "queued", box=None, pad_edge=False)
         for edge, depth in status["queues"].items():
             queues.add_row(edge, str(depth))
-        return Group(head, queues, *warnings(status.get("health") or []))
+        return Group(head, queues, *warnings(status.get("health") or []), *waiting(status.get("waits") or {}))
 
 
 def warnings(events: list[dict[str, Any]]) -> list[Text]:
     """One line per health condition on now, as its event said when it began."""
     return [Text(f"! {e.get('node', '')}: {e['message']}", style="bold yellow") for e in active(events).values()]
+
+
+def waiting(waits: dict[str, list[dict[str, Any]]]) -> list[Text]:
+    """One line per node whose work waits too long now (runtime/waits.py)."""
+    return [Text(f"! {warning(node, items)}", style="bold yellow") for node, items in waits.items() if items]

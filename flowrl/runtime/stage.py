@@ -112,6 +112,7 @@ class Stage:
 
     async def run(self) -> str | None:
         """Work until the coordinator says stop. Returns None, or the traceback of a failure."""
+        heartbeat = asyncio.get_running_loop().create_task(self._heartbeat())
         try:
             loop = {"generate": self._generate_loop, "train": self._train_loop, "sync": self._sync_loop}
             await loop.get(self.node.kind, self._transform_loop)()
@@ -119,6 +120,7 @@ class Stage:
             self._failure = self._failure or failure_text(exc)
             await self.coord.fail(self.node.name, self.replica, self._failure)
         finally:
+            heartbeat.cancel()
             for task in self.tasks:
                 task.cancel()
             await asyncio.gather(*self.tasks, return_exceptions=True)
@@ -293,6 +295,17 @@ class Stage:
             if end - self._reported > REPORT_EVERY_S:
                 await self._report()
 
+    async def _heartbeat(self) -> None:
+        """Report although no work ends: when every piece of work hangs (an environment that never
+        answers), the operator's waits still reach the run record and the live view."""
+        while True:
+            await asyncio.sleep(REPORT_EVERY_S)
+            if time.time() - self._reported > REPORT_EVERY_S:
+                try:
+                    await self._report()
+                except Exception:  # noqa: BLE001 - a lost report; the next one, or the loop, says more
+                    continue
+
     async def _report(self) -> None:
         events, self.events = self.events, []
         self._reported = time.time()
@@ -300,7 +313,8 @@ class Stage:
         op = getattr(self, "op", None)
         metrics = op.metrics() if op is not None else {}
         errors = op.errors() if op is not None else []
-        await self.coord.report(self.node.name, self.replica, events, busy, metrics, errors)
+        waits = op.waits() if op is not None else []
+        await self.coord.report(self.node.name, self.replica, events, busy, metrics, errors, waits)
 
 
 def run_steps(plan: Plan) -> int | None:

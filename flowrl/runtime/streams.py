@@ -6,6 +6,8 @@ before a resumed run appends again, so a resumed run's records are exactly an un
 
 `TraceFile` keeps `trace.json` valid Chrome trace JSON (`{"traceEvents": [...]}`) after every
 append: each append overwrites the closing tail with the new events plus the tail, in one write.
+The trace is an observation, not state: a resume never waits on it; one deleted or shorter than
+the checkpoint recorded is started anew.
 """
 
 from __future__ import annotations
@@ -69,8 +71,7 @@ def offsets(run_dir: Path, trace: TraceFile, tensorboard: Path) -> dict[str, Any
 def shortfall(run_dir: Path, sizes: dict[str, Any]) -> str | None:
     """Why the streams cannot be cut back to `sizes` (from `offsets`): one is shorter than the
     checkpoint recorded (cutting would pad it with NUL bytes), or does not end a line there."""
-    wanted = [(run_dir / name, sizes.get(name, 0)) for name in STREAMS]
-    wanted.append((run_dir / "trace.json", sizes.get("trace.json", 0)))
+    wanted = [(run_dir / name, sizes.get(name, 0)) for name in STREAMS]  # not trace.json: see truncate
     wanted += [(run_dir / "tensorboard" / name, size) for name, size in (sizes.get("tensorboard") or {}).items()]
     for path, size in wanted:
         have = _size(path)
@@ -88,12 +89,12 @@ def truncate(run_dir: Path, sizes: dict[str, Any]) -> None:
     """Cut every stream back to `sizes` (from `offsets`); files the checkpoint did not know go."""
     for name in STREAMS:
         _cut(run_dir / name, sizes.get(name, 0))
-    trace = run_dir / "trace.json"
-    if sizes.get("trace.json", 0) > len(TRACE_HEAD):
-        _cut(trace, sizes["trace.json"])
+    trace, recorded = run_dir / "trace.json", sizes.get("trace.json", 0)
+    if recorded > len(TRACE_HEAD) and _size(trace) >= recorded:
+        _cut(trace, recorded)
         with open(trace, "ab") as f:
             f.write(TRACE_TAIL)
-    elif trace.exists():
+    elif trace.exists():  # nothing to keep, or too short to cut back (cutting would pad it): anew
         trace.unlink()
     board = run_dir / "tensorboard"
     if board.exists():

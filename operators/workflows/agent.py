@@ -39,9 +39,10 @@ class AgentWorkflow:
         if proxy is None:
             raise EpisodeError("the agent workflow needs the generate node's proxy (ctx.services['proxy'])")
         session = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{ctx.sample_id}-{ctx.episode}") + "-" + uuid.uuid4().hex[:6]
-        base_url = proxy.open_session(session, ctx.sampling, ctx.seed)
+        base_url = proxy.open_session(session, ctx.sampling, ctx.seed, wait=ctx.wait)
         try:
-            outcome = await run_agent(functools.partial(self.agent, **self.agent_args), base_url, sample)
+            with ctx.awaiting("agent"):  # the proxy marks its engine calls inside
+                outcome = await run_agent(functools.partial(self.agent, **self.agent_args), base_url, sample)
         finally:
             calls = proxy.close_session(session)
         trajectories = assemble(calls, ctx.version)

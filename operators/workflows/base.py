@@ -9,6 +9,7 @@ output is never re-tokenised: the ids the engine sampled are the ids the trainer
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import inspect
@@ -25,6 +26,7 @@ from flowrl.data.trajectory import SamplingSpan, Trajectory, Turn
 from flowrl_operators.chat.images import ImageContentError, has_images, store_images
 from flowrl_operators.chat.template import EpisodeError, chat_ids
 from flowrl_operators.inference import GenerateRequest, GenerateResult, InferenceEngine, SamplingParams
+from flowrl_operators.waits import EpisodeWait
 
 
 class Workflow(Protocol):
@@ -96,6 +98,9 @@ class WorkflowContext:
     # Prompt ids (and images) by sample object, shared by the episodes of one group (the generate node
     # passes one dict per group): tokenising the same prompt once per episode was ~5% of a quickstart step.
     prompt_cache: dict[int, tuple[dict[str, Any], list[int], list[ImageRef]]] = field(default_factory=dict)
+    # What the episode awaits now (flowrl_operators.waits), for the node's slow-episode report;
+    # None outside a generate node.
+    wait: EpisodeWait | None = None
     calls: int = field(default=0, init=False)
     _rng: random.Random | None = field(default=None, init=False, repr=False)
 
@@ -106,6 +111,11 @@ class WorkflowContext:
         if self._rng is None:
             self._rng = random.Random(derive_seed(self.seed, self.sample_id, self.episode, "rng"))
         return self._rng
+
+    def awaiting(self, what: str) -> contextlib.AbstractContextManager[None]:
+        """Mark the block as awaiting `what` (engine, environment.step, agent, ...: flowrl_operators.waits),
+        so that a node whose episodes hang says which and on what."""
+        return self.wait.on(what) if self.wait is not None else contextlib.nullcontext()
 
     @property
     def version(self) -> int:
@@ -129,7 +139,8 @@ class WorkflowContext:
                 sampling, seed=derive_seed(self.seed, self.sample_id, self.episode, self.calls))
         # Unique even if the same sample runs twice at once (e.g. a greedy evaluation episode).
         request_id = f"{self.sample_id}/{self.episode}/{self.calls}-{uuid.uuid4().hex[:8]}"
-        result = await generate_complete(self.engine, request_id, input_ids, sampling, images=images)
+        with self.awaiting("engine"):
+            result = await generate_complete(self.engine, request_id, input_ids, sampling, images=images)
         if result.error:
             raise EpisodeError(f"engine rejected request {request_id}: {result.error}")
         return result

@@ -113,23 +113,28 @@ class EnvironmentWorkflow:
     async def __call__(self, ctx: WorkflowContext, sample: dict[str, Any]) -> Trajectory:
         host = _Host()
         try:
-            env = await host.make(self.make_env)
+            with ctx.awaiting("environment.make"):
+                env = await host.make(self.make_env)
             try:
                 trajectory = await self._episode(ctx, host, env, sample)
             except asyncio.CancelledError:  # the episode timed out: do not wait on a hung call
                 host.abandon(env)
                 raise
             except BaseException:
-                await host.close(env)
+                with ctx.awaiting("environment.close"):
+                    await host.close(env)
                 raise
-            await host.close(env)
+            with ctx.awaiting("environment.close"):
+                await host.close(env)
             return trajectory
         finally:
             host.thread.close()
 
     async def _episode(self, ctx: WorkflowContext, host: _Host, env: Any, sample: dict[str, Any]) -> Trajectory:
+        with ctx.awaiting("environment.reset"):
+            first = await host.call(env.reset, sample)
         history, images = with_images(([{"role": "system", "content": self.system}] if self.system else [])
-                                      + as_messages(await host.call(env.reset, sample)))
+                                      + as_messages(first))
         builder = TrajectoryBuilder(chat_ids(ctx.tokenizer, history, images=images), images)
         limit = self.max_context or getattr(ctx.engine, "max_context", None)
         info: dict[str, Any] = {}
@@ -145,7 +150,8 @@ class EnvironmentWorkflow:
             builder.add_model(result)
             text = ctx.decode(result.output_ids)
             action = result.output_ids if getattr(env, "action", "text") == "ids" else text
-            step = as_step(await host.call(env.step, action))
+            with ctx.awaiting("environment.step"):
+                step = as_step(await host.call(env.step, action))
             builder.turn_rewards.append(step.reward)
             info.update(_plain_info(step.info))
             history.append({"role": "assistant", "content": text})

@@ -35,6 +35,7 @@ engine server does), unless `allow_remote` (the generate node's `proxy_allow_rem
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import uuid
@@ -55,6 +56,7 @@ from flowrl_operators.chat.vision_prompt import encode_with_images
 from flowrl_operators.checks import is_loopback
 from flowrl_operators.inference import GenerateResult, InferenceEngine, SamplingParams
 from flowrl_operators.threads import DaemonExecutor, call_in_thread
+from flowrl_operators.waits import EpisodeWait
 from flowrl_operators.workflows.base import (
     TrajectoryBuilder,
     derive_seed,
@@ -84,6 +86,7 @@ class Session:
     calls: list[Call] = field(default_factory=list)
     replies: dict[str, list[int]] = field(default_factory=dict)  # reply_key(answer) -> the engine's ids
     open: bool = True
+    wait: EpisodeWait | None = None  # the episode's, marked during engine calls (flowrl_operators.waits)
 
     def remember(self, message: dict[str, Any], output_ids: list[int]) -> None:
         """`message` (an answer this session sent) was generated as `output_ids`."""
@@ -186,11 +189,13 @@ class Proxy:
             await self._runner.cleanup()
             self._runner = None
 
-    def open_session(self, session_id: str, sampling: SamplingParams | None = None, seed: int = 0) -> str:
-        """Start recording an episode; returns the `base_url` its agent should use."""
+    def open_session(self, session_id: str, sampling: SamplingParams | None = None, seed: int = 0,
+                     wait: EpisodeWait | None = None) -> str:
+        """Start recording an episode; returns the `base_url` its agent should use. `wait`: the
+        episode's (flowrl_operators.waits), marked `engine` during the session's engine calls."""
         if session_id in self.sessions:
             raise ValueError(f"session {session_id!r} is already open")
-        self.sessions[session_id] = Session(session_id, sampling or self.sampling, seed)
+        self.sessions[session_id] = Session(session_id, sampling or self.sampling, seed, wait=wait)
         return f"{self.url}/sessions/{session_id}/v1"
 
     def close_session(self, session_id: str) -> list[Call]:
@@ -240,7 +245,9 @@ class Proxy:
         prompt_ids = await rules.off_loop(self.render, messages, tools, session, images)
         calls = len(session.calls) if session else 0
         request_id = f"{session.id if session else 'open'}/{calls}/{uuid.uuid4().hex[:8]}"
-        result = await generate_complete(self.engine, request_id, prompt_ids, sampling, images=images)
+        marked = session.wait.on("engine") if session and session.wait else contextlib.nullcontext()
+        with marked:
+            result = await generate_complete(self.engine, request_id, prompt_ids, sampling, images=images)
         if result.error:
             raise BadRequest(f"the engine rejected the request: {result.error}")
         # generate_complete resubmits aborted requests: what did not stop ran out of tokens ("length").
