@@ -1,4 +1,4 @@
-"""`flowrl` command line: validate, inspect, operators, algorithms, run.
+"""`flowrl` command line: validate, inspect, operators, algorithms, run, replay.
 
 A user's mistake never ends in a traceback: spec problems print as located diagnostics, other
 mistakes (a missing run directory, a broken plugin) as one explained line, each with exit 1.
@@ -163,6 +163,22 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0 if results and results[-1].status == "done" else 1
 
 
+def cmd_replay(args: argparse.Namespace) -> int:
+    """Train again on a run's recorded batches (flowrl/replay.py); the last line is JSON."""
+    import json
+
+    from flowrl.blame import UserCodeFailed
+    from flowrl.replay import replay
+
+    try:
+        summary = replay(Path(args.run_dir_in), args.overrides, args.run_dir,
+                         echo=(lambda _line: None) if args.quiet else print)
+    except UserCodeFailed as e:
+        raise UserError(str(e)) from e
+    print(json.dumps(summary), flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -237,6 +253,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--executor", choices=("inprocess", "ray"), help="overrides run.executor")
     p.add_argument("--quiet", action="store_true", help="no live progress view")
     p.set_defaults(fn=cmd_run)
+
+    p = sub.add_parser("replay", parents=[common], help="train again on the batches a run recorded (docs/runs.md)")
+    p.add_argument("run_dir_in", metavar="RUN_DIR", help="a run directory (a multi-phase run: its last phase)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="changes to the train node's config, "
+                   "e.g. nodes.learner.loss.kind=cispo")
+    p.add_argument("--run-dir", help="where to write the replay (default RUN_DIR/replay-N)")
+    p.add_argument("--quiet", action="store_true", help="no per-step lines; only the JSON summary")
+    p.set_defaults(fn=cmd_replay)
     return parser
 
 

@@ -38,7 +38,7 @@ from typing import Any
 
 from flowrl.data.source import batch_size
 from flowrl.graph.plan import EdgePlan, Plan
-from flowrl.runtime import snapshot
+from flowrl.runtime import rollouts, snapshot
 from flowrl.runtime.batches import Batches
 from flowrl.runtime.channel import Channel, Record, Work
 from flowrl.runtime.checkpoints import Pacing
@@ -70,6 +70,7 @@ class Coordinator:
         self.ended: dict[str, set[int]] = {n: set() for n in plan.nodes}
         self.counters = {"dropped": 0, "stale_kept": 0, "rejected": 0, "filtered": 0, "oversampled": 0}
         self.resumes = 0
+        self.record_rollouts = self.run_dir is not None and bool(plan.run.get("record_rollouts", True))
         self.pacing = Pacing(plan.run.get("checkpoint_every"), plan.run.get("checkpoint_seconds"))
         # Transient state.
         self.held: dict[str, dict[str, tuple[int, Work]]] = {n: {} for n in plan.nodes}
@@ -307,6 +308,9 @@ class Coordinator:
         """A train node finished step `work.step`: the clock may move, a checkpoint may be due."""
         version = work.step + 1
         self.versions[node] = version
+        if self.record_rollouts:  # before the row: a checkpoint taken after it covers the batch
+            rollouts.append(self.run_dir, node, work.step, work.at,  # type: ignore[arg-type]
+                            [next(iter(item.values())) for item in work.value or []])
         self.observe.train_step(node, work.step, version, work, metrics, self._queues(), self.counters)
         self.observe.instant(node, 0, f"publish v{version}")
         nothing = self.untrained.step(node, work.step, work.value or [], self.counters)

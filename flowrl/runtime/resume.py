@@ -183,7 +183,7 @@ def _short(value: Any) -> str:
 
 def _start_again(run_dir: Path) -> None:
     """No checkpoint: the run starts again from step 0; an earlier attempt's records are kept."""
-    names = [*streams.STREAMS, "trace.json", "tensorboard"]
+    names = [*streams.STREAMS, "trace.json", "tensorboard", streams.ROLLOUTS]
     present = [n for n in names if (run_dir / n).exists()]
     aside = None
     if present:

@@ -20,6 +20,7 @@ from typing import Any
 TRACE_HEAD = b'{"displayTimeUnit": "ms", "traceEvents": [\n'
 TRACE_TAIL = b"\n]}\n"
 STREAMS = ("ledger.jsonl", "metrics.jsonl", "samples.jsonl", "errors.jsonl")
+ROLLOUTS = "rollouts"  # the rollout store, one file per train node (rollouts.py)
 
 
 def append_lines(path: Path, lines: list[bytes]) -> None:
@@ -65,6 +66,8 @@ def offsets(run_dir: Path, trace: TraceFile, tensorboard: Path) -> dict[str, Any
     sizes["trace.json"] = trace.offset()
     sizes["tensorboard"] = {p.name: p.stat().st_size for p in sorted(tensorboard.glob("events.*"))} \
         if tensorboard.exists() else {}
+    store = run_dir / ROLLOUTS
+    sizes[ROLLOUTS] = {p.name: p.stat().st_size for p in sorted(store.glob("*.bin"))} if store.exists() else {}
     return sizes
 
 
@@ -72,7 +75,8 @@ def shortfall(run_dir: Path, sizes: dict[str, Any]) -> str | None:
     """Why the streams cannot be cut back to `sizes` (from `offsets`): one is shorter than the
     checkpoint recorded (cutting would pad it with NUL bytes), or does not end a line there."""
     wanted = [(run_dir / name, sizes.get(name, 0)) for name in STREAMS]  # not trace.json: see truncate
-    wanted += [(run_dir / "tensorboard" / name, size) for name, size in (sizes.get("tensorboard") or {}).items()]
+    for folder in ("tensorboard", ROLLOUTS):
+        wanted += [(run_dir / folder / name, size) for name, size in (sizes.get(folder) or {}).items()]
     for path, size in wanted:
         have = _size(path)
         if have < size:
@@ -96,14 +100,14 @@ def truncate(run_dir: Path, sizes: dict[str, Any]) -> None:
             f.write(TRACE_TAIL)
     elif trace.exists():  # nothing to keep, or too short to cut back (cutting would pad it): anew
         trace.unlink()
-    board = run_dir / "tensorboard"
-    if board.exists():
-        known = sizes.get("tensorboard", {})
-        for path in board.glob("events.*"):
-            if path.name in known:
-                _cut(path, known[path.name])
-            else:
-                path.unlink()
+    for folder, pattern in (("tensorboard", "events.*"), (ROLLOUTS, "*.bin")):
+        if (run_dir / folder).exists():
+            known = sizes.get(folder) or {}
+            for path in (run_dir / folder).glob(pattern):
+                if path.name in known:
+                    _cut(path, known[path.name])
+                else:
+                    path.unlink()
 
 
 def _size(path: Path) -> int:

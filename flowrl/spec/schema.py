@@ -116,6 +116,9 @@ class RunSpec(Strict):
     # Stop with exit 1 when a train node gets no sample for this many steps in a row (every one
     # rejected, filtered, invalid or dropped), showing the first errors (flowrl/runtime/untrained.py); 0: never.
     max_empty_steps: NonNegativeInt = 3
+    # Append every batch a train node trains on to rollouts/<node>.bin, for `flowrl replay`
+    # (flowrl/runtime/rollouts.py, docs/runs.md "Replay").
+    record_rollouts: bool = True
     # executor: ray attaches to this running cluster ("host:port" of its head, "auto", or
     # "ray://host:port") instead of starting one; RAY_ADDRESS does the same. flowrl never stops it.
     ray_address: Annotated[str, Meta(min_length=1)] | None = None

@@ -1,0 +1,212 @@
+"""`flowrl replay RUN_DIR [key=value ...] [--run-dir NEW]`: train again on a run's recorded batches.
+
+The recorded run's rollout store (flowrl/runtime/rollouts.py) holds every batch its train node
+trained on, in order. Replay builds that node's operator from the run's plan (plan.json: the
+config, model and seed the run started with; a phase's model is the previous phase's export),
+changes its config by the overrides (`nodes.<train node>.<key>=value`), and calls its `train()`
+with the recorded groups step by step, writing metrics.jsonl and the final export into NEW
+(default RUN_DIR/replay-N). Without overrides the trainer sees exactly what it saw in the run,
+so on CPU the replayed policy equals the recorded export bit for bit (`max_abs_diff_vs_recorded`
+0.0); with another loss or estimator it is an A/B on identical data.
+
+Supported: one train node (replicas: 1); a multi-phase run's last phase (or a phase directory
+given itself). The last line printed is one JSON object.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import yaml
+
+from flowrl.runtime import rollouts
+from flowrl.spec.errors import UserError
+
+
+def phase_directory(run_dir: Path) -> Path:
+    """The directory holding the plan to replay: RUN_DIR itself, or its last phase's."""
+    if (run_dir / "plan.json").exists():
+        return run_dir
+    phases = sorted((p for p in (run_dir / "phases").glob("*-*") if (p / "plan.json").exists()),
+                    key=lambda p: int(p.name.split("-", 1)[0])) if (run_dir / "phases").is_dir() else []
+    if not phases:
+        raise UserError(f"{run_dir} is not a run directory (no plan.json, no phases/*/plan.json)")
+    return phases[-1]
+
+
+def train_node(plan: Any, directory: Path) -> str:
+    trains = [n for n, f in plan.facts.nodes.items() if f.input is not None]
+    if len(trains) != 1:
+        raise UserError(f"{directory / 'plan.json'}: replay supports a pipeline with one train node; this one has "
+                        f"{len(trains)} ({', '.join(trains) or 'none'})")
+    node = trains[0]
+    if plan.nodes[node].resources.replicas > 1:
+        raise UserError(f"{directory / 'plan.json'}: node '{node}' has replicas: "
+                        f"{plan.nodes[node].resources.replicas}; replay trains on one rank only")
+    return node
+
+
+def apply_overrides(config: dict[str, Any], node: str, overrides: list[str]) -> dict[str, Any]:
+    """The train node's config changed by `nodes.<node>.<key path>=<YAML value>` overrides."""
+    config = copy.deepcopy(config)
+    prefix = f"nodes.{node}."
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key.startswith(prefix) or key == prefix:
+            raise UserError(f"override {item!r}: replay changes the train node's config only: give "
+                            f"{prefix}<key>=<value>")
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise UserError(f"override {item!r}: the value is not YAML: {e}") from None
+        parts = key[len(prefix):].split(".")
+        target = config
+        for i, part in enumerate(parts[:-1]):
+            if target.get(part) is None:
+                target[part] = {}
+            if not isinstance(target[part], dict):
+                raise UserError(f"override {item!r}: {prefix}{'.'.join(parts[:i + 1])} is not a mapping")
+            target = target[part]
+        target[parts[-1]] = value
+    return config
+
+
+def load_steps(directory: Path, node: str) -> list[rollouts.RolloutStep]:
+    """The recorded batches, checked: the store exists, reads back whole, and holds steps 0..n-1."""
+    file = rollouts.path(directory, node)
+    if not file.exists():
+        raise UserError(f"{file} is missing: the run recorded no rollouts (run.record_rollouts: false, or a run "
+                        "from before the rollout store); nothing to replay")
+    try:
+        steps = list(rollouts.read(file))
+    except rollouts.StoreError as e:
+        raise UserError(str(e)) from None
+    for index, step in enumerate(steps):
+        if step.step != index:
+            raise UserError(f"{file}: record {index} is step {step.step}, expected {index}; the store is damaged")
+    trained = _trained_steps(directory, node)
+    if trained is not None and trained != len(steps):
+        raise UserError(f"{file} holds {len(steps)} steps but {directory / 'metrics.jsonl'} records {trained} "
+                        "trained steps of node '" + node + "': the store is truncated")
+    return steps
+
+
+def _trained_steps(directory: Path, node: str) -> int | None:
+    """Train steps of `node` in the run's metrics.jsonl (None if it has none to compare)."""
+    metrics = directory / "metrics.jsonl"
+    if not metrics.exists():
+        return None
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    return sum(1 for r in rows if r.get("node") == node and "train" in r)
+
+
+def new_directory(run_dir: Path, given: str | None) -> Path:
+    if given:
+        out = Path(given)
+        if (out / "metrics.jsonl").exists():
+            raise UserError(f"{out} already holds a replay; choose another --run-dir")
+        return out
+    n = 1
+    while (run_dir / f"replay-{n}").exists():
+        n += 1
+    return run_dir / f"replay-{n}"
+
+
+def replay(run_dir: Path, overrides: list[str], out: str | None = None, echo: Any = print) -> dict[str, Any]:
+    """Replay the run in `run_dir` (see the module docstring); returns the summary printed last."""
+    from flowrl.runtime.run import load_plan
+
+    directory = phase_directory(run_dir)
+    try:
+        plan = load_plan(directory)
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise UserError(f"cannot read {directory / 'plan.json'}: {e}") from None
+    node = train_node(plan, directory)
+    config = apply_overrides(plan.nodes[node].config, node, overrides)
+    steps = load_steps(directory, node)
+    target = new_directory(run_dir, out)
+    target.mkdir(parents=True, exist_ok=True)
+    ids = rollouts.sample_ids(steps)
+    (target / "replay.json").write_text(json.dumps(
+        {"source": str(directory), "node": node, "overrides": overrides, "steps": len(steps),
+         "ids_sha256": rollouts.checksum(ids)}, indent=1))
+    started = time.time()
+    asyncio.run(_train(plan, node, config, steps, directory, target, echo))
+    diff = None
+    if not overrides:
+        diff = max_abs_diff(directory / "export" / node, target / "export" / node)
+    return {"steps": len(steps), "samples": sum(len(s.groups) for s in steps),
+            "trajectories": sum(len(i) for i in ids), "ids_sha256": rollouts.checksum(ids),
+            "max_abs_diff_vs_recorded": diff, "seconds": round(time.time() - started, 3),
+            "source": str(directory), "run_dir": str(target)}
+
+
+async def _train(plan: Any, node: str, config: dict[str, Any], steps: list[rollouts.RolloutStep],
+                 source: Path, target: Path, echo: Any) -> None:
+    """The real train operator, set up as the run's stage set it up, fed the recorded batches."""
+    from flowrl import registry
+    from flowrl.data import images
+    from flowrl.operator import ConfigError, OperatorContext
+    from flowrl.runtime.stage import run_steps
+
+    images.use_store(source / "images")  # the run's images, by reference
+    spec = plan.nodes[node]
+    cls = registry.resolve(spec.op)
+    try:
+        typed = msgspec.convert(config, cls.Config)
+    except msgspec.ValidationError as e:
+        raise UserError(f"nodes.{node}: {e}") from None
+    context = OperatorContext(node=node, run_dir=target, seed=plan.seed, model=plan.model, data=plan.data, rank=0,
+                              world_size=1, steps=run_steps(plan), phase=str(plan.run.get("phase", "main")),
+                              executor="inprocess")
+    op = cls(typed, context)
+    try:
+        await op.setup()
+    except (ConfigError, ValueError) as e:
+        await op.close()
+        raise UserError(f"nodes.{node}: {e}") from None
+    try:
+        with open(target / "metrics.jsonl", "ab") as rows:
+            for record in steps:
+                began = time.time()
+                result = await op.train(record.groups, step=record.step)
+                row = {"step": record.step, "version": record.step + 1, "node": node, "replay": True,
+                       "step_seconds": round(time.time() - began, 4), "groups": len(record.groups),
+                       "reward": _mean_reward(record), "train": dict(result.metrics)}
+                rows.write(json.dumps(row).encode() + b"\n")
+                rows.flush()  # on disk while it runs
+                echo(f"replay step {record.step}: {len(record.groups)} groups, loss "
+                     f"{result.metrics.get('loss', float('nan')):.6g}, {row['step_seconds']:.2f}s")
+    finally:
+        await op.close()  # the final export, into target/export/<node>
+
+
+def _mean_reward(record: rollouts.RolloutStep) -> float | None:
+    rewards = [t.reward for g in record.groups for t in g.trajectories if t.reward is not None]
+    return sum(rewards) / len(rewards) if rewards else None
+
+
+def max_abs_diff(recorded: Path, replayed: Path) -> float | None:
+    """The largest |difference| of any parameter between two exports (None: no recorded export)."""
+    from safetensors.torch import load_file
+
+    files = sorted(recorded.glob("*.safetensors"))
+    if not files:
+        print(f"flowrl replay: {recorded} holds no export to compare with (the run did not finish?)",
+              file=sys.stderr)
+        return None
+    worst = 0.0
+    for file in files:
+        mine, theirs = load_file(str(replayed / file.name)), load_file(str(file))
+        if mine.keys() != theirs.keys():
+            raise UserError(f"{replayed / file.name} and {file} hold different parameters")
+        for name, tensor in theirs.items():
+            worst = max(worst, (mine[name].double() - tensor.double()).abs().max().item())
+    return worst
