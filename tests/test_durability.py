@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import runtime_ops as ops
 
-from flowrl.runtime import checkpoints, ledger
+from flowrl.runtime import checkpoints, ledger, rollouts
 from flowrl.runtime.run import StageFailed, run
 
 TESTS = str(Path(__file__).parent)
@@ -64,6 +64,14 @@ def uninterrupted(tmp_path_factory) -> str:
     result = run(toy(checkpoint_every=3), run_dir, progress=False)
     assert result.status == "done" and result.steps == 12
     return train_rows(run_dir)[-1]["checksum"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_ids(tmp_path_factory) -> list[list[str]]:
+    """The trajectory ids of each step the uninterrupted toy sync run recorded in its rollout store."""
+    run_dir = tmp_path_factory.mktemp("whole-ids") / "run"
+    assert run(toy(checkpoint_every=3), run_dir, progress=False).status == "done"
+    return rollouts.sample_ids(list(rollouts.read(rollouts.path(run_dir, "learner"))))
 
 
 def test_periodic_checkpoints_keep_the_newest(tmp_path):
@@ -128,7 +136,7 @@ def test_sigterm_checkpoints_and_resume_finishes(tmp_path, uninterrupted):
 
 
 @pytest.mark.parametrize("fault", ["generate:9", "train:5", "sync:4", "checkpoint:2", "checkpoint:1", "train:2"])
-def test_kill_9_anywhere_then_resume_equals_the_uninterrupted_run(tmp_path, uninterrupted, fault):
+def test_kill_9_anywhere_then_resume_equals_the_uninterrupted_run(tmp_path, uninterrupted, uninterrupted_ids, fault):
     """kill -9 during generation, training, weight sync or a checkpoint write (the first one
     included: nothing to resume from, so the run starts again)."""
     proc = start(tmp_path, fault=fault, checkpoint_every=3)
@@ -139,8 +147,12 @@ def test_kill_9_anywhere_then_resume_equals_the_uninterrupted_run(tmp_path, unin
     report = ledger.check(tmp_path)
     assert report.ended and report.clean, report.problems
     assert train_rows(tmp_path)[-1]["checksum"] == uninterrupted
-    # The streams were cut back to the checkpoint: each step's metrics row once, in order.
+    # The streams were cut back to the checkpoint: each step's metrics row once, in order, and each
+    # trained batch once in the rollout store, the same batches as the uninterrupted run's.
     assert metric_steps(tmp_path) == list(range(12))
+    recorded = list(rollouts.read(rollouts.path(tmp_path, "learner")))
+    assert [s.step for s in recorded] == list(range(12))
+    assert rollouts.sample_ids(recorded) == uninterrupted_ids
     assert not list((tmp_path / "checkpoints").glob("*.tmp"))
     json.loads((tmp_path / "trace.json").read_text())
 
