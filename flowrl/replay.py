@@ -98,13 +98,27 @@ def load_steps(directory: Path, node: str) -> list[rollouts.RolloutStep]:
     return steps
 
 
-def _trained_steps(directory: Path, node: str) -> int | None:
-    """Train steps of `node` in the run's metrics.jsonl (None if it has none to compare)."""
+def _train_rows(directory: Path, node: str) -> list[dict[str, Any]] | None:
+    """The run's metrics.jsonl rows of `node`'s train steps (None without a metrics.jsonl)."""
     metrics = directory / "metrics.jsonl"
     if not metrics.exists():
         return None
-    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    return sum(1 for r in rows if r.get("node") == node and "train" in r)
+    try:
+        rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    except ValueError as e:
+        raise UserError(f"{metrics}: a row does not parse: {e}") from None
+    return [r for r in rows if r.get("node") == node and isinstance(r.get("train"), dict)]
+
+
+def _trained_steps(directory: Path, node: str) -> int | None:
+    rows = _train_rows(directory, node)
+    return None if rows is None else len(rows)
+
+
+def recorded_threads(directory: Path, node: str) -> dict[int, int]:
+    """The torch thread count each recorded step trained with (its metrics row's train.torch_threads)."""
+    return {r["step"]: int(r["train"]["torch_threads"]) for r in _train_rows(directory, node) or []
+            if isinstance(r["train"].get("torch_threads"), int | float)}
 
 
 def new_directory(run_dir: Path, given: str | None) -> Path:
@@ -167,6 +181,7 @@ async def _train(plan: Any, node: str, config: dict[str, Any], steps: list[rollo
     context = OperatorContext(node=node, run_dir=target, seed=plan.seed, model=plan.model, data=plan.data, rank=0,
                               world_size=1, steps=run_steps(plan), phase=str(plan.run.get("phase", "main")),
                               executor="inprocess")
+    _use_threads(recorded_threads(source, node))
     op = cls(typed, context)
     try:
         await op.setup()
@@ -187,6 +202,25 @@ async def _train(plan: Any, node: str, config: dict[str, Any], steps: list[rollo
                      f"{result.metrics.get('loss', float('nan')):.6g}, {row['step_seconds']:.2f}s")
     finally:
         await op.close()  # the final export, into target/export/<node>
+
+
+def _use_threads(threads: dict[int, int]) -> None:
+    """Train with the run's torch thread count: a float sum's order depends on it. The setting is
+    per OS thread, so the operator's worker threads (asyncio.to_thread) are made with it too."""
+    import concurrent.futures
+
+    import torch
+
+    if not threads:
+        return
+    count = threads[min(threads)]
+    if len(set(threads.values())) > 1:
+        print(f"flowrl replay: the run trained with {sorted(set(threads.values()))} torch threads in different "
+              f"steps; replaying with {count}: the policy may differ in the last bits", file=sys.stderr)
+    torch.set_num_threads(count)
+    pool = concurrent.futures.ThreadPoolExecutor(1, "flowrl-replay", initializer=torch.set_num_threads,
+                                                 initargs=(count,))
+    asyncio.get_running_loop().set_default_executor(pool)
 
 
 def _mean_reward(record: rollouts.RolloutStep) -> float | None:

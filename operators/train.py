@@ -141,6 +141,8 @@ class Learner:
 
     def train(self, trajectories: list, step: int = 0) -> tuple[dict[str, float], list]:
         """One step on these trajectories: (metrics, the new weights as buckets of copies)."""
+        import torch
+
         from flowrl_operators.memory import release
         from flowrl_operators.training.advantages import compute_advantages, tied_group_fraction
         from flowrl_operators.training.batch import pack, shard
@@ -179,6 +181,9 @@ class Learner:
                 start = {k: v for k, v in metrics.items() if k.startswith("mismatch_") or k == LOGPROB_SUM}
             metrics |= self.trainer.step()
         metrics |= start | health
+        # The step's float sums depend on the thread count (the in-process engine sets it for the
+        # whole process): `flowrl replay` uses the same count to reproduce the step bit for bit.
+        metrics["torch_threads"] = float(torch.get_num_threads())
         if measure:
             metrics["policy_kl"] = self._policy_kl(batch, metrics.pop(LOGPROB_SUM), metrics["tokens"])
         metrics.pop(LOGPROB_SUM, None)

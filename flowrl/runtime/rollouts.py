@@ -58,7 +58,7 @@ def append(run_dir: Path, node: str, step: int, at: int, groups: list[Any]) -> i
     kept = [g for g in groups if isinstance(g, Group)]
     data = encode(RolloutStep(node=node, step=step, at=at, groups=kept))
     file = path(run_dir, node)
-    file.parent.mkdir(exist_ok=True)
+    file.parent.mkdir(parents=True, exist_ok=True)
     with open(file, "ab") as f:
         f.write(data)
     return len(data)
