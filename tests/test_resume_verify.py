@@ -73,6 +73,14 @@ def test_a_ledger_shorter_than_the_checkpoint_is_refused_not_padded(run_dir):
     assert path.read_bytes() == torn  # not padded with NUL bytes, not cut
 
 
+def test_a_rollout_store_shorter_than_the_checkpoint_is_refused(run_dir):
+    path = run_dir / "rollouts" / "learner.bin"
+    recorded = json.loads((run_dir / "checkpoints/step-2/streams.json").read_text())["rollouts"]["learner.bin"]
+    assert 0 < recorded <= path.stat().st_size
+    path.write_bytes(path.read_bytes()[: recorded - 5])
+    refused(flowrl("run", "--resume", str(run_dir)), str(path), f"shorter than the {recorded} bytes")
+
+
 def test_damaged_learner_weights_are_refused_naming_the_file_and_the_intact_checkpoint(run_dir):
     weights = max((run_dir / "checkpoints/step-2/learner").rglob("*.distcp"), key=lambda p: p.stat().st_size)
     data = bytearray(weights.read_bytes())
