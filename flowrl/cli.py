@@ -30,7 +30,13 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     target = Path(args.target)
-    if target.is_dir():
+    if target.is_dir() and args.overrides and all(Path(o).is_dir() for o in args.overrides):
+        from flowrl.replay import compare  # runs or replays side by side (docs/runs.md#replay)
+
+        if args.format != "text":
+            raise UserError("comparing runs or replays renders as text only")
+        text = compare([target, *map(Path, args.overrides)])
+    elif target.is_dir():
         from flowrl.report import render_run
 
         try:
@@ -233,7 +239,8 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("inspect", parents=[common], help="draw a pipeline (FILE) or what a run did (RUN_DIR)")
     p.add_argument("target", help="a pipeline YAML file or a run directory")
-    p.add_argument("overrides", nargs="*", metavar="key=value")
+    p.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="overrides of a pipeline file; or more run / replay directories to compare with RUN_DIR")
     p.add_argument("--format", default="text", choices=("text", "mermaid", "dot", "html", "json", "png"))
     p.add_argument("-o", "--output", help="write to this file instead of standard output")
     p.set_defaults(fn=cmd_inspect)

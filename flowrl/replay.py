@@ -245,3 +245,51 @@ def max_abs_diff(recorded: Path, replayed: Path) -> float | None:
         for name, tensor in theirs.items():
             worst = max(worst, (mine[name].double() - tensor.double()).abs().max().item())
     return worst
+
+
+COMPARED = ("loss", "grad_norm", "entropy", "kl", "clip_fraction")  # train metrics shown side by side
+COMPARE_ROWS = 10
+
+
+def compare(dirs: list[Path]) -> str:
+    """`flowrl inspect A B ...`: runs or replays side by side: whether they trained on the same samples
+    (the ids checksum of each one's rollout store or replay.json), and their train metrics by step."""
+    sides = [_side(d) for d in dirs]
+    same = len({s["ids"] for s in sides}) == 1 and sides[0]["ids"] is not None
+    lines = [f"{i}: {s['dir']}  {s['what']}  ids {str(s['ids'])[:12]}  {len(s['rows'])} steps"
+             for i, s in enumerate(sides)]
+    lines.append("same samples: " + ("yes (equal ids checksums)" if same else "no, or unknown"))
+    keys = [k for k in COMPARED if any(k in r["train"] for s in sides for r in s["rows"])]
+    steps = sorted({r["step"] for s in sides for r in s["rows"]})
+    shown = steps if len(steps) <= COMPARE_ROWS else \
+        sorted({steps[round(i * (len(steps) - 1) / (COMPARE_ROWS - 1))] for i in range(COMPARE_ROWS)})
+    header = "step  " + "  ".join(f"{k}[{i}]".rjust(14) for k in keys for i in range(len(sides)))
+    lines.append(header)
+    for step in shown:
+        cells = []
+        for k in keys:
+            for s in sides:
+                value = next((r["train"].get(k) for r in s["rows"] if r["step"] == step), None)
+                cells.append(("-" if value is None else f"{value:.6g}").rjust(14))
+        lines.append(f"{step:<4}  " + "  ".join(cells))
+    return "\n".join(lines) + "\n"
+
+
+def _side(directory: Path) -> dict[str, Any]:
+    """One run's or replay's train rows, what it is, and the checksum of the sample ids it trained on."""
+    if (directory / "replay.json").exists():
+        info = json.loads((directory / "replay.json").read_text())
+        rows = _train_rows(directory, info["node"]) or []
+        what = "replay of " + info["source"] + (" with " + " ".join(info["overrides"]) if info["overrides"] else "")
+        return {"dir": directory, "rows": rows, "ids": info["ids_sha256"], "what": what}
+    source = phase_directory(directory)
+    from flowrl.runtime.run import load_plan
+
+    node = train_node(load_plan(source), source)
+    ids = None
+    if rollouts.path(source, node).exists():
+        try:
+            ids = rollouts.checksum(rollouts.sample_ids(list(rollouts.read(rollouts.path(source, node)))))
+        except rollouts.StoreError as e:
+            raise UserError(str(e)) from None
+    return {"dir": source, "rows": _train_rows(source, node) or [], "ids": ids, "what": "recorded run"}

@@ -112,6 +112,16 @@ def test_a_store_cut_at_a_record_boundary_is_caught_against_the_metrics(tmp_path
     assert "holds 3 steps but" in capsys.readouterr().err
 
 
+def test_inspect_compares_runs_by_their_samples(tmp_path, toy_run, capsys):
+    other = tmp_path / "other"
+    assert run(ops.grpo("sync", steps=4, batch_size=3), other, progress=False).status == "done"
+    assert main(["inspect", str(toy_run), str(toy_run)]) == 0
+    assert "same samples: yes (equal ids checksums)" in capsys.readouterr().out
+    assert main(["inspect", str(toy_run), str(other)]) == 0
+    out = capsys.readouterr().out
+    assert "same samples: no" in out and "4 steps" in out
+
+
 def test_overrides_change_the_train_node_only(toy_run, capsys):
     assert main(["replay", str(toy_run), "nodes.rollout.group_size=3"]) == 1
     assert "replay changes the train node's config only: give nodes.learner.<key>=<value>" in capsys.readouterr().err
@@ -169,5 +179,9 @@ def test_replay_with_another_loss_trains_on_the_same_samples(tmp_path):
     assert other["max_abs_diff_vs_recorded"] is None and other["ab_max_abs_diff"] > 1e-4
     assert json.loads((tmp_path / "sft" / "replay.json").read_text())["overrides"] == ["nodes.learner.loss={kind: sft}"]
     assert len((tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()) == 3
+    shown = flowrl("inspect", str(run_dir), str(run_dir / "replay-1"), str(tmp_path / "sft"))
+    assert shown.returncode == 0, shown.stderr
+    assert "same samples: yes" in shown.stdout and "with nodes.learner.loss={kind: sft}" in shown.stdout
+    assert "loss[2]" in shown.stdout and len(shown.stdout.splitlines()) == 3 + 1 + 1 + 3, shown.stdout  # sides, same, header, steps
     bad = flowrl("replay", str(run_dir), "nodes.learner.loss.kind=nope", "--run-dir", str(tmp_path / "bad"))
     assert bad.returncode == 1 and "Traceback" not in bad.stderr and "nope" in bad.stderr, bad.stderr
