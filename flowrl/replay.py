@@ -234,7 +234,7 @@ def max_abs_diff(recorded: Path, replayed: Path) -> float | None:
 
     files = sorted(recorded.glob("*.safetensors"))
     if not files:
-        print(f"flowrl replay: {recorded} holds no export to compare with (the run did not finish?)",
+        print(f"flowrl replay: {recorded} holds no export to compare with (the run did not finish, or its train operator exports none)",
               file=sys.stderr)
         return None
     worst = 0.0

@@ -73,6 +73,30 @@ def test_the_run_records_every_trained_batch_in_order(toy_run):
         assert [g.id for g in s.groups] == [e["id"] for e in consumed if e["consumer_version"] == s.step]
 
 
+@pytest.mark.parametrize(("mode", "k"), [("sync", 0), ("async", 2)])
+def test_replay_feeds_the_train_operator_the_recorded_batches_in_order(tmp_path, mode, k, capsys):
+    """The toy train node folds every batch it gets into a checksum (tests/runtime_ops.py)."""
+    run_dir = tmp_path / "run"
+    assert run(ops.grpo(mode, k, steps=5, batch_size=3), run_dir, progress=False).status == "done"
+    assert main(["replay", str(run_dir), "--run-dir", str(tmp_path / "again")]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["steps"] == 5 and summary["samples"] == 15 and summary["max_abs_diff_vs_recorded"] is None
+    then, now = ((d / "train-learner.jsonl").read_text().splitlines() for d in (run_dir, tmp_path / "again"))
+    assert [json.loads(r)["checksum"] for r in now] == [json.loads(r)["checksum"] for r in then]
+    rows = [json.loads(r) for r in (tmp_path / "again" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(5)) and all(r["replay"] for r in rows)
+
+
+def test_a_phased_run_replays_its_last_phase(tmp_path):
+    from flowrl.replay import phase_directory
+
+    for name in ("0-warmup", "1-grpo", "10-late"):
+        (tmp_path / "phases" / name).mkdir(parents=True)
+        (tmp_path / "phases" / name / "plan.json").write_text("{}")
+    assert phase_directory(tmp_path) == tmp_path / "phases" / "10-late"
+    assert phase_directory(tmp_path / "phases" / "1-grpo") == tmp_path / "phases" / "1-grpo"
+
+
 def test_record_rollouts_false_writes_no_store_and_replay_says_so(tmp_path, capsys):
     plan = ops.grpo("sync", steps=2, batch_size=2)
     plan.run["record_rollouts"] = False
