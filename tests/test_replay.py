@@ -164,9 +164,9 @@ def summary(proc: subprocess.CompletedProcess) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def recorded(tmp_path: Path, spec: Path) -> Path:
+def recorded(tmp_path: Path, spec: Path, *extra: str) -> Path:
     run_dir = tmp_path / "run"
-    proc = flowrl("run", str(spec), *TINY, "--run-dir", str(run_dir), "--quiet")
+    proc = flowrl("run", str(spec), *TINY, *extra, "--run-dir", str(run_dir), "--quiet")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run_dir
 
@@ -179,9 +179,12 @@ def async_spec(tmp_path: Path) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("mode", ["sync", "async", "two threads"])
 def test_replay_without_overrides_reproduces_the_policy_bit_for_bit(tmp_path, mode):
-    run_dir = recorded(tmp_path, BASE if mode == "sync" else async_spec(tmp_path))
+    """"two threads": the engine sets 2 torch threads for the process (as the quickstart's does),
+    the environment says 1: replay must train with the 2 the run's trainer had."""
+    extra = ["nodes.rollout.engine.threads=2"] if mode == "two threads" else []
+    run_dir = recorded(tmp_path, async_spec(tmp_path) if mode == "async" else BASE, *extra)
     proc = flowrl("replay", str(run_dir))
     result = summary(proc)
     assert result["steps"] == 3 and result["samples"] == 12 and result["trajectories"] == 24
@@ -191,6 +194,7 @@ def test_replay_without_overrides_reproduces_the_policy_bit_for_bit(tmp_path, mo
     then = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert [r["train"]["loss"] for r in rows] == [r["train"]["loss"] for r in then if "train" in r]
+    assert {r["train"]["torch_threads"] for r in rows} == {2.0 if extra else 1.0}
 
 
 @pytest.mark.slow
