@@ -96,6 +96,17 @@ def lr_factor(step: int, config: TrainerConfig) -> float:
     return config.min_lr_ratio + (1 - config.min_lr_ratio) * shape
 
 
+def _own_storage(model: torch.nn.Module) -> None:
+    """Each parameter in its own fresh allocation. Loaded from a folder, the weights lie wherever the
+    loader put them, at an alignment that changes from one process to the next, and MKL's float
+    sums follow the alignment: two runs of a phase that starts from an export (the quickstart's
+    GRPO phase) differed by ~1e-6, and `flowrl replay` could not reproduce them. With this they are
+    equal bit for bit (the allocator aligns every block)."""
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.data = parameter.data.clone()
+
+
 def _load_model(path: Path, head: str):
     from transformers import AutoModelForTokenClassification
 
@@ -158,6 +169,8 @@ class Trainer:
         with BUILD_LOCK, torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.config.seed)  # the same fresh heads on every rank
             self.model = _load_model(self.model_path, self.head).to(self.device)
+            if self.device.type == "cpu":
+                _own_storage(self.model)
         # Large blocks as their own mappings: freed memory leaves the process (memory.py; not for a small model).
         configure(sum(p.numel() * p.element_size() for p in self.model.parameters()))
         _disable_dropout(self.model)
