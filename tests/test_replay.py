@@ -213,3 +213,15 @@ def test_replay_with_another_loss_trains_on_the_same_samples(tmp_path):
     assert "loss[2]" in shown.stdout and len(shown.stdout.splitlines()) == 3 + 1 + 1 + 3, shown.stdout  # sides, same, header, steps
     bad = flowrl("replay", str(run_dir), "nodes.learner.loss.kind=nope", "--run-dir", str(tmp_path / "bad"))
     assert bad.returncode == 1 and "Traceback" not in bad.stderr and "nope" in bad.stderr, bad.stderr
+
+
+@pytest.mark.slow
+def test_replay_of_the_quickstarts_grpo_phase_is_bit_for_bit(tmp_path):
+    """The last phase starts from the warm-up's export, trains with the engine's 2 threads."""
+    run_dir = tmp_path / "run"
+    proc = flowrl("run", str(ROOT / "pipelines/quickstart.yaml"), "phases.0.steps=2", "phases.1.steps=2",
+                  "data.eval=null", "--run-dir", str(run_dir), "--quiet")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = summary(flowrl("replay", str(run_dir), "--quiet"))
+    assert result["source"] == str(run_dir / "phases" / "1-grpo") and result["steps"] == 2
+    assert result["max_abs_diff_vs_recorded"] == 0.0
