@@ -215,22 +215,16 @@ def _thread_environment(threads: dict[int, int]) -> None:
 
 
 def _use_threads(threads: dict[int, int]) -> None:
-    """Train with the run's torch thread count: a float sum's order depends on it. The setting is
-    per OS thread, so the operator's worker threads (asyncio.to_thread) are made with it too."""
-    import concurrent.futures
-
-    import torch
-
+    """Train with the run's torch thread count: a float sum's order depends on it. The count is per
+    OS thread, so the train operator sets it in the thread each step runs in, from FLOWRL_TORCH_THREADS
+    (flowrl/ imports no torch)."""
     if not threads:
         return
     count = threads[min(threads)]
     if len(set(threads.values())) > 1:
         print(f"flowrl replay: the run trained with {sorted(set(threads.values()))} torch threads in different "
               f"steps; replaying with {count}: the policy may differ in the last bits", file=sys.stderr)
-    torch.set_num_threads(count)
-    pool = concurrent.futures.ThreadPoolExecutor(1, "flowrl-replay", initializer=torch.set_num_threads,
-                                                 initargs=(count,))
-    asyncio.get_running_loop().set_default_executor(pool)
+    os.environ["FLOWRL_TORCH_THREADS"] = str(count)
 
 
 def _mean_reward(record: rollouts.RolloutStep) -> float | None:

@@ -26,6 +26,7 @@ process (flowrl_operators.training.process), and the node only passes trajectori
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -101,6 +102,9 @@ def _reward_means(trajectories: list) -> dict[str, float]:
     return out
 
 
+# Set by `flowrl replay` (flowrl/replay.py): the torch thread count the recorded run trained with.
+# torch's count is per OS thread, so the step sets it where it runs.
+THREADS_ENV = "FLOWRL_TORCH_THREADS"
 LOGPROB_SUM = "logprob_sum"  # what _with_logprob_sum adds to the loss's metrics
 
 
@@ -148,6 +152,9 @@ class Learner:
         from flowrl_operators.training.batch import pack, shard
         from flowrl_operators.training.losses import apply_kl_penalty, needs_proximal, set_behaviour_weights
         from flowrl_operators.training.objective import needs_reference
+
+        if threads := os.environ.get(THREADS_ENV):  # `flowrl replay`: the run's count, in this very thread
+            torch.set_num_threads(int(threads))
         from flowrl_operators.training.tuning import base_logprobs
 
         supervised = self.loss.supervised
