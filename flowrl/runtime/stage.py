@@ -26,6 +26,9 @@ from flowrl.runtime.observe import node_pids, span
 from flowrl.spec.phases import UNBOUNDED_STEPS
 
 REPORT_EVERY_S = 1.0
+# How long a stage stays silent before reporting with no work ended. Its own figure, not REPORT_EVERY_S:
+# a test that reports after every call (REPORT_EVERY_S = 0) must not turn the heartbeat into a busy loop.
+HEARTBEAT_S = 1.0
 
 
 class Stage:
@@ -299,8 +302,9 @@ class Stage:
         """Report although no work ends: when every piece of work hangs (an environment that never
         answers), the operator's waits still reach the run record and the live view."""
         while True:
-            await asyncio.sleep(REPORT_EVERY_S)
-            if time.time() - self._reported > REPORT_EVERY_S:
+            # Wake when the silence reaches HEARTBEAT_S, not a fixed period later (that could be twice it).
+            await asyncio.sleep(max(0.05, self._reported + HEARTBEAT_S - time.time()))
+            if time.time() - self._reported >= HEARTBEAT_S:
                 try:
                     await self._report()
                 except Exception:  # noqa: BLE001 - a lost report; the next one, or the loop, says more
