@@ -17,6 +17,9 @@ from flowrl.plan.fit import Costs
 from flowrl.plan.records import WARMUP, figures
 
 
+MIN_STEPS = 40  # steps simulated at least (unless run.steps says): resampled tails need a few to average
+
+
 def cores(plan: Any) -> float:
     """The machine's cores as the run had them: cluster.cpus, else this machine's count."""
     return float(plan.cluster.get("cpus") or os.cpu_count() or 1)
@@ -43,9 +46,9 @@ def plan_run(run_dir: Path, overrides: list[str], search: bool = False, budget: 
     base = records.load(run_dir)
     machine = cores(base.plan)
     costs = fit(base, machine)
-    steps = len(base.rows)
+    steps = max(len(base.rows), MIN_STEPS)
     result: dict[str, Any] = {
-        "run": str(run_dir), "name": base.plan.name, "steps": [WARMUP, steps - 1], "changes": list(overrides),
+        "run": str(run_dir), "name": base.plan.name, "steps": [WARMUP, len(base.rows) - 1], "changes": list(overrides),
         "model": {"notes": costs.notes, "cores": machine, "main_cores": MAIN_CORES},
         "measured": records.measured(base),
         "simulated": predict(apply(base.plan, [], steps), costs, machine),

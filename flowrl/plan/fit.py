@@ -7,8 +7,9 @@
   (a stretch with a group in flight) against the iterations and row-iterations the same slot
   model counts for that period's groups, queued at its start (exact for a sync run, where every
   group of a step is handed out at once; an approximation where groups arrive spread out).
-- Groups: the pool of the run's groups (their rows' token counts), resampled by the simulator, so
-  the length distribution and its tail are the measured ones.
+- Groups: the pool of the run's groups (their rows' token counts; a multi-turn group's wait on its
+  environment: `group_pool`), resampled by the simulator, so the distribution of lengths and waits
+  and its tail are the measured ones.
 - Train: seconds = c + k * tokens of the batch, least squares, both >= 0; where the batches' token
   counts hardly vary (< 5 % relative spread) c cannot be told from k and c = 0 (time proportional
   to tokens).
@@ -41,11 +42,12 @@ class EngineCost:
 @dataclass
 class Costs:
     engines: dict[str, EngineCost]
-    groups: dict[str, list[list[int]]]  # generate node -> groups' row token counts
+    groups: dict[str, list[tuple[list[int], float]]]  # generate node -> groups: (tokens per row, wait)
     process: dict[str, list[float]]  # other node -> seconds per group
     train: tuple[float, float]  # (c, k): c + k * tokens
     sync_s: dict[str, float]
     flush_s: float  # the run's own work after each train step (writing its records)
+    group_size: dict[str, int]  # generate node -> its group_size in the fitted run
     notes: list[str] = field(default_factory=list)
 
 
@@ -57,15 +59,16 @@ def fit(base: Baseline, cores: float) -> Costs:
     for name, node in plan.nodes.items():
         spans = [s for s in work if s.node == name]
         if node.kind == "generate":
-            groups[name] = [base.rows_of[s.sample] for s in spans if s.name == "generate" and s.sample in base.rows_of]
-            groups[name] = groups[name] or list(base.rows_of.values())
-            engines[name] = fit_engine(base, name, work, notes)
+            groups[name] = group_pool(base, name, [s for s in spans if s.name == "generate"], notes)
+            multi_turn = any(wait > 0 for _, wait in groups[name])
+            engines[name] = fit_engine(base, name, work, notes, multi_turn)
         elif node.kind == "sync":
             sync_s[name] = _mean([work[s] for s in spans if s.name == "sync"])
         elif node.kind != "train":
             process[name] = [work[s] for s in spans if s.name == "process"] or [0.0]
     flush = _mean([work[s] for s in work if s.node == "runtime" and s.name == "flush"])
-    return Costs(engines, groups, process, fit_train(base, work, notes), sync_s, flush, notes)
+    sizes = {n: int(p.config.get("group_size", 1)) for n, p in plan.nodes.items() if p.kind == "generate"}
+    return Costs(engines, groups, process, fit_train(base, work, notes), sync_s, flush, sizes, notes)
 
 
 CPU_SPANS = {"generate", "process", "train", "sync", "update_weights", "flush"}
@@ -94,6 +97,24 @@ def _work(base: Baseline, cores: float) -> dict[Span, float]:
     return work
 
 
+def group_pool(base: Baseline, node: str, spans: list[Span], notes: list[str]) -> list[tuple[list[int], float]]:
+    """The run's groups as (tokens of each trajectory, wait). A group with more trajectories than
+    group_size is multi-turn (one trajectory per turn): its episodes wait between turns on their
+    environment, so its wait is its measured span (the engine's work for it runs alongside); a
+    single-turn group waits on nothing but the engine (wait 0)."""
+    size = int(base.plan.nodes[node].config.get("group_size", 1))
+    pool = [(base.rows_of[s.sample], s.seconds) for s in spans if s.sample in base.rows_of]
+    if not pool:
+        raise UserError(f"{base.directory}: no groups of node '{node}' after the first {WARMUP} steps in both "
+                        "trace.json and the rollout store")
+    if not any(len(rows) > size for rows, _ in pool):
+        return [(rows, 0.0) for rows, _ in pool]
+    waits = sorted(w for _, w in pool)
+    notes.append(f"{node}: multi-turn groups: waits p50 {waits[len(waits) // 2]:.2f} s, "
+                 f"p90 {waits[int(len(waits) * 0.9)]:.2f} s, max {waits[-1]:.2f} s (resampled)")
+    return pool
+
+
 def slots_of(config: dict) -> int:
     engine = config.get("engine")
     return int(engine.get("max_batch", DEFAULT_SLOTS)) if isinstance(engine, dict) else DEFAULT_SLOTS
@@ -112,8 +133,13 @@ def iterations(groups: list[list[int]], slots: int) -> tuple[int, int]:
     return count, rows
 
 
-def fit_engine(base: Baseline, node: str, work: dict[Span, float], notes: list[str]) -> EngineCost:
+def fit_engine(base: Baseline, node: str, work: dict[Span, float], notes: list[str],
+               multi_turn: bool = False) -> EngineCost:
     slots = slots_of(base.plan.nodes[node].config)
+    update = _mean([work[s] for s in work if s.node == node and s.name == "update_weights"])
+    if multi_turn:  # a busy period is mostly waits on the environment: the engine's share cannot be told
+        notes.append(f"{node}: the engine's work is inside the groups' measured waits (not fitted apart)")
+        return EngineCost(slots, 0.0, 0.0, update, 0)
     generate = [s for s in work if s.node == node and s.name == "generate" and s.sample in base.rows_of]
     points = []  # (work, iterations, row-iterations)
     for period in (s for s in work if s.node == node and s.name == "period"):
@@ -127,7 +153,6 @@ def fit_engine(base: Baseline, node: str, work: dict[Span, float], notes: list[s
     a, b = nonneg_fit([(p[1], p[2]) for p in points], [p[0] for p in points])
     notes.append(f"{node}: an engine iteration {a * 1e3:.3f} ms + {b * 1e6:.2f} us per row ({slots} slots; "
                  f"{len(points)} busy periods)")
-    update = _mean([work[s] for s in work if s.node == node and s.name == "update_weights"])
     return EngineCost(slots, a, b, update, len(points))
 
 

@@ -16,6 +16,8 @@ Filters that over-sample, joins (a node with two data inputs) and train replicas
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import random
 from collections import deque
 from dataclasses import dataclass, field
@@ -39,6 +41,7 @@ class Group:
     version: int  # the weights its replica had loaded when it started (the record's version)
     rows: list[int]
     left: int = 0
+    until: float = 0.0  # a multi-turn group also waits on its environment until then
 
 
 @dataclass
@@ -82,6 +85,8 @@ class Sim:
                                        Quota(self.batch, None, refills=not f.credited))
                           for g, f in self.plan.facts.generate.items()}
         self.replicas: list[Any] = []
+        self.timers: list[tuple[float, int, Any]] = []
+        self._seq = itertools.count()
         for name, node in self.plan.nodes.items():
             for r in range(node.resources.replicas if node.kind not in ("train", "sync") else 1):
                 self.busy[(name, r)] = Busy()
@@ -98,12 +103,19 @@ class Sim:
             if self.version >= self.steps:
                 return self.rows
             wait = self.cpu.next_done()
-            if wait is None:
+            timer = self.timers[0][0] - self.now if self.timers else None
+            if wait is None and timer is None:
                 raise RuntimeError(f"the simulation stalled at step {self.version} (a planner bug)")
-            self.now += wait
-            for job in self.cpu.advance(wait):
+            step = min(w for w in (wait, timer) if w is not None)
+            self.now += max(step, 0.0)
+            for job in self.cpu.advance(max(step, 0.0)):
                 job.done()
+            while self.timers and self.timers[0][0] <= self.now + 1e-12:
+                heapq.heappop(self.timers)[2]()
         raise RuntimeError("the simulation did not end (a planner bug)")
+
+    def at(self, when: float, fn: Any) -> None:
+        heapq.heappush(self.timers, (when, next(self._seq), fn))
 
     def pump(self) -> None:
         """Let every stage take work until none can (the coordinator's take, for all stages)."""
@@ -217,6 +229,7 @@ class Engine:
         self.partial = bool(config.get("partial_rollout", False))
         self.concurrency = int(config.get("max_concurrency", 64))
         self.group_size = int(config.get("group_size", 1))
+        self.fitted_size = int(sim.costs.group_size.get(node, self.group_size))
         self.loaded, self.updating, self.iterating = 0, False, False
         self.inflight: dict[str, Group] = {}
         self.waiting: deque[list[Any]] = deque()  # [group, tokens left] per row not yet in a slot
@@ -239,20 +252,26 @@ class Engine:
         if issued is None:
             return False
         step, index, _ = issued
-        rows = self.draw()
-        group = Group(f"{step}:{index}", step, self.loaded, rows, len(rows))
+        rows, wait = self.draw()
+        group = Group(f"{step}:{index}", step, self.loaded, rows, len(rows), sim.now + wait)
         self.inflight[group.id] = group
         sim.busy[(self.node, self.index)].start(sim.now)
         self.waiting.extend([group, t] for t in rows)
         self.kick()
         return True
 
-    def draw(self) -> list[int]:
-        pool = self.sim.costs.groups[self.node]
-        group = self.sim.rng.choice(pool)
-        if len(group) == self.group_size:
-            return list(group)
-        return [self.sim.rng.choice(self.sim.rng.choice(pool)) for _ in range(self.group_size)]
+    def draw(self) -> tuple[list[int], float]:
+        """A group of the fitted run, resampled; with another group_size, its rows drawn from all
+        groups' rows (a multi-turn group: as many rows per episode as the drawn group had)."""
+        rng, pool = self.sim.rng, self.sim.costs.groups[self.node]
+        rows, wait = rng.choice(pool)
+        if len(rows) == self.fitted_size:
+            count = self.group_size
+        else:
+            count = max(1, round(len(rows) * self.group_size / self.fitted_size))
+        if count == len(rows):
+            return list(rows), wait
+        return [rng.choice(rng.choice(pool)[0]) for _ in range(count)], wait
 
     def least_loaded(self) -> bool:
         mine = len(self.inflight)
@@ -282,8 +301,10 @@ class Engine:
                 continue
             group = row[0]
             group.left -= 1
-            if group.left == 0:
+            if group.left == 0 and group.until <= self.sim.now:
                 self.finished(group)
+            elif group.left == 0:
+                self.sim.at(group.until, lambda g=group: self.finished(g))
         self.active = still
         self.kick()
 

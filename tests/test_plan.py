@@ -1,0 +1,138 @@
+"""`flowrl plan`: cost models fitted on a real tiny run, the simulator against that run, the
+direction of each change, search and JSON output, and located errors through the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flowrl.cli import main
+from flowrl.plan import plan_run
+from flowrl.plan.cpu import MAIN, Cpu
+from flowrl.plan.fit import iterations, nonneg_fit
+from flowrl.plan.solo import solo_work
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def grpo_run(tmp_path_factory) -> Path:
+    """pipelines/grpo_sync.yaml on the tiny model, 8 steps of 8 groups, through the real CLI."""
+    run_dir = tmp_path_factory.mktemp("plan") / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "flowrl.cli", "run", str(ROOT / "pipelines" / "grpo_sync.yaml"),
+                           "run.steps=8", "data.batch_size=8", "--run-dir", str(run_dir), "--quiet"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir
+
+
+# ---- the pieces ----------------------------------------------------------------------------------
+
+def test_the_slot_model_counts_iterations_and_rows():
+    assert iterations([[3, 1], [2]], slots=8) == (3, 3 + 2 + 1)  # all in at once: 3 rows, then 2, then 1
+    assert iterations([[2, 2], [2, 2]], slots=2) == (4, 8)  # two waves of two rows
+
+
+def test_the_fit_keeps_both_parts_non_negative():
+    x = [(1.0, float(t)) for t in (10, 20, 30)]
+    assert nonneg_fit(x, [2 + 0.5 * t for _, t in x]) == pytest.approx((2.0, 0.5))
+    p, q = nonneg_fit(x, [5 - 0.01 * t for _, t in x])  # a negative slope: the slope is dropped
+    assert q == 0.0 and p == pytest.approx(4.8)
+
+
+def test_jobs_in_one_process_share_its_core_and_processes_share_the_machine():
+    cpu = Cpu(cores=2, processes={"trainer": 1.0})
+    for process in (MAIN, MAIN, "trainer"):
+        cpu.add(process, 1.0, lambda: None)
+    assert cpu.rates() == [0.5, 0.5, 1.0]
+    # Two spans of one process that overlapped entirely did half the work each.
+    assert solo_work([(MAIN, 0.0, 2.0), (MAIN, 0.0, 2.0), ("trainer", 0.0, 1.0)], cpu) == [1.0, 1.0, 1.0]
+
+
+# ---- on a real run ------------------------------------------------------------------------------
+
+def test_the_simulator_reproduces_the_run_it_was_fitted_on(grpo_run):
+    result = plan_run(grpo_run, [])
+    measured, simulated = result["measured"], result["simulated"]
+    assert simulated["step_seconds"] == pytest.approx(measured["step_seconds"], rel=0.2)
+    assert set(simulated["idle"]) == {"rollout", "score", "learner", "publish"}
+    for node, idle in measured["idle"].items():
+        assert abs(simulated["idle"][node] - idle) < 0.15, node
+    assert list(simulated["staleness"]) == [0]  # a sync run trains on-policy
+    assert any("engine iteration" in note for note in result["model"]["notes"])
+
+
+def test_each_change_moves_the_prediction_its_way(grpo_run):
+    simulated = plan_run(grpo_run, [])["simulated"]
+
+    def predicted(*changes: str) -> dict:
+        return plan_run(grpo_run, list(changes))["predicted"]
+
+    assert predicted("data.batch_size=16")["step_seconds"] > 1.6 * simulated["step_seconds"]
+    assert predicted("scale=3")["step_seconds"] > 2.5 * simulated["step_seconds"]
+    stale = predicted("max_staleness=2")
+    assert set(stale["staleness"]) <= {1, 2} and stale["idle"]["learner"] < simulated["idle"]["learner"]
+    bigger = predicted("nodes.rollout.group_size=16")  # twice the rows per group: more engine time
+    assert bigger["step_seconds"] > 1.3 * simulated["step_seconds"]
+
+
+def test_search_lists_fitting_configurations_best_first_as_json(grpo_run, capsys):
+    assert main(["plan", str(grpo_run), "--search", "--max-replicas", "2", "--max-staleness", "2",
+                 "--budget", "1.9", "--format", "json"]) == 0
+    found = json.loads(capsys.readouterr().out)["search"]
+    rows = found["configurations"]
+    assert found["budget"] == {"cpus": 1.9}
+    assert [r["samples_per_s"] for r in rows] == sorted((r["samples_per_s"] for r in rows), reverse=True)
+    assert {(r["replicas"], r["max_staleness"]) for r in rows} == {(1, 0), (1, 1), (1, 2), (2, 0), (2, 1), (2, 2)}
+    assert all(r["cpus"] <= 1.9 for r in rows)
+    assert main(["plan", str(grpo_run), "--search", "--max-replicas", "3", "--max-staleness", "0",
+                 "--budget", "1.9"]) == 0  # a third replica (0.5 CPU more) does not fit
+    out = capsys.readouterr().out
+    assert "2 fit; best first" in out and "measured" in out and "simulated" in out
+
+
+def test_text_output_shows_measured_simulated_and_predicted(grpo_run, capsys):
+    assert main(["plan", str(grpo_run), "max_staleness=1"]) == 0
+    out = capsys.readouterr().out
+    assert "predicted with: max_staleness=1" in out
+    header = next(line for line in out.splitlines() if "measured" in line)
+    assert header.split() == ["measured", "simulated", "predicted"]
+    assert "1:100%" in out.splitlines()[-1]  # one-step-off: every sample one version old
+
+
+@pytest.mark.parametrize("override, words", [
+    ("foo=1", "plan cannot simulate 'foo'; it simulates data.batch_size"),
+    ("nodes.learner.resources.replicas=2", "plan simulates replicas of generate and reward/transform nodes"),
+    ("nodes.nope.group_size=2", "no node 'nope' (nodes: rollout, score, learner, publish)"),
+    ("nodes.score.group_size=2", "'group_size' is a key of generate nodes; 'score' is a reward node"),
+    ("data.batch_size=0", "expected an integer >= 1"),
+    ("nodes.rollout.loss.kind=cispo", "plan cannot simulate 'nodes.rollout.loss.kind'"),
+    ("max_staleness", "expected key=value"),
+])
+def test_an_override_plan_cannot_simulate_is_a_located_error(grpo_run, override, words, capsys):
+    assert main(["plan", str(grpo_run), override]) == 1
+    err = capsys.readouterr().err
+    assert words in err and f"override {override!r}" in err and "Traceback" not in err
+
+
+def test_a_directory_that_is_not_a_run_is_a_located_error(tmp_path, capsys):
+    assert main(["plan", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert f"{tmp_path} is not a run directory" in err and "Traceback" not in err
+    assert main(["plan", str(tmp_path / "missing")]) == 1
+    assert "is not a directory" in capsys.readouterr().err
+
+
+def test_a_run_without_its_trace_says_what_is_missing(grpo_run, tmp_path, capsys):
+    copy = tmp_path / "run"
+    copy.mkdir()
+    for name in ("plan.json", "metrics.jsonl", "meta.json"):
+        (copy / name).write_bytes((grpo_run / name).read_bytes())
+    assert main(["plan", str(copy)]) == 1
+    assert f"{copy / 'trace.json'} is missing" in capsys.readouterr().err

@@ -1,0 +1,115 @@
+"""`flowrl plan` against reality: predict configurations from one baseline run, then run them.
+
+    python tools/bench_plan.py [--steps 20] [--longtail-steps 12] [--no-longtail] [--out DIR]
+
+Baseline: pipelines/grpo_sync.yaml for `--steps` steps (tiny model, CPU). From it alone,
+`flowrl plan BASELINE <changes> --format json` predicts each configuration below; then each is
+actually run (the same spec and changes, through the real CLI, one run at a time) and its own
+figures are read back (`flowrl plan RUN --format json`: its `measured` block; idle from the
+trace's spans). Configurations: sync (a second run of the baseline's own spec: its error is the
+run-to-run noise), async with max_staleness 1 and 2, two engine replicas, a batch twice as large.
+The long-tail task (pipelines/longtail_sync.yaml's GRPO graph, without its warm-up phase: the tool
+waits, not the policy, set its time) has its own baseline, its sync repeat, and the async
+configuration of pipelines/longtail_async.yaml that plan can simulate (max_staleness 1, partial
+rollout). Printed: measured vs predicted seconds per step and idle per stage for each; the last
+line is one JSON object with `max_step_time_error` (relative), `max_idle_error` (absolute) and
+the per-configuration figures. Timings on a shared 2-core machine are noisy: see the sync rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ASYNC = "edges.1={{score -> learner: {{mode: async, max_staleness: {}}}}}"  # the spec's score -> learner edge
+
+# name -> (spec overrides of the real run, plan overrides of the prediction)
+GRPO = {
+    "sync": ([], []),
+    "async_staleness_1": ([ASYNC.format(1)], ["max_staleness=1"]),
+    "async_staleness_2": ([ASYNC.format(2)], ["max_staleness=2"]),
+    "engine_replicas_2": (["nodes.rollout.resources.replicas=2"], ["nodes.rollout.resources.replicas=2"]),
+    "batch_size_32": (["data.batch_size=32"], ["data.batch_size=32"]),
+}
+LONGTAIL = {
+    "longtail_sync": ([], []),
+    "longtail_async": ([ASYNC.format(1), "nodes.rollout.partial_rollout=true"],
+                       ["max_staleness=1", "nodes.rollout.partial_rollout=true"]),
+}
+
+
+def flowrl(*args: str) -> str:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run([sys.executable, "-m", "flowrl.cli", *args], capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        sys.exit(f"flowrl {' '.join(args)} failed:\n{proc.stderr[-3000:]}")
+    return proc.stdout
+
+
+def run(spec: str, overrides: list[str], steps: int, out: Path) -> Path:
+    flowrl("run", spec, *overrides, f"run.steps={steps}", "--run-dir", str(out), "--quiet")
+    return out
+
+
+def plan(run_dir: Path, overrides: list[str]) -> dict:
+    return json.loads(flowrl("plan", str(run_dir), *overrides, "--format", "json"))
+
+
+def compare(name: str, predicted: dict, measured: dict) -> dict:
+    step_error = abs(predicted["step_seconds"] - measured["step_seconds"]) / measured["step_seconds"]
+    idle_error = max(abs(predicted["idle"][n] - measured["idle"][n]) for n in measured["idle"])
+    return {"config": name, "measured_step_s": measured["step_seconds"], "predicted_step_s": predicted["step_seconds"],
+            "step_time_error": round(step_error, 4), "idle_error": round(idle_error, 3),
+            "measured_idle": measured["idle"], "predicted_idle": predicted["idle"],
+            "measured_staleness": measured["staleness"], "predicted_staleness": predicted["staleness"]}
+
+
+def family(spec: str, configs: dict, steps: int, out: Path, extra: list[str]) -> list[dict]:
+    """One baseline run of `spec`, every configuration predicted from it, then run and compared."""
+    base = run(spec, extra, steps, out / f"{Path(spec).stem}-baseline")
+    rows = []
+    for name, (run_overrides, plan_overrides) in configs.items():
+        predicted = plan(base, plan_overrides)
+        predicted = predicted.get("predicted", predicted["simulated"])
+        measured = plan(run(spec, [*extra, *run_overrides], steps, out / name), [])["measured"]
+        rows.append(compare(name, predicted, measured))
+        print_row(rows[-1])
+    return rows
+
+
+def print_row(r: dict) -> None:
+    idle = "  ".join(f"{n} {r['measured_idle'][n]:.2f}/{r['predicted_idle'][n]:.2f}" for n in r["measured_idle"])
+    print(f"{r['config']:<20} {r['measured_step_s']:>9.4f} {r['predicted_step_s']:>9.4f} "
+          f"{r['step_time_error']:>7.1%} {r['idle_error']:>6.3f}   {idle}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--longtail-steps", type=int, default=12)
+    parser.add_argument("--no-longtail", action="store_true")
+    parser.add_argument("--out", help="keep the runs here (default: a temporary directory)")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(args.out or tmp)
+        print(f"{'config':<20} {'s/step':>9} {'predicted':>9} {'error':>7} {'idle':>6}   idle measured/predicted")
+        rows = family(str(ROOT / "pipelines" / "grpo_sync.yaml"), GRPO, args.steps, out, [])
+        if not args.no_longtail:
+            rows += family(str(ROOT / "pipelines" / "longtail_sync.yaml"), LONGTAIL, args.longtail_steps, out,
+                           ["phases=[]"])
+    summary = {"max_step_time_error": max(r["step_time_error"] for r in rows),
+               "max_idle_error": max(r["idle_error"] for r in rows),
+               "within": all(r["step_time_error"] <= 0.15 and r["idle_error"] <= 0.1 for r in rows),
+               "steps": args.steps, "longtail_steps": None if args.no_longtail else args.longtail_steps,
+               "configs": rows}
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
