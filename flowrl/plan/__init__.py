@@ -15,9 +15,9 @@ from typing import Any
 from flowrl.plan.changes import Scenario
 from flowrl.plan.fit import Costs
 from flowrl.plan.records import WARMUP, figures
+from flowrl.spec.errors import UserError
 
-
-MIN_STEPS = 40  # steps simulated at least (unless run.steps says): resampled tails need a few to average
+MIN_STEPS = 40  # steps simulated at least, over repeats: resampled tails need a few to average
 
 
 def cores(plan: Any) -> float:
@@ -25,14 +25,31 @@ def cores(plan: Any) -> float:
     return float(plan.cluster.get("cpus") or os.cpu_count() or 1)
 
 
-def predict(scenario: Scenario, costs: Costs, machine_cores: float, seed: int = 0) -> dict[str, Any]:
-    """The simulated figures of `scenario` (records.figures of its steady steps)."""
+def predict(scenario: Scenario, costs: Costs, machine_cores: float) -> dict[str, Any]:
+    """The simulated figures of `scenario`: records.figures of its steady steps, averaged over
+    enough repeats (seeds) to cover MIN_STEPS steps. Each repeat runs the scenario's own number of
+    steps, so the end of a run (its last, possibly short batches) weighs as it does in a real run."""
     from flowrl.plan.simulate import Sim
 
-    rows = Sim(scenario, costs, machine_cores, seed).run()
-    if len(rows) < WARMUP + 2:
-        raise ValueError(f"simulate at least {WARMUP + 2} steps (run.steps)")
-    return figures(rows[WARMUP:], rows[WARMUP - 1]["time"])
+    if scenario.steps < WARMUP + 2:
+        raise UserError(f"simulate at least {WARMUP + 2} steps (run.steps): the first {WARMUP} are warm-up")
+    repeats = -(-MIN_STEPS // scenario.steps)
+    runs = []
+    for seed in range(repeats):
+        rows = Sim(scenario, costs, machine_cores, seed).run()
+        runs.append(figures(rows[WARMUP:], rows[WARMUP - 1]["time"]))
+    return average(runs)
+
+
+def average(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    staleness: dict[int, int] = {}
+    for r in runs:
+        for lag, count in r["staleness"].items():
+            staleness[lag] = staleness.get(lag, 0) + count
+    return {"step_seconds": round(sum(r["step_seconds"] for r in runs) / len(runs), 4),
+            "samples_per_s": round(sum(r["samples_per_s"] for r in runs) / len(runs), 2),
+            "idle": {n: round(sum(r["idle"][n] for r in runs) / len(runs), 3) for n in runs[0]["idle"]},
+            "staleness": dict(sorted(staleness.items()))}
 
 
 def plan_run(run_dir: Path, overrides: list[str], search: bool = False, budget: float | None = None,
@@ -46,7 +63,7 @@ def plan_run(run_dir: Path, overrides: list[str], search: bool = False, budget: 
     base = records.load(run_dir)
     machine = cores(base.plan)
     costs = fit(base, machine)
-    steps = max(len(base.rows), MIN_STEPS)
+    steps = len(base.rows)
     result: dict[str, Any] = {
         "run": str(run_dir), "name": base.plan.name, "steps": [WARMUP, len(base.rows) - 1], "changes": list(overrides),
         "model": {"notes": costs.notes, "cores": machine, "main_cores": MAIN_CORES},

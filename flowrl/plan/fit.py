@@ -103,7 +103,13 @@ def group_pool(base: Baseline, node: str, spans: list[Span], notes: list[str]) -
     environment, so its wait is its measured span (the engine's work for it runs alongside); a
     single-turn group waits on nothing but the engine (wait 0)."""
     size = int(base.plan.nodes[node].config.get("group_size", 1))
-    pool = [(base.rows_of[s.sample], s.seconds) for s in spans if s.sample in base.rows_of]
+    trained = list(base.rows_of.values())
+    if not trained or not spans:
+        raise UserError(f"{base.directory}: no groups of node '{node}' after the first {WARMUP} steps in both "
+                        "trace.json and the rollout store")
+    # A group that never reached the trainer (dropped: often the slowest) is not in the store: its
+    # wait still counts, with a trained group's tokens standing in, or the tail would be cut.
+    pool = [(base.rows_of.get(s.sample) or trained[i % len(trained)], s.seconds) for i, s in enumerate(spans)]
     if not pool:
         raise UserError(f"{base.directory}: no groups of node '{node}' after the first {WARMUP} steps in both "
                         "trace.json and the rollout store")

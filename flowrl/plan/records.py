@@ -147,7 +147,8 @@ def measured(base: Baseline) -> dict[str, Any]:
 
 
 def trace_idle(plan: Plan, spans: list[Span], times: list[float]) -> dict[str, float]:
-    """Mean over the steps between `times` of each node's idle fraction (observe.py's formula)."""
+    """Each node's idle fraction over the steps between `times` (observe.py's formula per step,
+    weighted by the step's seconds)."""
     from flowrl.report import _union
 
     idle = {}
@@ -158,20 +159,22 @@ def trace_idle(plan: Plan, spans: list[Span], times: list[float]) -> dict[str, f
         for left, right in zip(times, times[1:], strict=False):
             busy = sum(_union([(max(s.start, left), min(s.end, right)) for s in mine
                                if s.replica == r and s.end > left and s.start < right]) for r in range(replicas))
-            fractions.append(min(1.0, max(0.0, 1.0 - busy / (max(right - left, 1e-9) * replicas))))
-        idle[name] = round(sum(fractions) / len(fractions), 3)
+            fractions.append(min(1.0, max(0.0, 1.0 - busy / (max(right - left, 1e-9) * replicas))) * (right - left))
+        idle[name] = round(sum(fractions) / max(times[-1] - times[0], 1e-9), 3)
     return idle
 
 
 def figures(rows: list[dict[str, Any]], before: float) -> dict[str, Any]:
-    """Seconds per step, samples/s, mean idle fraction per stage and the staleness histogram of
-    metrics rows (`before`: the time of the row before the first)."""
+    """Seconds per step, samples/s, idle fraction per stage (each step's weighted by its seconds)
+    and the staleness histogram of metrics rows (`before`: the time of the row before the first)."""
     seconds = (rows[-1]["time"] - before) / len(rows)
     staleness: Counter[int] = Counter()
     for r in rows:
         staleness.update({int(k): int(v) for k, v in (r.get("staleness") or {}).items()})
     nodes = list(rows[0].get("idle", {}))
-    idle = {n: round(sum(r["idle"][n] for r in rows) / len(rows), 3) for n in nodes}
+    spans = [b["time"] - a for a, b in zip([before] + [r["time"] for r in rows], rows, strict=False)]
+    total = max(sum(spans), 1e-9)  # idle weighted by each step's seconds: a step of 1 ms weighs 1 ms
+    idle = {n: round(sum(r["idle"][n] * w for r, w in zip(rows, spans, strict=True)) / total, 3) for n in nodes}
     groups = sum(r.get("groups", 0) for r in rows)
     return {"step_seconds": round(seconds, 4), "samples_per_s": round(groups / (rows[-1]["time"] - before), 2),
             "idle": idle, "staleness": dict(sorted(staleness.items()))}

@@ -150,7 +150,7 @@ class Sim:
         self.training = True
         self.busy[(self.train, 0)].start(self.now)
         c, k = self.costs.train
-        work = self.scale * (c + k * sum(sum(g.rows) for g in batch))
+        work = self.scale * (c + k * sum(sum(g.rows) for g in batch)) if batch else 0.0  # an empty batch: no update
         process = self.train if self.train in self.cpu.capacity else MAIN
         self.cpu.add(process, work, lambda: self.trained(batch))
         return True
