@@ -46,13 +46,17 @@ def test_the_fit_keeps_both_parts_non_negative():
     assert q == 0.0 and p == pytest.approx(4.8)
 
 
-def test_jobs_in_one_process_share_its_core_and_processes_share_the_machine():
-    cpu = Cpu(cores=2, processes={"trainer": 1.0})
-    for process in (MAIN, MAIN, "trainer"):
-        cpu.add(process, 1.0, lambda: None)
-    assert cpu.rates() == [0.5, 0.5, 1.0]
+def test_lock_bound_jobs_take_turns_and_native_work_runs_beside_them():
+    cpu = Cpu(cores=2)
+    cpu.add(MAIN, 1.0, 1.0, lambda: None)
+    cpu.add(MAIN, 1.0, 1.0, lambda: None)
+    assert cpu.rates() == [0.5, 0.5]  # two interpreter-bound jobs of one process take turns
+    cpu.jobs[1].lock = 0.0
+    assert cpu.rates() == [1.0, 1.0]  # a job in native code runs on the other core
+    cpu.add("trainer", 1.0, 1.0, lambda: None)  # a process of its own: three jobs on two cores
+    assert cpu.rates() == pytest.approx([2 / 3] * 3)
     # Two spans of one process that overlapped entirely did half the work each.
-    assert solo_work([(MAIN, 0.0, 2.0), (MAIN, 0.0, 2.0), ("trainer", 0.0, 1.0)], cpu) == [1.0, 1.0, 1.0]
+    assert solo_work([(MAIN, 1.0, 0.0, 2.0), (MAIN, 1.0, 0.0, 2.0), ("trainer", 1.0, 2.0, 3.0)], 2) == [1.0, 1.0, 1.0]
 
 
 # ---- on a real run ------------------------------------------------------------------------------

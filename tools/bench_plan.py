@@ -1,19 +1,22 @@
 """`flowrl plan` against reality: predict configurations from one baseline run, then run them.
 
-    python tools/bench_plan.py [--steps 20] [--longtail-steps 12] [--no-longtail] [--out DIR]
+    python tools/bench_plan.py [--baseline async|sync] [--steps 20] [--longtail-steps 12] [--no-longtail]
 
-Baseline: pipelines/grpo_sync.yaml for `--steps` steps (tiny model, CPU). From it alone,
-`flowrl plan BASELINE <changes> --format json` predicts each configuration below; then each is
-actually run (the same spec and changes, through the real CLI, one run at a time) and its own
-figures are read back (`flowrl plan RUN --format json`: its `measured` block; idle from the
-trace's spans). Configurations: sync (a second run of the baseline's own spec: its error is the
-run-to-run noise), async with max_staleness 1 and 2, two engine replicas, a batch twice as large.
-The long-tail task (pipelines/longtail_sync.yaml's GRPO graph, without its warm-up phase: the tool
-waits, not the policy, set its time) has its own baseline, its sync repeat, and the async
+Baseline: the GRPO digit-reversal graph (pipelines/grpo_async.yaml; tiny model, CPU) for `--steps`
+steps, with score -> learner async, max_staleness 2 (`--baseline async`, the shipped spec), or sync
+(`--baseline sync`). From it alone, `flowrl plan BASELINE <changes> --format json` predicts each
+configuration below; then each is actually run (the same spec with the same changes, through the
+real CLI, one run at a time) and its own figures are read back (`flowrl plan RUN --format json`: its
+`measured` block, idle from the trace's spans). Configurations: sync; async with max_staleness 1
+and 2; two engine replicas (sync); a batch twice as large (sync). The configuration equal to the
+baseline is a second run: its error is the run-to-run noise. The long-tail task
+(pipelines/longtail_sync.yaml's GRPO graph without its warm-up phase: the tool's waits, not the
+policy, set its time; no periodic eval) has its own sync baseline, and predicts the async
 configuration of pipelines/longtail_async.yaml that plan can simulate (max_staleness 1, partial
-rollout). Printed: measured vs predicted seconds per step and idle per stage for each; the last
-line is one JSON object with `max_step_time_error` (relative), `max_idle_error` (absolute) and
-the per-configuration figures. Timings on a shared 2-core machine are noisy: see the sync rows.
+rollout) and a second sync run. Printed: measured vs predicted seconds per step and idle per stage
+for each; the last line is one JSON object with `max_step_time_error` (relative),
+`max_idle_error` (absolute) and the per-configuration figures. A 2-core machine shared with other
+work is noisy: see the repeated configuration's row.
 """
 
 from __future__ import annotations
@@ -27,15 +30,17 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-ASYNC = "edges.1={{score -> learner: {{mode: async, max_staleness: {}}}}}"  # the spec's score -> learner edge
+EDGE = "edges.1=score -> learner"  # the spec's score -> learner edge, sync
+ASYNC = "edges.1={{score -> learner: {{mode: async, max_staleness: {}}}}}"
 
-# name -> (spec overrides of the real run, plan overrides of the prediction)
+# name -> (spec overrides of the real run, plan overrides of the prediction from the baseline)
 GRPO = {
-    "sync": ([], []),
+    "sync": ([EDGE], ["max_staleness=0"]),
     "async_staleness_1": ([ASYNC.format(1)], ["max_staleness=1"]),
     "async_staleness_2": ([ASYNC.format(2)], ["max_staleness=2"]),
-    "engine_replicas_2": (["nodes.rollout.resources.replicas=2"], ["nodes.rollout.resources.replicas=2"]),
-    "batch_size_32": (["data.batch_size=32"], ["data.batch_size=32"]),
+    "engine_replicas_2": ([EDGE, "nodes.rollout.resources.replicas=2"],
+                          ["max_staleness=0", "nodes.rollout.resources.replicas=2"]),
+    "batch_size_32": ([EDGE, "data.batch_size=32"], ["max_staleness=0", "data.batch_size=32"]),
 }
 LONGTAIL = {
     "longtail_sync": ([], []),
@@ -70,9 +75,11 @@ def compare(name: str, predicted: dict, measured: dict) -> dict:
             "measured_staleness": measured["staleness"], "predicted_staleness": predicted["staleness"]}
 
 
-def family(spec: str, configs: dict, steps: int, out: Path, extra: list[str]) -> list[dict]:
+def family(spec: str, configs: dict, steps: int, out: Path, extra: list[str], baseline: list[str]) -> list[dict]:
     """One baseline run of `spec`, every configuration predicted from it, then run and compared."""
-    base = run(spec, extra, steps, out / f"{Path(spec).stem}-baseline")
+    base = run(spec, [*extra, *baseline], steps, out / f"{Path(spec).stem}-baseline")
+    notes = plan(base, [])["model"]["notes"]
+    print(f"baseline {base.name}: " + "; ".join(notes), flush=True)
     rows = []
     for name, (run_overrides, plan_overrides) in configs.items():
         predicted = plan(base, plan_overrides)
@@ -91,6 +98,8 @@ def print_row(r: dict) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--baseline", choices=("async", "sync"), default="async",
+                        help="the GRPO baseline's score -> learner edge (async: max_staleness 2)")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--longtail-steps", type=int, default=12)
     parser.add_argument("--no-longtail", action="store_true")
@@ -99,14 +108,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(args.out or tmp)
         print(f"{'config':<20} {'s/step':>9} {'predicted':>9} {'error':>7} {'idle':>6}   idle measured/predicted")
-        rows = family(str(ROOT / "pipelines" / "grpo_sync.yaml"), GRPO, args.steps, out, [])
+        baseline = GRPO["async_staleness_2" if args.baseline == "async" else "sync"][0]
+        rows = family(str(ROOT / "pipelines" / "grpo_async.yaml"), GRPO, args.steps, out, [], baseline)
         if not args.no_longtail:
             rows += family(str(ROOT / "pipelines" / "longtail_sync.yaml"), LONGTAIL, args.longtail_steps, out,
-                           ["phases=[]"])
+                           ["phases=[]", "data.eval=null"], [])
     summary = {"max_step_time_error": max(r["step_time_error"] for r in rows),
                "max_idle_error": max(r["idle_error"] for r in rows),
                "within": all(r["step_time_error"] <= 0.15 and r["idle_error"] <= 0.1 for r in rows),
-               "steps": args.steps, "longtail_steps": None if args.no_longtail else args.longtail_steps,
+               "baseline": args.baseline, "steps": args.steps, "longtail_steps": None if args.no_longtail else args.longtail_steps,
                "configs": rows}
     print(json.dumps(summary))
 

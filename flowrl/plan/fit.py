@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
+from typing import Any
 
 from flowrl.plan.records import WARMUP, Baseline, Span
 from flowrl.plan.solo import solo_work
@@ -48,36 +49,41 @@ class Costs:
     sync_s: dict[str, float]
     flush_s: float  # the run's own work after each train step (writing its records)
     group_size: dict[str, int]  # generate node -> its group_size in the fitted run
+    train_lock: float = 1.0  # the fraction of a train step that holds the interpreter lock (cpu.py)
     notes: list[str] = field(default_factory=list)
 
 
-def fit(base: Baseline, cores: float) -> Costs:
-    """Every stage's cost on `base`, as work alone (solo.py) on a machine of `cores` cores."""
-    plan, notes = base.plan, []
-    work = _work(base, cores)
+def fit(base: Baseline, cores: float, train_lock: float = 1.0, scatter: bool = False) -> Any:
+    """Every stage's cost on `base`, as work alone (solo.py) on a machine of `cores` cores, a
+    train step holding the interpreter lock `train_lock` of its time. With `scatter`: (costs, the
+    relative scatter of the engine's and the train's spans about their fits, summed)."""
+    plan, notes, spread = base.plan, [], []
+    work = _work(base, cores, train_lock)
     engines, groups, process, sync_s = {}, {}, {}, {}
     for name, node in plan.nodes.items():
         spans = [s for s in work if s.node == name]
         if node.kind == "generate":
             groups[name] = group_pool(base, name, [s for s in spans if s.name == "generate"], notes)
             multi_turn = any(wait > 0 for _, wait in groups[name])
-            engines[name] = fit_engine(base, name, work, notes, multi_turn)
+            engines[name] = fit_engine(base, name, work, notes, multi_turn, spread)
         elif node.kind == "sync":
             sync_s[name] = _mean([work[s] for s in spans if s.name == "sync"])
         elif node.kind != "train":
             process[name] = [work[s] for s in spans if s.name == "process"] or [0.0]
     flush = _mean([work[s] for s in work if s.node == "runtime" and s.name == "flush"])
     sizes = {n: int(p.config.get("group_size", 1)) for n, p in plan.nodes.items() if p.kind == "generate"}
-    return Costs(engines, groups, process, fit_train(base, work, notes), sync_s, flush, sizes, notes)
+    costs = Costs(engines, groups, process, fit_train(base, work, notes, spread), sync_s, flush, sizes, train_lock,
+                  notes)
+    return (costs, sum(spread)) if scatter else costs
 
 
 CPU_SPANS = {"generate", "process", "train", "sync", "update_weights", "flush"}
 
 
-def _work(base: Baseline, cores: float) -> dict[Span, float]:
+def _work(base: Baseline, cores: float, train_lock: float) -> dict[Span, float]:
     """The work (solo.py) of each steady span that uses the cores; a generate replica's busy periods
     count once each (one engine), as a span named `period`."""
-    from flowrl.plan.cpu import MAIN, Cpu
+    from flowrl.plan.cpu import MAIN
     from flowrl.plan.simulate import processes
 
     begin = base.rows[WARMUP - 1]["time"]
@@ -89,7 +95,8 @@ def _work(base: Baseline, cores: float) -> dict[Span, float]:
         periods += [Span(node, replica, "period", p[0].start, max(s.end for s in p), None, None)
                     for p in busy_periods(mine)]
     timed = [s for s in spans if s.name != "generate"] + periods
-    amounts = solo_work([(s.node if s.node in own else MAIN, s.start, s.end) for s in timed], Cpu(cores, own))
+    lock = {s: train_lock if s.name == "train" else 1.0 for s in timed}
+    amounts = solo_work([(s.node if s.node in own else MAIN, lock[s], s.start, s.end) for s in timed], cores)
     work = dict(zip(timed, amounts, strict=True))
     for s in spans:
         if s.name == "generate":
@@ -140,7 +147,7 @@ def iterations(groups: list[list[int]], slots: int) -> tuple[int, int]:
 
 
 def fit_engine(base: Baseline, node: str, work: dict[Span, float], notes: list[str],
-               multi_turn: bool = False) -> EngineCost:
+               multi_turn: bool = False, spread: list[float] | None = None) -> EngineCost:
     slots = slots_of(base.plan.nodes[node].config)
     update = _mean([work[s] for s in work if s.node == node and s.name == "update_weights"])
     if multi_turn:  # a busy period is mostly waits on the environment: the engine's share cannot be told
@@ -157,6 +164,8 @@ def fit_engine(base: Baseline, node: str, work: dict[Span, float], notes: list[s
         raise UserError(f"{base.directory / 'trace.json'}: node '{node}' has no generate spans after the first "
                         f"{WARMUP} steps; plan needs them to fit its engine")
     a, b = nonneg_fit([(p[1], p[2]) for p in points], [p[0] for p in points])
+    if spread is not None:
+        spread.append(relative_scatter([a * p[1] + b * p[2] for p in points], [p[0] for p in points]))
     notes.append(f"{node}: an engine iteration {a * 1e3:.3f} ms + {b * 1e6:.2f} us per row ({slots} slots; "
                  f"{len(points)} busy periods)")
     return EngineCost(slots, a, b, update, len(points))
@@ -174,7 +183,8 @@ def busy_periods(spans: list[Span]) -> list[list[Span]]:
     return periods
 
 
-def fit_train(base: Baseline, work: dict[Span, float], notes: list[str]) -> tuple[float, float]:
+def fit_train(base: Baseline, work: dict[Span, float], notes: list[str],
+              spread: list[float] | None = None) -> tuple[float, float]:
     train = next(n for n, f in base.plan.facts.nodes.items() if f.input is not None)
     points = [(work[s], sum(sum(base.rows_of.get(g, [])) for g in base.batches[s.step]))
               for s in work if s.node == train and s.name == "train" and s.step in base.batches]
@@ -188,7 +198,15 @@ def fit_train(base: Baseline, work: dict[Span, float], notes: list[str]) -> tupl
     else:
         c, k = nonneg_fit([(1.0, t) for t in tokens], [p[0] for p in points])
         notes.append(f"{train}: {c * 1e3:.2f} ms + {k * 1e6:.2f} us per token")
+    if spread is not None:
+        spread.append(relative_scatter([c + k * t for t in tokens], [p[0] for p in points]))
     return c, k
+
+
+def relative_scatter(fitted: list[float], seen: list[float]) -> float:
+    """Root mean square of (seen - fitted), over the mean seen."""
+    mean = sum(seen) / len(seen)
+    return (sum((s - f) ** 2 for s, f in zip(seen, fitted, strict=True)) / len(seen)) ** 0.5 / max(mean, 1e-12)
 
 
 def nonneg_fit(x: list[tuple[float, float]], y: list[float]) -> tuple[float, float]:

@@ -11,8 +11,7 @@ def text(result: dict[str, Any]) -> str:
     lines = [f"flowrl plan {result['run']}: {result['name']}, fitted on its steps {result['steps'][0]}.."
              f"{result['steps'][1]}"]
     lines += [f"  {note}" for note in result["model"]["notes"]]
-    lines.append(f"  machine: {result['model']['cores']:g} cores; in-process stages share "
-                 f"{result['model']['main_cores']:g} (docs/plan.md)")
+    lines.append(f"  machine: {result['model']['cores']:g} cores, one interpreter lock per process (docs/plan.md)")
     columns = [c for c in COLUMNS if c in result]
     if result["changes"]:
         lines.append(f"predicted with: {' '.join(result['changes'])}")

@@ -74,7 +74,8 @@ class Sim:
         self.now = 0.0
         self.train = next(n for n, f in self.plan.facts.nodes.items() if f.input is not None)
         self.input = next(e for e in self.plan.edges if e.label == self.plan.facts.nodes[self.train].input)
-        self.cpu = Cpu(cores, processes(self.plan))
+        self.cpu = Cpu(cores)
+        self.own = processes(self.plan)
         self.channels: dict[str, deque[Group]] = {e.label: deque() for e in self.plan.edges if e.kind == "data"}
         self.version, self.training, self.buffer, self.arrived = 0, False, [], 0
         self.weights: dict[str, int] = {}  # generate node -> newest published version
@@ -151,8 +152,10 @@ class Sim:
         self.busy[(self.train, 0)].start(self.now)
         c, k = self.costs.train
         work = self.scale * (c + k * sum(sum(g.rows) for g in batch)) if batch else 0.0  # an empty batch: no update
-        process = self.train if self.train in self.cpu.capacity else MAIN
-        self.cpu.add(process, work, lambda: self.trained(batch))
+        if self.train in self.own:
+            self.cpu.add(self.train, 1.0, work, lambda: self.trained(batch))
+        else:
+            self.cpu.add(MAIN, self.costs.train_lock, work, lambda: self.trained(batch))
         return True
 
     def form(self, channel: deque[Group], t: int) -> list[Group] | None:
@@ -188,13 +191,13 @@ class Sim:
         self.version = t + 1
         self.row(t, batch)
         # The coordinator writes the step's records before it hands the policy on (coordinator.trained).
-        self.cpu.add(MAIN, self.costs.flush_s, lambda: self.flushed(t))
+        self.cpu.add(MAIN, 1.0, self.costs.flush_s, lambda: self.flushed(t))
 
     def flushed(self, t: int) -> None:
         self.training = False
         for sync in (e.dst for e in self.plan.edges if e.src == self.train):
             self.busy[(sync, 0)].start(self.now)
-            self.cpu.add(MAIN, self.scale * self.costs.sync_s.get(sync, 0.0), lambda s=sync: self.publish(s, t + 1))
+            self.cpu.add(MAIN, 1.0, self.scale * self.costs.sync_s.get(sync, 0.0), lambda s=sync: self.publish(s, t + 1))
 
     def publish(self, sync: str, version: int) -> None:
         self.busy[(sync, 0)].stop(self.now)
@@ -244,7 +247,7 @@ class Engine:
             if self.inflight and not self.partial:
                 return False  # drains its groups first (stage.py _update_weights)
             self.updating = True
-            sim.cpu.add(MAIN, sim.scale * self.cost.update_s, lambda: self.updated(newest))
+            sim.cpu.add(MAIN, 1.0, sim.scale * self.cost.update_s, lambda: self.updated(newest))
             return True
         if len(self.inflight) >= self.concurrency or not self.least_loaded():
             return False
@@ -289,7 +292,7 @@ class Engine:
             self.active.append(self.waiting.popleft())
         self.iterating = True
         work = self.sim.scale * (self.cost.a + self.cost.b * len(self.active))
-        self.sim.cpu.add(MAIN, work, self.iterated)
+        self.sim.cpu.add(MAIN, 1.0, work, self.iterated)
 
     def iterated(self) -> None:
         self.iterating = False
@@ -339,7 +342,7 @@ class Transform:
         self.sim.busy[(self.node, self.index)].start(self.sim.now)
         scale = self.sim.scale if self.sim.plan.nodes[self.node].kind == "reference" else 1.0
         work = scale * self.sim.rng.choice(self.sim.costs.process[self.node])
-        self.sim.cpu.add(MAIN, work, lambda: self.done(group))
+        self.sim.cpu.add(MAIN, 1.0, work, lambda: self.done(group))
         return True
 
     def done(self, group: Group) -> None:
@@ -362,7 +365,7 @@ def _concurrency(node: Any) -> int:
 
 
 def processes(plan: Any) -> dict[str, float]:
-    """Processes of their own besides the main one: a trainer with own_process (its threads)."""
+    """Processes of their own besides the main one: a trainer with own_process (-> its threads)."""
     out = {}
     for name, node in plan.nodes.items():
         own = node.config.get("own_process") if node.kind == "train" else None
