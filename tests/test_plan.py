@@ -32,6 +32,18 @@ def grpo_run(tmp_path_factory) -> Path:
     return run_dir
 
 
+@pytest.fixture(scope="module")
+def async_run(tmp_path_factory) -> Path:
+    """pipelines/grpo_async.yaml (score -> learner async, max_staleness 2), 8 steps of 8 groups."""
+    run_dir = tmp_path_factory.mktemp("plan") / "async"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "flowrl.cli", "run", str(ROOT / "pipelines" / "grpo_async.yaml"),
+                           "run.steps=8", "data.batch_size=8", "--run-dir", str(run_dir), "--quiet"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir
+
+
 # ---- the pieces ----------------------------------------------------------------------------------
 
 def test_the_slot_model_counts_iterations_and_rows():
@@ -84,6 +96,16 @@ def test_each_change_moves_the_prediction_its_way(grpo_run):
     assert set(stale["staleness"]) <= {1, 2} and stale["idle"]["learner"] < simulated["idle"]["learner"]
     bigger = predicted("nodes.rollout.group_size=16")  # twice the rows per group: more engine time
     assert bigger["step_seconds"] > 1.3 * simulated["step_seconds"]
+
+
+def test_an_async_run_predicts_its_sync_configuration(async_run):
+    result = plan_run(async_run, ["max_staleness=0"])
+    assert set(result["measured"]["staleness"]) <= {0, 1, 2} and set(result["simulated"]["staleness"]) <= {1, 2}
+    assert result["predicted"]["staleness"] == {0: sum(result["predicted"]["staleness"].values())}
+    # Sync: generation and training no longer overlap, so the trainer waits longer for its batch.
+    assert result["predicted"]["idle"]["learner"] > result["simulated"]["idle"]["learner"] + 0.1
+    assert any("interpreter" in note for note in result["model"]["notes"])  # what the lock fit found, said
+    assert 0.0 <= result["model"]["train_lock"] <= 1.0
 
 
 def test_search_lists_fitting_configurations_best_first_as_json(grpo_run, capsys):
