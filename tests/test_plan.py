@@ -162,3 +162,14 @@ def test_a_run_without_its_trace_says_what_is_missing(grpo_run, tmp_path, capsys
         (copy / name).write_bytes((grpo_run / name).read_bytes())
     assert main(["plan", str(copy)]) == 1
     assert f"{copy / 'trace.json'} is missing" in capsys.readouterr().err
+
+
+def test_a_run_plan_does_not_model_is_refused_saying_why(grpo_run, tmp_path, capsys):
+    import shutil
+
+    copy = tmp_path / "run"
+    shutil.copytree(grpo_run, copy)
+    meta = json.loads((copy / "meta.json").read_text())
+    (copy / "meta.json").write_text(json.dumps({**meta, "executor": "ray"}))
+    assert main(["plan", str(copy)]) == 1
+    assert "the run used the Ray executor; plan models the in-process one" in capsys.readouterr().err

@@ -7,6 +7,7 @@ The readers are `flowrl inspect`'s (flowrl/report.py: `load_run`) and `flowrl re
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,11 +66,32 @@ def load(run_dir: Path) -> Baseline:
     if len(trains) != 1:
         raise UserError(f"{directory / 'plan.json'}: plan simulates a pipeline with one train node; this one has "
                         f"{len(trains)} ({', '.join(trains) or 'none'})")
+    unsupported(plan, directory, trains[0])
     rows = [r for r in _rows(directory) if r.get("node") == trains[0]]
     if len(rows) < WARMUP + 2:
         raise UserError(f"{directory / 'metrics.jsonl'}: {len(rows)} train steps recorded; plan needs at least "
                         f"{WARMUP + 2} (the first {WARMUP} are warm-up) to fit its cost models")
     return Baseline(directory, plan, rows, _spans(directory), *_group_rows(directory, trains[0]))
+
+
+def unsupported(plan: Plan, directory: Path, train: str) -> None:
+    """What plan does not model, refused with where it is (docs/plan.md, "Accuracy and limits")."""
+    where = directory / "plan.json"
+    if plan.nodes[train].resources.replicas > 1:
+        raise UserError(f"{where}: node '{train}' has replicas: {plan.nodes[train].resources.replicas}; plan "
+                        "simulates a train node of one rank")
+    filters = [n for n, p in plan.nodes.items() if p.oversampling]
+    if filters:
+        raise UserError(f"{where}: node '{filters[0]}' over-samples (a filter asking for more samples per step); "
+                        "plan does not simulate filters")
+    joins = [n for n in plan.nodes if sum(e.dst == n and e.kind == "data" for e in plan.edges) > 1]
+    if joins:
+        raise UserError(f"{where}: node '{joins[0]}' joins two data inputs; plan simulates nodes with one")
+    executor = json.loads((directory / "meta.json").read_text()).get("executor") \
+        if (directory / "meta.json").exists() else None
+    if executor == "ray":
+        raise UserError(f"{directory / 'meta.json'}: the run used the Ray executor; plan models the in-process "
+                        "one (every stage in one interpreter)")
 
 
 def _rows(directory: Path) -> list[dict[str, Any]]:
