@@ -173,3 +173,19 @@ def test_a_run_plan_does_not_model_is_refused_saying_why(grpo_run, tmp_path, cap
     (copy / "meta.json").write_text(json.dumps({**meta, "executor": "ray"}))
     assert main(["plan", str(copy)]) == 1
     assert "the run used the Ray executor; plan models the in-process one" in capsys.readouterr().err
+
+
+def test_groups_with_more_trajectories_than_group_size_wait_on_their_environment(grpo_run):
+    """A multi-turn group (one trajectory per turn) keeps its measured span as its wait: the tail of
+    episode times is what the simulator resamples (the long-tail task)."""
+    from flowrl.plan import records
+    from flowrl.plan.fit import group_pool
+
+    base = records.load(grpo_run)
+    spans = [s for s in base.spans if s.name == "generate" and s.step is not None and s.step >= records.WARMUP]
+    assert all(wait == 0.0 for _, wait in group_pool(base, "rollout", spans, []))  # single-turn: the engine only
+    base.plan.nodes["rollout"].config = {**base.plan.nodes["rollout"].config, "group_size": 4}  # 8 > 4: multi-turn
+    notes: list[str] = []
+    pool = group_pool(base, "rollout", spans, notes)
+    assert sorted(w for _, w in pool) == sorted(s.seconds for s in spans)
+    assert notes and notes[0].startswith("rollout: multi-turn groups: waits p50")

@@ -65,7 +65,7 @@ def _set(scenario: Scenario, key: str, value: object, item: str) -> None:
     elif key == "run.steps":
         plan.run = {**plan.run, "steps": _number(value, item, int, 3)}
     elif key == "max_staleness":
-        _staleness(plan, _number(value, item, int, 0), item)
+        _staleness(plan, _number(value, item, int, 0))
     elif len(parts) >= 3 and parts[0] == "nodes":
         _node(plan, parts[1], ".".join(parts[2:]), value, item)
     else:
@@ -99,7 +99,8 @@ def _node(plan: Plan, name: str, rest: str, value: object, item: str) -> None:
                         f"{', '.join(KEYS)}")
 
 
-def _staleness(plan: Plan, limit: int, item: str) -> None:
+def _staleness(plan: Plan, limit: int) -> None:
+    """The train node's data input edge: sync at 0, else async with this max_staleness."""
     trains = [n for n, f in plan.facts.nodes.items() if f.input is not None]
     for i, edge in enumerate(plan.edges):
         if edge.kind == "data" and edge.dst in trains:

@@ -195,9 +195,14 @@ class Sim:
 
     def flushed(self, t: int) -> None:
         self.training = False
-        for sync in (e.dst for e in self.plan.edges if e.src == self.train):
-            self.busy[(sync, 0)].start(self.now)
-            self.cpu.add(MAIN, 1.0, self.scale * self.costs.sync_s.get(sync, 0.0), lambda s=sync: self.publish(s, t + 1))
+        for edge in (e for e in self.plan.edges if e.src == self.train):
+            if edge.kind == "weights":  # straight to a generate node, no sync node between
+                self.weights[edge.dst] = t + 1
+            elif self.plan.nodes[edge.dst].kind == "sync":
+                sync = edge.dst
+                self.busy[(sync, 0)].start(self.now)
+                work = self.scale * self.costs.sync_s.get(sync, 0.0)
+                self.cpu.add(MAIN, 1.0, work, lambda s=sync: self.publish(s, t + 1))
 
     def publish(self, sync: str, version: int) -> None:
         self.busy[(sync, 0)].stop(self.now)
