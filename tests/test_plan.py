@@ -189,3 +189,16 @@ def test_groups_with_more_trajectories_than_group_size_wait_on_their_environment
     pool = group_pool(base, "rollout", spans, notes)
     assert sorted(w for _, w in pool) == sorted(s.seconds for s in spans)
     assert notes and notes[0].startswith("rollout: multi-turn groups: waits p50")
+
+
+def test_the_other_keys_are_read(grpo_run, capsys):
+    result = plan_run(grpo_run, ["run.steps=6"])
+    assert result["predicted"]["staleness"] == {0: 7 * 4 * 8}  # 7 repeats of 6 steps (40+), 4 steady, 8 groups
+    slots = plan_run(grpo_run, ["nodes.rollout.engine.max_batch=8"])  # a quarter of the slots: never faster
+    assert slots["predicted"]["step_seconds"] >= 0.98 * slots["simulated"]["step_seconds"]
+    partial = plan_run(grpo_run, ["max_staleness=1", "nodes.rollout.partial_rollout=true"])["predicted"]
+    assert set(partial["staleness"]) <= {0, 1}  # weights may change mid-group: version at its start
+    assert main(["plan", str(grpo_run), "nodes.rollout.partial_rollout=3"]) == 1
+    assert "expected true or false" in capsys.readouterr().err
+    assert main(["plan", str(grpo_run), "run.steps=3"]) == 1
+    assert "expected an integer >= 4" in capsys.readouterr().err

@@ -63,7 +63,7 @@ def _set(scenario: Scenario, key: str, value: object, item: str) -> None:
     elif key == "data.batch_size":
         plan.data = {**plan.data, "batch_size": _number(value, item, int, 1)}
     elif key == "run.steps":
-        plan.run = {**plan.run, "steps": _number(value, item, int, 3)}
+        plan.run = {**plan.run, "steps": _number(value, item, int, 4)}  # WARMUP steps and two to measure
     elif key == "max_staleness":
         _staleness(plan, _number(value, item, int, 0))
     elif len(parts) >= 3 and parts[0] == "nodes":
