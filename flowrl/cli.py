@@ -1,4 +1,4 @@
-"""`flowrl` command line: validate, inspect, operators, algorithms, run, replay.
+"""`flowrl` command line: validate, inspect, operators, algorithms, run, replay, plan.
 
 A user's mistake never ends in a traceback: spec problems print as located diagnostics, other
 mistakes (a missing run directory, a broken plugin) as one explained line, each with exit 1.
@@ -185,6 +185,21 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Predict a run under changes from its own records (flowrl/plan/, docs/plan.md)."""
+    import json
+
+    from flowrl.plan import plan_run
+    from flowrl.plan.report import text
+
+    target = Path(args.run_dir)
+    if not target.is_dir():
+        raise UserError(f"{target} is not a directory: give a run directory (runs/<name>-<time>)")
+    result = plan_run(target, args.overrides, args.search, args.budget, args.max_replicas, args.max_staleness)
+    sys.stdout.write(json.dumps(result) + "\n" if args.format == "json" else text(result))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -268,6 +283,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", help="where to write the replay (default RUN_DIR/replay-N)")
     p.add_argument("--quiet", action="store_true", help="no per-step lines; only the JSON summary")
     p.set_defaults(fn=cmd_replay)
+
+    p = sub.add_parser("plan", parents=[common], help="predict step time, idle and staleness of a run under changes "
+                       "(docs/plan.md)")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (a multi-phase run: its last phase)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="changes to simulate, e.g. data.batch_size=32 "
+                   "max_staleness=1 nodes.rollout.resources.replicas=2 scale=4")
+    p.add_argument("--search", action="store_true", help="try engine replicas x max_staleness under a budget")
+    p.add_argument("--budget", type=float, help="devices the search may use (GPUs, or CPUs on a CPU pipeline; "
+                   "default: the cluster's)")
+    p.add_argument("--max-replicas", type=int, default=4, help="search engine replicas 1..N (default 4)")
+    p.add_argument("--max-staleness", type=int, default=4, help="search max_staleness 0..N (default 4)")
+    p.add_argument("--format", default="text", choices=("text", "json"))
+    p.set_defaults(fn=cmd_plan)
     return parser
 
 

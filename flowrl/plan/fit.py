@@ -1,0 +1,229 @@
+"""Cost models of each stage, fitted on a run's spans (`flowrl plan`).
+
+- Generation: the embedded engine decodes one token for every admitted row per iteration, with
+  `max_batch` slots (rows beyond wait, first come first served). An iteration with n rows costs
+  a + b*n seconds. A group's rows need as many iterations as their model tokens (from the rollout
+  store). (a, b) are the least-squares fit, both >= 0, of each busy period of each engine replica
+  (a stretch with a group in flight) against the iterations and row-iterations the same slot
+  model counts for that period's groups, queued at its start (exact for a sync run, where every
+  group of a step is handed out at once; an approximation where groups arrive spread out).
+- Groups: the pool of the run's groups (their rows' token counts; a multi-turn group's wait on its
+  environment: `group_pool`), resampled by the simulator, so the distribution of lengths and waits
+  and its tail are the measured ones.
+- Train: seconds = c + k * tokens of the batch, least squares, both >= 0; where the batches' token
+  counts hardly vary (< 5 % relative spread) c cannot be told from k and c = 0 (time proportional
+  to tokens).
+- Other nodes (reward, reference, user transforms): the measured seconds per group, resampled.
+- Sync and weight loads: their mean measured seconds (they scale with the model's bytes).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+from flowrl.plan.records import WARMUP, Baseline, Span
+from flowrl.plan.solo import solo_work
+from flowrl.spec.errors import UserError
+
+DEFAULT_SLOTS = 32  # the embedded engine's max_batch default (flowrl_operators EngineConfig)
+FLAT = 0.05  # relative spread of a feature below which its intercept is not identifiable
+
+
+@dataclass
+class EngineCost:
+    slots: int
+    a: float  # seconds per iteration
+    b: float  # seconds per row per iteration
+    update_s: float  # one weight load
+    periods: int  # busy periods fitted
+
+
+@dataclass
+class Costs:
+    engines: dict[str, EngineCost]
+    groups: dict[str, list[tuple[list[int], float]]]  # generate node -> groups: (tokens per row, wait)
+    process: dict[str, list[float]]  # other node -> seconds per group
+    train: tuple[float, float]  # (c, k): c + k * tokens
+    sync_s: dict[str, float]
+    flush_s: float  # the run's own work after each train step (writing its records)
+    group_size: dict[str, int]  # generate node -> its group_size in the fitted run
+    train_lock: float = 1.0  # the fraction of a train step that holds the interpreter lock (cpu.py)
+    notes: list[str] = field(default_factory=list)
+
+
+def fit(base: Baseline, cores: float, train_lock: float = 1.0, scatter: bool = False) -> Any:
+    """Every stage's cost on `base`, as work alone (solo.py) on a machine of `cores` cores, a
+    train step holding the interpreter lock `train_lock` of its time. With `scatter`: (costs, the
+    relative scatter of the engine's and the train's spans about their fits, summed)."""
+    plan, notes, spread = base.plan, [], []
+    work = _work(base, cores, train_lock)
+    engines, groups, process, sync_s = {}, {}, {}, {}
+    for name, node in plan.nodes.items():
+        spans = [s for s in work if s.node == name]
+        if node.kind == "generate":
+            groups[name] = group_pool(base, name, [s for s in spans if s.name == "generate"], notes)
+            multi_turn = any(wait > 0 for _, wait in groups[name])
+            engines[name] = fit_engine(base, name, work, notes, multi_turn, spread)
+        elif node.kind == "sync":
+            sync_s[name] = _mean([work[s] for s in spans if s.name == "sync"])
+        elif node.kind != "train":
+            process[name] = [work[s] for s in spans if s.name == "process"] or [0.0]
+    flush = _mean([work[s] for s in work if s.node == "runtime" and s.name == "flush"])
+    sizes = {n: int(p.config.get("group_size", 1)) for n, p in plan.nodes.items() if p.kind == "generate"}
+    costs = Costs(engines, groups, process, fit_train(base, work, notes, spread), sync_s, flush, sizes, train_lock,
+                  notes)
+    return (costs, sum(spread)) if scatter else costs
+
+
+CPU_SPANS = {"generate", "process", "train", "sync", "update_weights", "flush"}
+
+
+def _work(base: Baseline, cores: float, train_lock: float) -> dict[Span, float]:
+    """The work (solo.py) of each steady span that uses the cores; a generate replica's busy periods
+    count once each (one engine), as a span named `period`."""
+    from flowrl.plan.cpu import MAIN
+    from flowrl.plan.simulate import processes
+
+    begin = base.rows[WARMUP - 1]["time"]
+    spans = [s for s in base.spans if s.name in CPU_SPANS and s.start >= begin]
+    own = processes(base.plan)
+    periods = []
+    for node, replica in sorted({(s.node, s.replica) for s in spans if s.name == "generate"}):
+        mine = [s for s in spans if (s.node, s.replica, s.name) == (node, replica, "generate")]
+        periods += [Span(node, replica, "period", p[0].start, max(s.end for s in p), None, None)
+                    for p in busy_periods(mine)]
+    timed = [s for s in spans if s.name != "generate"] + periods
+    lock = {s: train_lock if s.name == "train" else 1.0 for s in timed}
+    amounts = solo_work([(s.node if s.node in own else MAIN, lock[s], s.start, s.end) for s in timed], cores)
+    work = dict(zip(timed, amounts, strict=True))
+    for s in spans:
+        if s.name == "generate":
+            work[s] = s.seconds  # a group's span is its wait in the engine too; the period holds the work
+    return work
+
+
+def group_pool(base: Baseline, node: str, spans: list[Span], notes: list[str]) -> list[tuple[list[int], float]]:
+    """The run's groups as (tokens of each trajectory, wait). A group with more trajectories than
+    group_size is multi-turn (one trajectory per turn): its episodes wait between turns on their
+    environment, so its wait is its measured span (the engine's work for it runs alongside); a
+    single-turn group waits on nothing but the engine (wait 0)."""
+    size = int(base.plan.nodes[node].config.get("group_size", 1))
+    trained = list(base.rows_of.values())
+    if not trained or not spans:
+        raise UserError(f"{base.directory}: no groups of node '{node}' after the first {WARMUP} steps in both "
+                        "trace.json and the rollout store")
+    # A group that never reached the trainer (dropped: often the slowest) is not in the store: its
+    # wait still counts, with a trained group's tokens standing in, or the tail would be cut.
+    pool = [(base.rows_of.get(s.sample) or trained[i % len(trained)], s.seconds) for i, s in enumerate(spans)]
+    if not pool:
+        raise UserError(f"{base.directory}: no groups of node '{node}' after the first {WARMUP} steps in both "
+                        "trace.json and the rollout store")
+    if not any(len(rows) > size for rows, _ in pool):
+        return [(rows, 0.0) for rows, _ in pool]
+    waits = sorted(w for _, w in pool)
+    notes.append(f"{node}: multi-turn groups: waits p50 {waits[len(waits) // 2]:.2f} s, "
+                 f"p90 {waits[int(len(waits) * 0.9)]:.2f} s, max {waits[-1]:.2f} s (resampled)")
+    return pool
+
+
+def slots_of(config: dict) -> int:
+    engine = config.get("engine")
+    return int(engine.get("max_batch", DEFAULT_SLOTS)) if isinstance(engine, dict) else DEFAULT_SLOTS
+
+
+def iterations(groups: list[list[int]], slots: int) -> tuple[int, int]:
+    """(iterations, row-iterations) the slot model takes for `groups` queued at once, in order."""
+    waiting = [t for rows in groups for t in rows]
+    active: list[int] = []
+    count = rows = 0
+    while waiting or active:
+        room = slots - len(active)
+        active, waiting = active + waiting[:room], waiting[room:]
+        count, rows = count + 1, rows + len(active)
+        active = [t - 1 for t in active if t > 1]
+    return count, rows
+
+
+def fit_engine(base: Baseline, node: str, work: dict[Span, float], notes: list[str],
+               multi_turn: bool = False, spread: list[float] | None = None) -> EngineCost:
+    slots = slots_of(base.plan.nodes[node].config)
+    update = _mean([work[s] for s in work if s.node == node and s.name == "update_weights"])
+    if multi_turn:  # a busy period is mostly waits on the environment: the engine's share cannot be told
+        notes.append(f"{node}: the engine's work is inside the groups' measured waits (not fitted apart)")
+        return EngineCost(slots, 0.0, 0.0, update, 0)
+    generate = [s for s in work if s.node == node and s.name == "generate" and s.sample in base.rows_of]
+    points = []  # (work, iterations, row-iterations)
+    for period in (s for s in work if s.node == node and s.name == "period"):
+        inside = sorted((s for s in generate if s.replica == period.replica and period.start <= s.start < period.end),
+                        key=lambda s: s.start)
+        if inside:
+            points.append((work[period], *iterations([base.rows_of[s.sample] for s in inside], slots)))
+    if not points:
+        raise UserError(f"{base.directory / 'trace.json'}: node '{node}' has no generate spans after the first "
+                        f"{WARMUP} steps; plan needs them to fit its engine")
+    a, b = nonneg_fit([(p[1], p[2]) for p in points], [p[0] for p in points])
+    if spread is not None:
+        spread.append(relative_scatter([a * p[1] + b * p[2] for p in points], [p[0] for p in points]))
+    notes.append(f"{node}: an engine iteration {a * 1e3:.3f} ms + {b * 1e6:.2f} us per row ({slots} slots; "
+                 f"{len(points)} busy periods)")
+    return EngineCost(slots, a, b, update, len(points))
+
+
+def busy_periods(spans: list[Span]) -> list[list[Span]]:
+    """Spans grouped into stretches where one at least is in flight."""
+    periods: list[list[Span]] = []
+    reach = float("-inf")
+    for s in sorted(spans, key=lambda s: s.start):
+        if s.start > reach:
+            periods.append([])
+        periods[-1].append(s)
+        reach = max(reach, s.end)
+    return periods
+
+
+def fit_train(base: Baseline, work: dict[Span, float], notes: list[str],
+              spread: list[float] | None = None) -> tuple[float, float]:
+    train = next(n for n, f in base.plan.facts.nodes.items() if f.input is not None)
+    points = [(work[s], sum(sum(base.rows_of.get(g, [])) for g in base.batches[s.step]))
+              for s in work if s.node == train and s.name == "train" and s.step in base.batches]
+    if not points:
+        raise UserError(f"{base.directory / 'trace.json'}: node '{train}' has no train spans after the first "
+                        f"{WARMUP} steps")
+    tokens = [p[1] for p in points]
+    if statistics.pstdev(tokens) < FLAT * statistics.mean(tokens):
+        c, k = 0.0, sum(p[0] for p in points) / max(sum(tokens), 1)
+        notes.append(f"{train}: {k * 1e6:.2f} us per token (batches of nearly one size: no fixed part fitted)")
+    else:
+        c, k = nonneg_fit([(1.0, t) for t in tokens], [p[0] for p in points])
+        notes.append(f"{train}: {c * 1e3:.2f} ms + {k * 1e6:.2f} us per token")
+    if spread is not None:
+        spread.append(relative_scatter([c + k * t for t in tokens], [p[0] for p in points]))
+    return c, k
+
+
+def relative_scatter(fitted: list[float], seen: list[float]) -> float:
+    """Root mean square of (seen - fitted), over the mean seen."""
+    mean = sum(seen) / len(seen)
+    return (sum((s - f) ** 2 for s, f in zip(seen, fitted, strict=True)) / len(seen)) ** 0.5 / max(mean, 1e-12)
+
+
+def nonneg_fit(x: list[tuple[float, float]], y: list[float]) -> tuple[float, float]:
+    """Least squares y ~ p*x0 + q*x1 with p, q >= 0 (two unknowns: the corners are tried)."""
+    s00 = sum(u * u for u, _ in x)
+    s11 = sum(v * v for _, v in x)
+    s01 = sum(u * v for u, v in x)
+    t0 = sum(u * w for (u, _), w in zip(x, y, strict=True))
+    t1 = sum(v * w for (_, v), w in zip(x, y, strict=True))
+    det = s00 * s11 - s01 * s01
+    if det > 1e-12 * s00 * s11:
+        p, q = (t0 * s11 - t1 * s01) / det, (t1 * s00 - t0 * s01) / det
+        if p >= 0 and q >= 0:
+            return p, q
+    candidates = [(t0 / s00 if s00 else 0.0, 0.0), (0.0, t1 / s11 if s11 else 0.0)]
+    return min(candidates, key=lambda pq: sum((pq[0] * u + pq[1] * v - w) ** 2 for (u, v), w in zip(x, y, strict=True)))
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0

@@ -1,0 +1,33 @@
+"""What a span of the fitted run would have taken alone, under the machine-share model (cpu.py).
+
+A span's wall time includes the time other work held the interpreter lock or the cores. Its work,
+the amount the simulator schedules, is the integral of the rate the model gave it while it ran:
+two lock-bound jobs of one process ran at 1/2 each. A sweep over the span boundaries computes it
+for every span at once.
+"""
+
+from __future__ import annotations
+
+from flowrl.plan.cpu import shares
+
+Interval = tuple[str, float, float, float]  # (process, lock fraction, start, end)
+
+
+def solo_work(intervals: list[Interval], cores: float) -> list[float]:
+    """The work of each interval (same order) when all of them shared the machine as they overlapped."""
+    edges = sorted({t for *_, s, e in intervals for t in (s, e)})
+    order = sorted(range(len(intervals)), key=lambda i: intervals[i][2])
+    work = [0.0] * len(intervals)
+    active: list[int] = []
+    nxt = 0
+    for left, right in zip(edges, edges[1:], strict=False):
+        while nxt < len(order) and intervals[order[nxt]][2] <= left:
+            active.append(order[nxt])
+            nxt += 1
+        active = [i for i in active if intervals[i][3] > left]
+        if not active:
+            continue
+        rates = shares([(intervals[i][0], intervals[i][1]) for i in active], cores)
+        for i in active:
+            work[i] += (right - left) * rates[intervals[i][0]]
+    return work

@@ -1,0 +1,204 @@
+"""`flowrl plan`: cost models fitted on a real tiny run, the simulator against that run, the
+direction of each change, search and JSON output, and located errors through the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flowrl.cli import main
+from flowrl.plan import plan_run
+from flowrl.plan.cpu import MAIN, Cpu
+from flowrl.plan.fit import iterations, nonneg_fit
+from flowrl.plan.solo import solo_work
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def grpo_run(tmp_path_factory) -> Path:
+    """pipelines/grpo_sync.yaml on the tiny model, 8 steps of 8 groups, through the real CLI."""
+    run_dir = tmp_path_factory.mktemp("plan") / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "flowrl.cli", "run", str(ROOT / "pipelines" / "grpo_sync.yaml"),
+                           "run.steps=8", "data.batch_size=8", "--run-dir", str(run_dir), "--quiet"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def async_run(tmp_path_factory) -> Path:
+    """pipelines/grpo_async.yaml (score -> learner async, max_staleness 2), 8 steps of 8 groups."""
+    run_dir = tmp_path_factory.mktemp("plan") / "async"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "flowrl.cli", "run", str(ROOT / "pipelines" / "grpo_async.yaml"),
+                           "run.steps=8", "data.batch_size=8", "--run-dir", str(run_dir), "--quiet"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir
+
+
+# ---- the pieces ----------------------------------------------------------------------------------
+
+def test_the_slot_model_counts_iterations_and_rows():
+    assert iterations([[3, 1], [2]], slots=8) == (3, 3 + 2 + 1)  # all in at once: 3 rows, then 2, then 1
+    assert iterations([[2, 2], [2, 2]], slots=2) == (4, 8)  # two waves of two rows
+
+
+def test_the_fit_keeps_both_parts_non_negative():
+    x = [(1.0, float(t)) for t in (10, 20, 30)]
+    assert nonneg_fit(x, [2 + 0.5 * t for _, t in x]) == pytest.approx((2.0, 0.5))
+    p, q = nonneg_fit(x, [5 - 0.01 * t for _, t in x])  # a negative slope: the slope is dropped
+    assert q == 0.0 and p == pytest.approx(4.8)
+
+
+def test_lock_bound_jobs_take_turns_and_native_work_runs_beside_them():
+    cpu = Cpu(cores=2)
+    cpu.add(MAIN, 1.0, 1.0, lambda: None)
+    cpu.add(MAIN, 1.0, 1.0, lambda: None)
+    assert cpu.rates() == [0.5, 0.5]  # two interpreter-bound jobs of one process take turns
+    cpu.jobs[1].lock = 0.0
+    assert cpu.rates() == [1.0, 1.0]  # a job in native code runs on the other core
+    cpu.add("trainer", 1.0, 1.0, lambda: None)  # a process of its own: three jobs on two cores
+    assert cpu.rates() == pytest.approx([2 / 3] * 3)
+    # Two spans of one process that overlapped entirely did half the work each.
+    assert solo_work([(MAIN, 1.0, 0.0, 2.0), (MAIN, 1.0, 0.0, 2.0), ("trainer", 1.0, 2.0, 3.0)], 2) == [1.0, 1.0, 1.0]
+
+
+# ---- on a real run ------------------------------------------------------------------------------
+
+def test_the_simulator_reproduces_the_run_it_was_fitted_on(grpo_run):
+    result = plan_run(grpo_run, [])
+    measured, simulated = result["measured"], result["simulated"]
+    assert simulated["step_seconds"] == pytest.approx(measured["step_seconds"], rel=0.2)
+    assert set(simulated["idle"]) == {"rollout", "score", "learner", "publish"}
+    for node, idle in measured["idle"].items():
+        assert abs(simulated["idle"][node] - idle) < 0.15, node
+    assert list(simulated["staleness"]) == [0]  # a sync run trains on-policy
+    assert any("engine iteration" in note for note in result["model"]["notes"])
+
+
+def test_each_change_moves_the_prediction_its_way(grpo_run):
+    simulated = plan_run(grpo_run, [])["simulated"]
+
+    def predicted(*changes: str) -> dict:
+        return plan_run(grpo_run, list(changes))["predicted"]
+
+    assert predicted("data.batch_size=16")["step_seconds"] > 1.6 * simulated["step_seconds"]
+    assert predicted("scale=3")["step_seconds"] > 2.5 * simulated["step_seconds"]
+    stale = predicted("max_staleness=2")
+    assert set(stale["staleness"]) <= {1, 2} and stale["idle"]["learner"] < simulated["idle"]["learner"]
+    bigger = predicted("nodes.rollout.group_size=16")  # twice the rows per group: more engine time
+    assert bigger["step_seconds"] > 1.3 * simulated["step_seconds"]
+
+
+def test_an_async_run_predicts_its_sync_configuration(async_run):
+    result = plan_run(async_run, ["max_staleness=0"])
+    assert set(result["measured"]["staleness"]) <= {0, 1, 2} and set(result["simulated"]["staleness"]) <= {1, 2}
+    assert result["predicted"]["staleness"] == {0: sum(result["predicted"]["staleness"].values())}
+    # Sync: generation and training no longer overlap, so the trainer waits longer for its batch.
+    assert result["predicted"]["idle"]["learner"] > result["simulated"]["idle"]["learner"] + 0.1
+    assert any("interpreter" in note for note in result["model"]["notes"])  # what the lock fit found, said
+    assert 0.0 <= result["model"]["train_lock"] <= 1.0
+
+
+def test_search_lists_fitting_configurations_best_first_as_json(grpo_run, capsys):
+    assert main(["plan", str(grpo_run), "--search", "--max-replicas", "2", "--max-staleness", "2",
+                 "--budget", "1.9", "--format", "json"]) == 0
+    found = json.loads(capsys.readouterr().out)["search"]
+    rows = found["configurations"]
+    assert found["budget"] == {"cpus": 1.9}
+    assert [r["samples_per_s"] for r in rows] == sorted((r["samples_per_s"] for r in rows), reverse=True)
+    assert {(r["replicas"], r["max_staleness"]) for r in rows} == {(1, 0), (1, 1), (1, 2), (2, 0), (2, 1), (2, 2)}
+    assert all(r["cpus"] <= 1.9 for r in rows)
+    assert main(["plan", str(grpo_run), "--search", "--max-replicas", "3", "--max-staleness", "0",
+                 "--budget", "1.9"]) == 0  # a third replica (0.5 CPU more) does not fit
+    out = capsys.readouterr().out
+    assert "2 fit; best first" in out and "measured" in out and "simulated" in out
+
+
+def test_text_output_shows_measured_simulated_and_predicted(grpo_run, capsys):
+    assert main(["plan", str(grpo_run), "max_staleness=1"]) == 0
+    out = capsys.readouterr().out
+    assert "predicted with: max_staleness=1" in out
+    header = next(line for line in out.splitlines() if "measured" in line)
+    assert header.split() == ["measured", "simulated", "predicted"]
+    assert "1:100%" in out.splitlines()[-1]  # one-step-off: every sample one version old
+
+
+@pytest.mark.parametrize("override, words", [
+    ("foo=1", "plan cannot simulate 'foo'; it simulates data.batch_size"),
+    ("nodes.learner.resources.replicas=2", "plan simulates replicas of generate and reward/transform nodes"),
+    ("nodes.nope.group_size=2", "no node 'nope' (nodes: rollout, score, learner, publish)"),
+    ("nodes.score.group_size=2", "'group_size' is a key of generate nodes; 'score' is a reward node"),
+    ("data.batch_size=0", "expected an integer >= 1"),
+    ("nodes.rollout.loss.kind=cispo", "plan cannot simulate 'nodes.rollout.loss.kind'"),
+    ("max_staleness", "expected key=value"),
+])
+def test_an_override_plan_cannot_simulate_is_a_located_error(grpo_run, override, words, capsys):
+    assert main(["plan", str(grpo_run), override]) == 1
+    err = capsys.readouterr().err
+    assert words in err and f"override {override!r}" in err and "Traceback" not in err
+
+
+def test_a_directory_that_is_not_a_run_is_a_located_error(tmp_path, capsys):
+    assert main(["plan", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert f"{tmp_path} is not a run directory" in err and "Traceback" not in err
+    assert main(["plan", str(tmp_path / "missing")]) == 1
+    assert "is not a directory" in capsys.readouterr().err
+
+
+def test_a_run_without_its_trace_says_what_is_missing(grpo_run, tmp_path, capsys):
+    copy = tmp_path / "run"
+    copy.mkdir()
+    for name in ("plan.json", "metrics.jsonl", "meta.json"):
+        (copy / name).write_bytes((grpo_run / name).read_bytes())
+    assert main(["plan", str(copy)]) == 1
+    assert f"{copy / 'trace.json'} is missing" in capsys.readouterr().err
+
+
+def test_a_run_plan_does_not_model_is_refused_saying_why(grpo_run, tmp_path, capsys):
+    import shutil
+
+    copy = tmp_path / "run"
+    shutil.copytree(grpo_run, copy)
+    meta = json.loads((copy / "meta.json").read_text())
+    (copy / "meta.json").write_text(json.dumps({**meta, "executor": "ray"}))
+    assert main(["plan", str(copy)]) == 1
+    assert "the run used the Ray executor; plan models the in-process one" in capsys.readouterr().err
+
+
+def test_groups_with_more_trajectories_than_group_size_wait_on_their_environment(grpo_run):
+    """A multi-turn group (one trajectory per turn) keeps its measured span as its wait: the tail of
+    episode times is what the simulator resamples (the long-tail task)."""
+    from flowrl.plan import records
+    from flowrl.plan.fit import group_pool
+
+    base = records.load(grpo_run)
+    spans = [s for s in base.spans if s.name == "generate" and s.step is not None and s.step >= records.WARMUP]
+    assert all(wait == 0.0 for _, wait in group_pool(base, "rollout", spans, []))  # single-turn: the engine only
+    base.plan.nodes["rollout"].config = {**base.plan.nodes["rollout"].config, "group_size": 4}  # 8 > 4: multi-turn
+    notes: list[str] = []
+    pool = group_pool(base, "rollout", spans, notes)
+    assert sorted(w for _, w in pool) == sorted(s.seconds for s in spans)
+    assert notes and notes[0].startswith("rollout: multi-turn groups: waits p50")
+
+
+def test_the_other_keys_are_read(grpo_run, capsys):
+    result = plan_run(grpo_run, ["run.steps=6"])
+    assert result["predicted"]["staleness"] == {0: 7 * 4 * 8}  # 7 repeats of 6 steps (40+), 4 steady, 8 groups
+    slots = plan_run(grpo_run, ["nodes.rollout.engine.max_batch=8"])  # a quarter of the slots: never faster
+    assert slots["predicted"]["step_seconds"] >= 0.98 * slots["simulated"]["step_seconds"]
+    partial = plan_run(grpo_run, ["max_staleness=1", "nodes.rollout.partial_rollout=true"])["predicted"]
+    assert set(partial["staleness"]) <= {0, 1}  # weights may change mid-group: version at its start
+    assert main(["plan", str(grpo_run), "nodes.rollout.partial_rollout=3"]) == 1
+    assert "expected true or false" in capsys.readouterr().err
+    assert main(["plan", str(grpo_run), "run.steps=3"]) == 1
+    assert "expected an integer >= 4" in capsys.readouterr().err
