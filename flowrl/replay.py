@@ -81,14 +81,9 @@ def apply_overrides(config: dict[str, Any], node: str, overrides: list[str]) -> 
 
 def load_steps(directory: Path, node: str) -> list[rollouts.RolloutStep]:
     """The recorded batches, checked: the store exists, reads back whole, and holds steps 0..n-1."""
+    steps = rollouts.load(directory, node, "the run recorded no rollouts (run.record_rollouts: false, or a run "
+                          "from before the rollout store); nothing to replay")
     file = rollouts.path(directory, node)
-    if not file.exists():
-        raise UserError(f"{file} is missing: the run recorded no rollouts (run.record_rollouts: false, or a run "
-                        "from before the rollout store); nothing to replay")
-    try:
-        steps = list(rollouts.read(file))
-    except rollouts.StoreError as e:
-        raise UserError(str(e)) from None
     for index, step in enumerate(steps):
         if step.step != index:
             raise UserError(f"{file}: record {index} is step {step.step}, expected {index}; the store is damaged")

@@ -20,28 +20,26 @@ from flowrl.plan.solo import solo_work
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def grpo_run(tmp_path_factory) -> Path:
-    """pipelines/grpo_sync.yaml on the tiny model, 8 steps of 8 groups, through the real CLI."""
-    run_dir = tmp_path_factory.mktemp("plan") / "run"
+def tiny_run(parent: Path, pipeline: str) -> Path:
+    """`pipeline` on the tiny model, 8 steps of 8 groups, through the real CLI."""
+    run_dir = parent / Path(pipeline).stem
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "flowrl.cli", "run", str(ROOT / "pipelines" / "grpo_sync.yaml"),
+    proc = subprocess.run([sys.executable, "-m", "flowrl.cli", "run", str(ROOT / "pipelines" / pipeline),
                            "run.steps=8", "data.batch_size=8", "--run-dir", str(run_dir), "--quiet"],
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run_dir
+
+
+@pytest.fixture(scope="module")
+def grpo_run(tmp_path_factory) -> Path:
+    return tiny_run(tmp_path_factory.mktemp("plan"), "grpo_sync.yaml")
 
 
 @pytest.fixture(scope="module")
 def async_run(tmp_path_factory) -> Path:
-    """pipelines/grpo_async.yaml (score -> learner async, max_staleness 2), 8 steps of 8 groups."""
-    run_dir = tmp_path_factory.mktemp("plan") / "async"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "flowrl.cli", "run", str(ROOT / "pipelines" / "grpo_async.yaml"),
-                           "run.steps=8", "data.batch_size=8", "--run-dir", str(run_dir), "--quiet"],
-                          capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return run_dir
+    """score -> learner async, max_staleness 2."""
+    return tiny_run(tmp_path_factory.mktemp("plan"), "grpo_async.yaml")
 
 
 # ---- the pieces ----------------------------------------------------------------------------------

@@ -134,14 +134,8 @@ def _group_rows(directory: Path, node: str) -> tuple[dict[str, list[int]], dict[
     train step, the sample ids of its batch."""
     from flowrl.runtime import rollouts
 
-    file = rollouts.path(directory, node)
-    if not file.exists():
-        raise UserError(f"{file} is missing: plan reads each group's token counts from the rollout store "
-                        "(run.record_rollouts: false turns it off)")
-    try:
-        steps = list(rollouts.read(file))
-    except rollouts.StoreError as e:
-        raise UserError(str(e)) from None
+    steps = rollouts.load(directory, node, "plan reads each group's token counts from the rollout store "
+                          "(run.record_rollouts: false turns it off)")
     out: dict[str, list[int]] = {}
     batches: dict[int, list[str]] = {}
     for step in steps:

@@ -21,6 +21,7 @@ from typing import Any
 import msgspec
 
 from flowrl.data.trajectory import Group
+from flowrl.spec.errors import UserError
 
 FOLDER = "rollouts"
 MAGIC = b"FRR1"
@@ -89,6 +90,18 @@ def read(file: Path) -> Iterator[RolloutStep]:
             raise StoreError(f"{where}: cannot decode: {e}") from None
         at += HEADER.size + size
         index += 1
+
+
+def load(run_dir: Path, node: str, missing: str) -> list[RolloutStep]:
+    """Every record of `node`'s store, for a command that needs them: a missing file is a UserError
+    ending with `missing` (why the caller needs it), a damaged one a UserError naming where."""
+    file = path(run_dir, node)
+    if not file.exists():
+        raise UserError(f"{file} is missing: {missing}")
+    try:
+        return list(read(file))
+    except StoreError as e:
+        raise UserError(str(e)) from None
 
 
 def sample_ids(steps: list[RolloutStep]) -> list[list[str]]:
