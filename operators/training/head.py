@@ -86,19 +86,35 @@ def output_head(model: torch.nn.Module) -> torch.nn.Module:
 @contextlib.contextmanager
 def head_rows(head: torch.nn.Module, rows: torch.Tensor, cols: torch.Tensor) -> Iterator[None]:
     """While open, `head` sees only the hidden states at (rows, cols) of its (B, L, hidden) input:
-    it returns (N, vocab) logits for N = len(rows)."""
+    it returns (N, vocab) logits for N = len(rows).
+
+    A position may be listed more than once (a shared prefix's loss position, read once per row:
+    training/prefix.py), and its gradient is then a sum. `hidden[rows, cols]` would take it with
+    index_put's accumulating backward, which on CPU adds from several threads with atomic float adds,
+    in an order that changes from call to call (PyTorch's `use_deterministic_algorithms` lists it):
+    the same step on the same weights differed in the last bits about once in 100 steps with 2
+    threads, and `flowrl replay` of the quickstart's 800 GRPO steps ended 0.15-0.24 away from the run
+    (docs/runs.md, Replay). `pick_rows` is an embedding lookup, whose backward sums a position's rows
+    in a fixed order (tests/test_replay_determinism.py), at no measurable cost to a train step.
+    """
 
     def keep(_module: torch.nn.Module, args: tuple) -> tuple:
         hidden = args[0]
         if hidden.dim() != 3:  # e.g. a model that already sliced or flattened its positions
             raise RuntimeError(f"the output head got hidden states shaped {tuple(hidden.shape)}, not (B, L, hidden)")
-        return (hidden[rows, cols], *args[1:])
+        return (pick_rows(hidden, rows, cols), *args[1:])
 
     handle = head.register_forward_pre_hook(keep)
     try:
         yield
     finally:
         handle.remove()
+
+
+def pick_rows(hidden: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """`hidden[rows, cols]` ((N, hidden) of a (B, L, hidden) tensor) with a deterministic backward
+    where positions repeat (`head_rows`)."""
+    return torch.nn.functional.embedding(rows * hidden.shape[1] + cols, hidden.flatten(0, 1))
 
 
 def _spread_rows(lengths: list[int], count: int) -> tuple[list[int], list[tuple[int, int]]]:
