@@ -89,13 +89,9 @@ def head_rows(head: torch.nn.Module, rows: torch.Tensor, cols: torch.Tensor) -> 
     it returns (N, vocab) logits for N = len(rows).
 
     A position may be listed more than once (a shared prefix's loss position, read once per row:
-    training/prefix.py), and its gradient is then a sum. `hidden[rows, cols]` would take it with
-    index_put's accumulating backward, which on CPU adds from several threads with atomic float adds,
-    in an order that changes from call to call (PyTorch's `use_deterministic_algorithms` lists it):
-    the same step on the same weights differed in the last bits about once in 100 steps with 2
-    threads, and `flowrl replay` of the quickstart's 800 GRPO steps ended 0.15-0.24 away from the run
-    (docs/runs.md, Replay). `pick_rows` is an embedding lookup, whose backward sums a position's rows
-    in a fixed order (tests/test_replay_determinism.py), at no measurable cost to a train step.
+    training/prefix.py), so its gradient is a sum. `pick_rows` takes it in a fixed order, which
+    `flowrl replay` needs to be bit for bit; `hidden[rows, cols]` summed it with atomic adds from
+    several threads in a varying order (docs/runs.md, Replay).
     """
 
     def keep(_module: torch.nn.Module, args: tuple) -> tuple:
