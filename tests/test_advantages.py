@@ -44,6 +44,34 @@ def test_grpo_outcome_with_std():
     close(returns, [[1, 1], [0, 0], [0.5, 0.5], [2, 2]])
 
 
+def test_grpo_tied_batch_takes_the_batch_baseline_where_a_group_is_tied():
+    """tied: batch. Outcome rewards, groups {0, 0} (tied), {1, 1} (tied), {1, 0}: the tied groups
+    are normalised against all six rewards (mean 0.5, unbiased std sqrt(0.3)), the varied one as
+    GRPO; tied: zero (the default) gives the tied groups 0."""
+    x = outcome_inputs([0.0, 0.0, 1.0, 1.0, 1.0, 0.0], [0, 0, 1, 1, 2, 2])
+    eps, b, g = 1e-6, 0.5 / (math.sqrt(0.3) + 1e-6), 0.5 / (math.sqrt(0.5) + 1e-6)
+    adv, _ = estimate("grpo", x, tied="batch", eps=eps)
+    close(adv, [[-b, -b], [-b, -b], [b, b], [b, b], [g, g], [-g, -g]])
+    default, _ = estimate("grpo", x, eps=eps)
+    close(default, [[0, 0], [0, 0], [0, 0], [0, 0], [g, g], [-g, -g]])
+
+
+def test_grpo_position_tied_batch_uses_the_batch_at_that_position():
+    """baseline: position, tied: batch, token rewards (gamma 0). Index 0: group 0 {0, 0} tied, group
+    1 {1, 0}: group 0 takes the batch's index-0 rewards {0, 0, 1, 0} (mean 1/4, std 1/2) -> -1/2;
+    group 1 as before -> +-1/sqrt(2). Index 1: every group tied at 1 and the batch too (std 0) ->
+    0. A batch index that one row reaches leaves the reward as it is (mean 0, std 1)."""
+    r = torch.tensor([[0.0, 1.0, 0.0], [0.0, 1.0, 0.0], [1.0, 1.0, 0.0], [0.0, 1.0, 1.0]])
+    defined = torch.tensor([[1, 1, 0], [1, 1, 0], [1, 1, 0], [1, 1, 1]]).float()
+    x = AdvantageInputs(r, defined, torch.ones_like(r), torch.tensor([0, 0, 1, 1]))
+    eps, g = 1e-6, 0.5 / (math.sqrt(0.5) + 1e-6)
+    a, _ = estimate("grpo", x, baseline="position", tied="batch", gamma=0.0, eps=eps)
+    q = 0.25 / (0.5 + eps)
+    close(a, [[-q, 0, 0], [-q, 0, 0], [g, 0, 0], [-g, 0, 1]])
+    zero, _ = estimate("grpo", x, baseline="position", gamma=0.0, eps=eps)
+    close(zero, [[0, 0, 0], [0, 0, 0], [g, 0, 0], [-g, 0, 1]])
+
+
 def test_grpo_without_std_and_dr_grpo():
     """std_normalize false and dr_grpo: A_i = R_i - mean_g R. Group {3, 1}: mean 2 -> {1, -1}."""
     x = outcome_inputs([3.0, 1.0], [0, 0])

@@ -46,6 +46,12 @@ class GRPO(AdvantageConfig):
     # group, the rare right token at a position every other sample gets wrong scores no higher than
     # any right token elsewhere (docs/benchmarks.md, the quickstart).
     baseline: Literal["group", "position"] = "group"
+    # tied: what a reward tied across its group gets (the same at that position in every row, or
+    # one value for the whole group: no signal inside it). zero: advantage 0, as GRPO. batch: it is
+    # normalised against the batch's rewards at that position (or all of them) instead, the baseline
+    # REINFORCE++ gives every reward, so an answer every sample of a group repeats is still pushed
+    # up or down by how it compares with the rest of the batch (docs/benchmarks.md, the quickstart).
+    tied: Literal["zero", "batch"] = "zero"
 
 
 class DrGRPO(AdvantageConfig):
@@ -134,9 +140,11 @@ def reward_to_go(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> tor
 
 
 def _group_normalised(x: AdvantageInputs, mode: Literal["std", "mean", "loo"], eps: float,
-                      unbiased: bool = True) -> torch.Tensor:
-    """Each defined reward normalised against the defined rewards of its group."""
+                      unbiased: bool = True, tied: str = "zero") -> torch.Tensor:
+    """Each defined reward normalised against the defined rewards of its group (`tied: batch`: a
+    group whose defined rewards are all equal against the batch's instead)."""
     out = torch.zeros_like(x.rewards)
+    every = x.rewards[x.reward_mask > 0]
     for g in x.group_index.unique():
         rows = (x.group_index == g).nonzero().squeeze(1)
         defined = x.reward_mask[rows] > 0
@@ -153,6 +161,8 @@ def _group_normalised(x: AdvantageInputs, mode: Literal["std", "mean", "loo"], e
             continue
         if values.numel() > 1:
             mean, std = values.mean(), values.std(unbiased=unbiased)
+            if tied == "batch" and std == 0 and every.numel() > 1:
+                mean, std = every.mean(), every.std(unbiased=unbiased)
         else:
             mean, std = torch.tensor(0.0), torch.tensor(1.0)
         normalised = (r - mean) / (std + eps) if mode == "std" else r - mean
@@ -168,23 +178,42 @@ def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float) -> torch.Tensor:
     return (x - values.mean()) / torch.sqrt(values.var() + eps) * mask
 
 
-def _position_normalised(x: AdvantageInputs, std: bool, eps: float, unbiased: bool) -> torch.Tensor:
+def _by_index(k: torch.Tensor, values: torch.Tensor, unbiased: bool) -> tuple[torch.Tensor, ...]:
+    """Count, mean and std of `values` per index `k` (std 0 where an index has one value)."""
+    count = torch.zeros(int(k.max()) + 1 if k.numel() else 0, dtype=values.dtype)
+    count.index_add_(0, k, torch.ones_like(values))
+    mean = torch.zeros_like(count).index_add_(0, k, values) / count.clamp(min=1)
+    squares = torch.zeros_like(count).index_add_(0, k, (values - mean[k]) ** 2)
+    return count, mean, (squares / (count - 1 if unbiased else count).clamp(min=1)).sqrt()
+
+
+def _defined_index(defined: torch.Tensor) -> torch.Tensor:
+    """The index k of each defined reward within its row (the k-th defined reward of the row)."""
+    return (defined.long().cumsum(dim=1) - 1).clamp(min=0)[defined]
+
+
+def _position_normalised(x: AdvantageInputs, std: bool, eps: float, unbiased: bool,
+                         tied: str = "zero") -> torch.Tensor:
     """Each defined reward normalised against its group's defined rewards of the same index k (the
-    k-th defined reward of each row); an index only one row reaches uses mean 0 and std 1."""
+    k-th defined reward of each row); an index only one row reaches uses mean 0 and std 1. With
+    `tied: batch` an index whose group rewards are all equal uses the batch's rewards at k."""
     out = torch.zeros_like(x.rewards)
+    all_defined = x.reward_mask > 0
+    batch = _by_index(_defined_index(all_defined), x.rewards[all_defined], unbiased)
     for g in x.group_index.unique():
         rows = (x.group_index == g).nonzero().squeeze(1)
         defined = x.reward_mask[rows] > 0
-        r = x.rewards[rows]
-        k = (defined.long().cumsum(dim=1) - 1).clamp(min=0)[defined]
-        values = r[defined]
-        count = torch.zeros(int(k.max()) + 1 if k.numel() else 0, dtype=r.dtype).index_add_(0, k, torch.ones_like(values))
-        mean = torch.zeros_like(count).index_add_(0, k, values) / count
-        squares = torch.zeros_like(count).index_add_(0, k, (values - mean[k]) ** 2)
-        spread = (squares / (count - 1 if unbiased else count).clamp(min=1)).sqrt()
+        values = x.rewards[rows][defined]
+        k = _defined_index(defined)
+        count, mean, spread = _by_index(k, values, unbiased)
         many = count[k] > 1
-        centred = torch.where(many, values - mean[k], values)
-        normalised = torch.where(many, centred / (spread[k] + eps), centred) if std else centred
+        if tied == "batch":  # no signal inside the group at k: take the batch's mean and spread there
+            use_batch = many & (spread[k] == 0) & (batch[0][k] > 1)
+            mean, spread = torch.where(use_batch, batch[1][k], mean[k]), torch.where(use_batch, batch[2][k], spread[k])
+        else:
+            mean, spread = mean[k], spread[k]
+        centred = torch.where(many, values - mean, values)
+        normalised = torch.where(many, centred / (spread + eps), centred) if std else centred
         out[rows] = out[rows].masked_scatter(defined, normalised)
     return out
 
@@ -192,9 +221,9 @@ def _position_normalised(x: AdvantageInputs, std: bool, eps: float, unbiased: bo
 def grpo(x: AdvantageInputs, config: GRPO) -> tuple[torch.Tensor, torch.Tensor]:
     mode = "std" if config.std_normalize else "mean"
     if config.baseline == "position":
-        normalised = _position_normalised(x, config.std_normalize, config.eps, config.unbiased_std)
+        normalised = _position_normalised(x, config.std_normalize, config.eps, config.unbiased_std, config.tied)
     else:
-        normalised = _group_normalised(x, mode, config.eps, config.unbiased_std)
+        normalised = _group_normalised(x, mode, config.eps, config.unbiased_std, config.tied)
     advantages = reward_to_go(normalised, x.mask, config.gamma)
     return advantages, reward_to_go(x.rewards, x.mask, config.gamma)
 
