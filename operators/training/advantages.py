@@ -29,6 +29,7 @@ from flowrl_operators.training.batch import Batch
 from flowrl_operators.training.registry import ADVANTAGES, Algorithm
 
 Whiten = Annotated[float, Meta(ge=0)]
+Tied = Literal["zero", "batch"]
 
 
 class GRPO(AdvantageConfig):
@@ -51,7 +52,7 @@ class GRPO(AdvantageConfig):
     # normalised against the batch's rewards at that position (or all of them) instead, the baseline
     # REINFORCE++ gives every reward, so an answer every sample of a group repeats is still pushed
     # up or down by how it compares with the rest of the batch (docs/benchmarks.md, the quickstart).
-    tied: Literal["zero", "batch"] = "zero"
+    tied: Tied = "zero"
 
 
 class DrGRPO(AdvantageConfig):
@@ -140,11 +141,11 @@ def reward_to_go(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> tor
 
 
 def _group_normalised(x: AdvantageInputs, mode: Literal["std", "mean", "loo"], eps: float,
-                      unbiased: bool = True, tied: str = "zero") -> torch.Tensor:
+                      unbiased: bool = True, tied: Tied = "zero") -> torch.Tensor:
     """Each defined reward normalised against the defined rewards of its group (`tied: batch`: a
     group whose defined rewards are all equal against the batch's instead)."""
     out = torch.zeros_like(x.rewards)
-    every = x.rewards[x.reward_mask > 0]
+    every = x.rewards[x.reward_mask > 0] if tied == "batch" else None
     for g in x.group_index.unique():
         rows = (x.group_index == g).nonzero().squeeze(1)
         defined = x.reward_mask[rows] > 0
@@ -161,7 +162,7 @@ def _group_normalised(x: AdvantageInputs, mode: Literal["std", "mean", "loo"], e
             continue
         if values.numel() > 1:
             mean, std = values.mean(), values.std(unbiased=unbiased)
-            if tied == "batch" and std == 0 and every.numel() > 1:
+            if every is not None and std == 0 and every.numel() > 1:
                 mean, std = every.mean(), every.std(unbiased=unbiased)
         else:
             mean, std = torch.tensor(0.0), torch.tensor(1.0)
@@ -193,13 +194,14 @@ def _defined_index(defined: torch.Tensor) -> torch.Tensor:
 
 
 def _position_normalised(x: AdvantageInputs, std: bool, eps: float, unbiased: bool,
-                         tied: str = "zero") -> torch.Tensor:
+                         tied: Tied = "zero") -> torch.Tensor:
     """Each defined reward normalised against its group's defined rewards of the same index k (the
     k-th defined reward of each row); an index only one row reaches uses mean 0 and std 1. With
     `tied: batch` an index whose group rewards are all equal uses the batch's rewards at k."""
     out = torch.zeros_like(x.rewards)
-    all_defined = x.reward_mask > 0
-    batch = _by_index(_defined_index(all_defined), x.rewards[all_defined], unbiased)
+    if tied == "batch":  # the batch's count, mean and std per index, for the tied ones
+        all_defined = x.reward_mask > 0
+        batch = _by_index(_defined_index(all_defined), x.rewards[all_defined], unbiased)
     for g in x.group_index.unique():
         rows = (x.group_index == g).nonzero().squeeze(1)
         defined = x.reward_mask[rows] > 0
