@@ -260,3 +260,38 @@ def test_a_dead_generate_replica_hands_its_samples_back_and_takes_no_share_until
     assert issue(coord, replica=1).id == "0:1"  # not held back for the dead one
     now(coord.attach("rollout", 0, 0))  # back: it takes the next share
     assert issue(coord, replica=1) is None and issue(coord, replica=0).id == "0:2"
+
+
+def test_a_stage_that_ends_is_an_error_only_while_the_run_goes_on():
+    """An executor hears of a stage's end and of the coordinator's stop by two roads (under Ray, two
+    replies that may arrive in either order): once stopping, a stage's end keeps the stop's reason."""
+    coord = Coordinator(ops.grpo("sync", steps=2, batch_size=1), None, 2)
+    coord.stop("done")
+    coord.stage_ended("rollout", 0, None)
+    assert (coord.stopping, coord.error) == ("done", None)
+    going = Coordinator(ops.grpo("sync", steps=2, batch_size=1), None, 2)
+    going.stage_ended("score", 1, "boom")
+    assert going.stopping == "error" and going.error == "node 'score' (replica 1) stopped while the run went on: boom"
+    quiet = Coordinator(ops.grpo("sync", steps=2, batch_size=1), None, 2)
+    quiet.stage_ended("rollout", 0, None)
+    assert quiet.stopping == "error" and "(its loop returned)" in quiet.error
+
+
+@pytest.mark.parametrize(("ends", "said"), [(None, None), ("a message", "a message"), (KeyError(), "KeyError"),
+                                            (ValueError("bad"), "bad")])
+def test_task_error_names_what_a_stage_task_ended_with(ends, said):
+    import asyncio
+
+    from flowrl.runtime.coordinator import task_error
+
+    async def stage():
+        if isinstance(ends, BaseException):
+            raise ends
+        return ends
+
+    async def finished():
+        task = asyncio.get_running_loop().create_task(stage())
+        await asyncio.wait([task])
+        return task_error(task)
+
+    assert asyncio.run(finished()) == said

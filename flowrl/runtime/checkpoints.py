@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from flowrl.runtime import faults
+from flowrl.runtime.executor import Executor
 
 MARGIN_BYTES = 64 * 2**20  # room for the record streams between checkpoints
 DEFAULT_KEEP = 2
@@ -56,7 +57,7 @@ class Pacing:
         self.last = time.time() if now is None else now
 
 
-async def write(ex: Any, run_dir: Path, version: int, keep: int,
+async def write(ex: Executor, run_dir: Path, version: int, keep: int,
                 saved: Callable[[], Awaitable[Any]] | None = None) -> Path:
     """Write checkpoints/step-<version>/ atomically, point `latest` at it, keep the newest `keep`.
     `saved` is awaited once every stage's state is on disk, before the manifest is hashed: the
@@ -183,7 +184,7 @@ def _rotate(root: Path, keep: int, version: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-async def keep_writing(ex: Any, run_dir: Path, keep: int, flush_s: float, stopped: asyncio.Event) -> None:
+async def keep_writing(ex: Executor, run_dir: Path, keep: int, flush_s: float, stopped: asyncio.Event) -> None:
     """The driver's side of a running run: write periodic checkpoints when due, and flush the
     record streams every `flush_s` seconds (and once at once: the trace's names, the first samples
     issued), until `stopped` is set. Each train step also flushes them (Coordinator.trained)."""

@@ -52,6 +52,15 @@ from flowrl.runtime.untrained import DEFAULT_MAX_EMPTY, Untrained
 from flowrl.runtime.waits import Waits
 
 
+def task_error(task: asyncio.Task) -> str | None:
+    """What a finished stage task (an executor's run of one stage) ended with: the message it
+    returned or the exception it raised; None for a clean return."""
+    error = task.exception() or task.result()
+    if isinstance(error, BaseException):
+        return str(error) or type(error).__name__
+    return str(error) if error else None
+
+
 class Coordinator:
     def __init__(self, plan: Plan, run_dir: str | None, steps: int, stop_at: int | None = None,
                  origin: float | None = None, state: bytes | None = None) -> None:
@@ -172,6 +181,14 @@ class Coordinator:
 
     async def fail(self, node: str, replica: int, message: str) -> None:
         await self.abort(f"node '{node}' (replica {replica}) failed:\n{message}")
+
+    def stage_ended(self, node: str, replica: int, error: str | None) -> None:
+        """A stage's loop returned or raised (`error`: its message, if any). Once the run is stopping
+        that is how a stage ends; while it goes on, it is an error that names the stage."""
+        if self.stopping is None:
+            said = f": {error}" if error else " (its loop returned)"
+            self.error = self.error or f"node '{node}' (replica {replica}) stopped while the run went on{said}"
+            self.stop("error")
 
     async def abort(self, message: str) -> None:
         """Stop the run on an error that is no stage's (e.g. a checkpoint could not be written)."""

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from flowrl.graph.plan import Plan
-from flowrl.runtime.coordinator import Coordinator
+from flowrl.runtime.coordinator import Coordinator, task_error
 from flowrl.runtime.stage import Stage
 
 
@@ -24,6 +24,7 @@ class InProcessExecutor:
         self.coord: Coordinator | None = None
         self.stages: list[Stage] = []
         self.tasks: dict[asyncio.Task, Stage] = {}
+        self.lost_train: tuple[str, int] | None = None  # never set: a lost trainer here fails the run
 
     async def start(self, steps: int, stop_at: int | None, state: bytes | None, checkpoint: Path | None) -> None:
         self.coord = Coordinator(self.plan, str(self.run_dir) if self.run_dir else None, steps, stop_at,
@@ -49,10 +50,11 @@ class InProcessExecutor:
     async def wait(self) -> str:
         """Until the coordinator stops (done, interrupt, error) or a stage ends on its own."""
         stopping = asyncio.get_running_loop().create_task(self.coord.wait_stopping())
-        await asyncio.wait([stopping, *self.tasks], return_when=asyncio.FIRST_COMPLETED)
-        if not stopping.done():
+        done, _ = await asyncio.wait([stopping, *self.tasks], return_when=asyncio.FIRST_COMPLETED)
+        if not stopping.done():  # a stage ended first: an error unless the run is already stopping
             stopping.cancel()
-            self.coord.stop("error")
+            for task in done:
+                self.coord.stage_ended(self.tasks[task].node.name, self.tasks[task].replica, task_error(task))
         return self.coord.stopping
 
     async def join(self, timeout: float) -> list[tuple[str, str]]:
@@ -63,9 +65,9 @@ class InProcessExecutor:
         await asyncio.gather(*pending, return_exceptions=True)
         failures = []
         for task in done:
-            error = task.exception() or task.result()
+            error = task_error(task)
             if error:
-                failures.append((self.tasks[task].node.name, str(error)))
+                failures.append((self.tasks[task].node.name, error))
         return failures
 
     async def save(self, directory: Path) -> None:

@@ -14,13 +14,14 @@ from rich.text import Text
 
 from flowrl.graph.plan import Plan
 from flowrl.health import active
+from flowrl.runtime.executor import Executor
 from flowrl.runtime.waits import warning
 
 REFRESH_S = 0.5
 
 
 class ProgressView:
-    def __init__(self, plan: Plan, executor: Any) -> None:
+    def __init__(self, plan: Plan, executor: Executor) -> None:
         self.plan = plan
         self.executor = executor
         self.live = Live(self.render(None), refresh_per_second=4, transient=False)

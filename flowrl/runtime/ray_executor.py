@@ -35,7 +35,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 from flowrl.blame import UserCodeFailed
 from flowrl.graph.plan import Plan
 from flowrl.runtime import ray_placement as placement
-from flowrl.runtime.coordinator import Coordinator
+from flowrl.runtime.coordinator import Coordinator, task_error
 from flowrl.runtime.ray_local import init_ray
 from flowrl.runtime.ray_stage import StageActor
 from flowrl.runtime.run import StageFailed
@@ -147,10 +147,11 @@ class RayExecutor:
 
     async def wait(self) -> str:
         stopping = asyncio.get_running_loop().create_task(self.call("wait_stopping"))
-        await asyncio.wait([stopping, *self.tasks], return_when=asyncio.FIRST_COMPLETED)
-        if not stopping.done():
+        done, _ = await asyncio.wait([stopping, *self.tasks], return_when=asyncio.FIRST_COMPLETED)
+        if not stopping.done():  # an actor's run ended first: its reply may have overtaken the coordinator's
             stopping.cancel()
-            await self.call("stop", "error")
+            for task in done:
+                await self.call("stage_ended", *self.tasks[task], task_error(task))
         return (await self.call("status"))["stopping"]
 
     async def join(self, timeout: float) -> list[tuple[str, str]]:
@@ -161,9 +162,9 @@ class RayExecutor:
         await asyncio.gather(*pending, return_exceptions=True)
         failures = []
         for task in done:
-            error = task.exception() or task.result()
+            error = task_error(task)
             if error:
-                failures.append((self.tasks[task][0], str(error)))
+                failures.append((self.tasks[task][0], error))
         return failures
 
     async def save(self, directory: Path) -> None:

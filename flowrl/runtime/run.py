@@ -16,6 +16,7 @@ import msgspec
 from flowrl.blame import UserCodeFailed
 from flowrl.graph.plan import Plan
 from flowrl.runtime import checkpoints, streams
+from flowrl.runtime.executor import Executor
 
 # How long stages may take to return once stopped: a train step in progress is allowed to finish.
 JOIN_TIMEOUT_S = {"done": 10.0, "error": 5.0, "interrupt": 600.0, "time": 600.0, "target": 600.0}
@@ -115,7 +116,7 @@ async def _run(plan: Plan, run_dir: Path | None, executor: str | None, resume: b
             raise StageFailed(str(e)) from e
         reason = await _supervise(ex, plan, run_dir, progress)
         failures = await ex.join(JOIN_TIMEOUT_S[reason])
-        if reason == "error" and getattr(ex, "lost_train", None) and run_dir is not None:
+        if reason == "error" and ex.lost_train and run_dir is not None:
             await ex.call("close")  # no `end` in the ledger: the run goes on from its checkpoint
             node, replica = ex.lost_train
             raise TrainerLost(f"node '{node}' (replica {replica}): its train actor's process died")
@@ -174,7 +175,7 @@ def _keep(plan: Plan) -> int:
     return int(plan.run.get("keep_checkpoints") or checkpoints.DEFAULT_KEEP)
 
 
-def _executor(name: str, plan: Plan, run_dir: Path | None, origin: float) -> Any:
+def _executor(name: str, plan: Plan, run_dir: Path | None, origin: float) -> Executor:
     if name == "inprocess":
         from flowrl.runtime.inprocess import InProcessExecutor
 
@@ -186,7 +187,7 @@ def _executor(name: str, plan: Plan, run_dir: Path | None, origin: float) -> Any
     raise ValueError(f"unknown executor '{name}'; use inprocess or ray")
 
 
-async def _supervise(ex: Any, plan: Plan, run_dir: Path | None, progress: bool) -> str:
+async def _supervise(ex: Executor, plan: Plan, run_dir: Path | None, progress: bool) -> str:
     """Wait for the run to stop, writing periodic checkpoints and streaming records meanwhile.
     SIGINT and SIGTERM stop it resumably; run.max_seconds ends it (a finished run, as a phase
     bounded by seconds needs), and so does run.stop_when (the coordinator's "target"); the caller
