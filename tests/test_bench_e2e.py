@@ -66,3 +66,12 @@ def test_budget_overrides_follow_the_command_line():
     args.grpo_steps = 30
     loaded = load(ROOT / b.PIPELINES["sync"], b.budget_overrides(args))
     assert (loaded.spec.phases[1].steps, loaded.spec.phases[1].seconds) == (30, None)
+
+
+def test_mean_eval_ratio_is_async_over_sync_averaged_over_seeds():
+    """The digit-task figure of issue #32: the mean of each run's mean eval over seeds, async over
+    sync; a run that recorded no eval counts 0; no ratio without both contenders."""
+    b = bench()
+    runs = {"sync": [{"mean_eval": 0.8}, {"mean_eval": 0.6}], "async": [{"mean_eval": 0.63}, {"mean_eval": None}]}
+    assert b.mean_eval_summary(runs) == {"sync_mean_eval": 0.7, "async_mean_eval": 0.315, "mean_eval_ratio": 0.45}
+    assert "mean_eval_ratio" not in b.mean_eval_summary({"sync": runs["sync"]})

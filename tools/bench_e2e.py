@@ -23,7 +23,8 @@ differ in length and, async, in which samples they train on, so this compares th
 one). `--grpo-steps N` (with `--warmups`) runs each GRPO phase for N steps instead of seconds, run
 out in full: the per-step view, `mean_eval` (the mean of a run's greedy evals, every `--eval-every`
 steps: the area under its learning curve) compares variants with less noise than the first step at
-the target. The last line is one JSON object: sync_s_to_target, async_s_to_target (medians; null
+the target. The last line is one JSON object: `<name>_mean_eval` (over seeds) and, with both sync
+and async, `mean_eval_ratio` (async's over sync's), sync_s_to_target, async_s_to_target (medians; null
 where the median run missed), async_over_sync (their ratio), async_wins (seeds where async
 reached the target first), hand_s_to_target, sync_over_hand, and per contender the per-seed figures
 (`<name>_<figure>_by_seed`).
@@ -117,6 +118,16 @@ def budget_overrides(args: argparse.Namespace) -> list[str]:
     if args.grpo_steps:
         return ["phases.1.seconds=null", f"phases.1.steps={args.grpo_steps}"]
     return ["phases.1.steps=null", f"phases.1.seconds={args.grpo_seconds}"] if args.grpo_seconds else []
+
+
+def mean_eval_summary(results: dict[str, list[dict]]) -> dict[str, float]:
+    """`<name>_mean_eval` (a run's mean greedy eval, averaged over seeds; a run without evals
+    counts 0) per contender, and `mean_eval_ratio`, async's over sync's, where both ran."""
+    out = {f"{n}_mean_eval": round(statistics.mean(r["mean_eval"] or 0.0 for r in rs), 4)
+           for n, rs in results.items() if rs}
+    if out.get("sync_mean_eval") and "async_mean_eval" in out:
+        out["mean_eval_ratio"] = round(out["async_mean_eval"] / out["sync_mean_eval"], 3)
+    return out
 
 
 def run_flowrl(pipeline: str, run_dir: Path, seed: int, args: argparse.Namespace, extra: list[str]) -> dict:
@@ -241,9 +252,10 @@ def report(results: dict[str, list[dict]], names: list[str], args: argparse.Name
     print(f"median over seeds {args.seeds}: " + ", ".join(f"{n} {medians[n]} s" for n in names)
           + f"; async / sync {ratio('async', 'sync')} (async first on {wins} of {len(args.seeds)} seeds), "
           f"sync / hand {ratio('sync', 'hand')}")
-    mean_evals = {f"{n}_mean_eval": round(statistics.mean(r["mean_eval"] or 0.0 for r in rs), 4)
-                  for n, rs in results.items() if rs}
-    print("mean eval over seeds (learning-curve area): " + ", ".join(f"{k[:-10]} {v}" for k, v in mean_evals.items()))
+    mean_evals = mean_eval_summary(results)
+    print("mean eval over seeds (learning-curve area): " + ", ".join(
+        f"{k[:-10]} {v}" for k, v in mean_evals.items() if k.endswith("_mean_eval"))
+        + (f"; async / sync {mean_evals['mean_eval_ratio']}" if "mean_eval_ratio" in mean_evals else ""))
     reach = {n: reached(rs, args.seeds) for n, rs in results.items() if rs}
     for n, r in reach.items():
         print(f"{n}: reached {args.target} on {r[n + '_reached']} of {len(args.seeds)} seeds; steps to it median "
