@@ -4,6 +4,7 @@ No run(), no stages, no sleeps: each test builds a Coordinator and calls what a 
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import pytest
@@ -13,6 +14,7 @@ from hypothesis import strategies as st
 
 from flowrl.runtime import snapshot
 from flowrl.runtime.coordinator import Coordinator
+from flowrl.runtime.executor import task_error
 
 
 def now(coro):
@@ -280,10 +282,6 @@ def test_a_stage_that_ends_is_an_error_only_while_the_run_goes_on():
 @pytest.mark.parametrize(("ends", "said"), [(None, None), ("a message", "a message"), (KeyError(), "KeyError"),
                                             (ValueError("bad"), "bad")])
 def test_task_error_names_what_a_stage_task_ended_with(ends, said):
-    import asyncio
-
-    from flowrl.runtime.coordinator import task_error
-
     async def stage():
         if isinstance(ends, BaseException):
             raise ends

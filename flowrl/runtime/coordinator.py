@@ -52,15 +52,6 @@ from flowrl.runtime.untrained import DEFAULT_MAX_EMPTY, Untrained
 from flowrl.runtime.waits import Waits
 
 
-def task_error(task: asyncio.Task) -> str | None:
-    """What a finished stage task (an executor's run of one stage) ended with: the message it
-    returned or the exception it raised; None for a clean return."""
-    error = task.exception() or task.result()
-    if isinstance(error, BaseException):
-        return str(error) or type(error).__name__
-    return str(error) if error else None
-
-
 class Coordinator:
     def __init__(self, plan: Plan, run_dir: str | None, steps: int, stop_at: int | None = None,
                  origin: float | None = None, state: bytes | None = None) -> None:

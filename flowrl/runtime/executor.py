@@ -3,8 +3,18 @@ stages as tasks of this process) and RayExecutor (ray_executor.py, stages as Ray
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
+
+
+def task_error(task: asyncio.Task) -> str | None:
+    """What a finished stage task (an executor's run of one stage) ended with: the message it
+    returned or the exception it raised; None for a clean return."""
+    error = task.exception() or task.result()
+    if isinstance(error, BaseException):
+        return str(error) or type(error).__name__
+    return str(error) if error else None
 
 
 @runtime_checkable

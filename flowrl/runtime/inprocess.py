@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from flowrl.graph.plan import Plan
-from flowrl.runtime.coordinator import Coordinator, task_error
+from flowrl.runtime.coordinator import Coordinator
+from flowrl.runtime.executor import task_error
 from flowrl.runtime.stage import Stage
 
 

@@ -199,7 +199,8 @@ def _position_normalised(x: AdvantageInputs, std: bool, eps: float, unbiased: bo
     k-th defined reward of each row); an index only one row reaches uses mean 0 and std 1. With
     `tied: batch` an index whose group rewards are all equal uses the batch's rewards at k."""
     out = torch.zeros_like(x.rewards)
-    if tied == "batch":  # the batch's count, mean and std per index, for the tied ones
+    batch = None  # with tied: batch, the batch's count, mean and std per index, for the tied ones
+    if tied == "batch":
         all_defined = x.reward_mask > 0
         batch = _by_index(_defined_index(all_defined), x.rewards[all_defined], unbiased)
     for g in x.group_index.unique():
@@ -209,7 +210,7 @@ def _position_normalised(x: AdvantageInputs, std: bool, eps: float, unbiased: bo
         k = _defined_index(defined)
         count, mean, spread = _by_index(k, values, unbiased)
         many = count[k] > 1
-        if tied == "batch":  # no signal inside the group at k: take the batch's mean and spread there
+        if batch is not None:  # no signal inside the group at k: take the batch's mean and spread there
             use_batch = many & (spread[k] == 0) & (batch[0][k] > 1)
             mean, spread = torch.where(use_batch, batch[1][k], mean[k]), torch.where(use_batch, batch[2][k], spread[k])
         else:
