@@ -176,6 +176,31 @@ def test_decoupled_ppo_one_update_is_the_importance_weighted_policy_gradient():
     assert max(ws) > 2.0 and min(ws) < 1.0
 
 
+
+def test_decoupled_ppo_clips_a_later_pass_against_the_steps_start_not_the_stale_behaviour():
+    """A later pass over a stale batch (epochs > 1): the policy has moved from the step's start
+    (prox = logp - 0.1, r = e^0.1 inside the clip), the behaviour policy is further back. Plain PPO
+    takes the ratio against the behaviour policy, so a token already past 1 + 0.28 in its
+    advantage's direction gives no gradient however far the current policy is from it; decoupled
+    PPO gives every token -w A r / N, w = min(exp(prox - behav), 2) (why longtail_async.yaml uses it
+    over three passes)."""
+    prox = [[v - 0.1 for v in row] for row in LOGP]
+    plain_loss, _, plain = run(L(clip_high=0.28), make_batch(old=BEHAV), grad=True)
+    plain_loss.backward()
+    config = L(clip_high=0.28, decoupled=True, correction={"kind": "tis", "threshold": 2.0})
+    dec_loss, _, dec = run(config, make_batch(old=BEHAV, proximal=prox), grad=True)
+    dec_loss.backward()
+    r = math.exp(0.1)
+    blocked = 0
+    for i, t in TOKENS:
+        w = min(math.exp(prox[i][t] - BEHAV[i][t]), 2.0)
+        assert dec.grad[i][t].item() == pytest.approx(-w * ADV[i][t] * r / len(TOKENS), abs=1e-6)
+        if plain.grad[i][t].item() == 0.0:
+            blocked += 1
+            assert math.exp(LOGP[i][t] - BEHAV[i][t]) > 1.28 and ADV[i][t] > 0
+    assert blocked >= 1  # token (0, 0): behaviour ratio e^0.5 with A = 1
+
+
 @pytest.mark.parametrize("kind,level", [("tis", "token"), ("mis", "token"), ("tis", "sequence"), ("mis", "sequence")])
 def test_tis_and_mis(kind, level):
     """w = exp(prox - behav) per token, or exp(sum_t m (prox - behav)) per sequence;
