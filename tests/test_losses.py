@@ -176,7 +176,6 @@ def test_decoupled_ppo_one_update_is_the_importance_weighted_policy_gradient():
     assert max(ws) > 2.0 and min(ws) < 1.0
 
 
-
 def test_decoupled_ppo_clips_a_later_pass_against_the_steps_start_not_the_stale_behaviour():
     """A later pass over a stale batch (epochs > 1): the policy has moved from the step's start
     (prox = logp - 0.1, r = e^0.1 inside the clip), the behaviour policy is further back. Plain PPO
