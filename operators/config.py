@@ -109,6 +109,9 @@ class RewardConfig(Strict):
     max_errors: PositiveInt = 100  # the run fails after this many errors in total
     batched: bool = False  # fn takes the whole list of trajectories
     concurrency: PositiveInt = 16
+    # random: the control arm, trained on rewards drawn from the run's own scores, independent of the
+    # answer (flowrl_operators/reward_control.py); the true score is kept and reported beside it.
+    control: Literal["random"] | None = None
 
 
 class GACConfig(Strict):
@@ -143,6 +146,19 @@ class OptimConfig(Strict):
 # `flowrl algorithms` lists every entry with its keys.
 
 
+class EntropyControl(Strict):
+    """The entropy bonus's coefficient follows the policy's entropy instead of staying fixed: on each
+    micro-batch, with H its mean entropy over the loss tokens (no gradient), the coefficient is
+    entropy_coef + (max_coef - entropy_coef) * clamp((target - H) / target, 0, 1). A policy at or above
+    the target keeps the fixed bonus; one that collapses gets up to max_coef, before its distributions
+    saturate (where an entropy gradient vanishes). A proportional form of the adaptive entropy control
+    of Skywork-OR1 (arXiv 2505.22312), which steps the coefficient towards a target entropy; this one
+    keeps no state, so a resumed or replayed run computes the same coefficients."""
+
+    target: Annotated[float, Meta(gt=0)]  # nats per token
+    max_coef: Annotated[float, Meta(ge=0)]
+
+
 class LossConfig(Strict):
     """A policy loss (`kind`), and how its per-token values become the step's loss."""
 
@@ -160,6 +176,8 @@ class LossConfig(Strict):
     # KL to the reference: {coef, apply_as, estimator: NAME (flowrl.kl), ...the estimator's keys}.
     kl: dict[str, Any] = {}
     entropy_coef: float = 0.0  # loss -= entropy_coef * aggregate(entropy)
+    # Adaptive entropy control: the bonus's coefficient rises with how far entropy fell below a target.
+    entropy_control: EntropyControl | None = None
 
     # A supervised loss (sft) reads no advantages and applies no behaviour weight.
     supervised: ClassVar[bool] = False

@@ -40,6 +40,7 @@ from flowrl.data.trajectory import INVALID, Group, Trajectory
 from flowrl.operator import TRAJECTORIES, Knobs, Operator, OperatorContext, Resources
 from flowrl.registry import OperatorError, import_path
 from flowrl_operators.config import RewardConfig
+from flowrl_operators.reward_control import ControlMisused, RandomReward
 from flowrl_operators.reward_values import InvalidReward, apply_score
 from flowrl_operators.threads import DaemonExecutor
 from flowrl_operators.workflows.base import is_async_callable
@@ -118,18 +119,19 @@ class Reward(Operator):
     async def setup(self) -> None:
         self.fn = load_reward(self.config.fn)
         self.is_async = is_async_callable(self.fn)
-        self.setup_counters()
+        self.setup_counters(self.config.control)
 
-    def setup_counters(self) -> None:
+    def setup_counters(self, control: str | None = None) -> None:
         # Own daemon threads: an abandoned (hung) sync call must neither starve asyncio's default
         # executor nor keep the process alive at exit (flowrl_operators.threads).
         self.pool = DaemonExecutor(self.config.concurrency, "flowrl-reward")
         self.progress = [time.monotonic()]
         self.counts = {"calls": 0, "errors": 0, "timeouts": 0, "exceptions": 0, "invalid": 0, "zeroed": 0,
                        "dropped_groups": 0, "abandoned": 0}
-        self.rewards = {"sum": 0.0, "count": 0}
+        self.rewards = {"sum": 0.0, "count": 0, "true": 0.0}
         self.last_error: str | None = None
         self.isolated: list[str] = []  # errors() since its last call, at most KEPT_ERRORS
+        self.control = RandomReward(self.context.seed, self.context.node) if control == "random" else None
 
     async def process(self, inputs: dict[str, Any]) -> dict[str, Any]:
         group: Group = inputs["trajectories"]
@@ -142,10 +144,16 @@ class Reward(Operator):
         if not ok and self.config.on_error == "drop":
             self.counts["dropped_groups"] += 1
             return {}
+        if self.control is not None:
+            try:
+                self.control.apply(group.trajectories)
+            except ControlMisused as exc:
+                raise RewardFailed(f"reward node {self.context.node!r}: {exc}") from None
         for t in group.trajectories:
             if t.reward is not None:
                 self.rewards["sum"] += t.reward
                 self.rewards["count"] += 1
+                self.rewards["true"] += t.metadata.get("true_reward", t.reward)
         return {"trajectories": group}
 
     async def _call_one(self, trajectory: Trajectory) -> bool:
@@ -260,6 +268,8 @@ class Reward(Operator):
         out = {f"reward/{k}": float(v) for k, v in self.counts.items()}
         if self.rewards["count"]:
             out["reward/mean"] = self.rewards["sum"] / self.rewards["count"]
+            if self.control is not None:
+                out["reward/true_mean"] = self.rewards["true"] / self.rewards["count"]
         return out
 
     async def close(self) -> None:

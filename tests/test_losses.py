@@ -385,3 +385,19 @@ def test_per_token_metrics_count_only_tokens_that_carry_loss():
     assert metrics["behaviour_weight"] == pytest.approx(mean(lambda i, t: weights[(i, t)]), abs=1e-6)
     assert metrics["mismatch_logprob_mean"] == pytest.approx(mean(lambda i, t: abs(LOGP[i][t] - BEHAV[i][t])), abs=1e-6)
     assert metrics["masked_by_correction"] == pytest.approx(2 / 5, abs=1e-6)
+
+
+@pytest.mark.parametrize(("target", "expected_coef"), [(2.0, 0.01 + (0.2 - 0.01) * (2.0 - 0.9) / 2.0), (0.5, 0.01)])
+def test_entropy_control_raises_the_bonus_as_entropy_falls_below_its_target(target, expected_coef):
+    """entropy_control: coef = entropy_coef + (max_coef - entropy_coef) * clamp((target - H) / target, 0, 1),
+    H the mean entropy of the loss tokens (0.9 here): below the target the bonus grows in proportion to
+    the shortfall; at or above it the fixed coefficient stays."""
+    h = token_mean(ENT)
+    assert abs(h - 0.9) < 1e-9
+    config = msgspec.convert({"entropy_coef": 0.01, "entropy_control": {"target": target, "max_coef": 0.2}}, LossConfig)
+    loss, metrics, _ = run(config)
+    pg = token_mean(table(lambda i, t: ppo_token(LOGP[i][t], OLD[i][t], ADV[i][t], 0.2, 0.2)))
+    assert abs(loss.item() - (pg - expected_coef * h)) < 1e-6
+    assert abs(metrics["entropy_coef"] - expected_coef) < 1e-6
+    fixed, fixed_metrics, _ = run(msgspec.convert({"entropy_coef": 0.01}, LossConfig))
+    assert "entropy_coef" not in fixed_metrics and abs(fixed.item() - (pg - 0.01 * h)) < 1e-6

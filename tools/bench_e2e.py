@@ -42,6 +42,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import heldout  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 PIPELINES = {"sync": "pipelines/quickstart.yaml", "async": "pipelines/quickstart_async.yaml"}
 
@@ -178,7 +181,8 @@ def median_time(values: list[float | None]) -> float | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=lambda v: [int(x) for x in v.split(",") if x], default=[0, 1, 2])
+    parser.add_argument("--seeds", type=lambda v: [int(x) for x in v.split(",") if x],
+                        help="comma-separated (default 0,1,2; with --heldout all of the held-out seeds)")
     parser.add_argument("--warmup-steps", type=int, default=650)
     parser.add_argument("--grpo-seconds", type=float, help="GRPO phases of this many seconds (default: the pipeline's own)")
     parser.add_argument("--eval-every", type=int, default=5)
@@ -194,8 +198,13 @@ def main() -> None:
                         help="an override of the async pipeline (repeatable)")
     parser.add_argument("--sync-set", action="append", default=[], metavar="KEY=VALUE",
                         help="an override of the sync pipeline (repeatable)")
+    parser.add_argument("--heldout", action="store_true",
+                        help="measure the committed recipe on the held-out seeds (tools/heldout.py)")
     args = parser.parse_args()
     names = args.only.split(",")
+    args.seeds = heldout.seeds_for("bench_e2e", args.heldout, args.seeds) or [0, 1, 2]
+    if args.heldout and (args.async_set or args.sync_set):
+        parser.error("--heldout measures the pipelines as committed: no --sync-set / --async-set")
     if args.warmups and "hand" in names:
         parser.error("--warmups compares the pipelines' GRPO phases: use --only sync,async")
     if args.grpo_steps and "hand" in names:
@@ -261,16 +270,40 @@ def report(results: dict[str, list[dict]], names: list[str], args: argparse.Name
         print(f"{n}: reached {args.target} on {r[n + '_reached']} of {len(args.seeds)} seeds; steps to it median "
               f"{r[n + '_steps_to_target_median']}, worst {r[n + '_steps_to_target_worst']}; seconds median "
               f"{r[n + '_s_to_target_median']}, worst {r[n + '_s_to_target_worst']}; missed {r[n + '_missed']}")
-    print(json.dumps({**mean_evals, **{k: v for r in reach.values() for k, v in r.items()}, "sync_s_to_target": medians.get("sync"), "async_s_to_target": medians.get("async"),
-                      "async_over_sync": ratio("async", "sync"), "async_wins": wins,
-                      "hand_s_to_target": medians.get("hand"), "sync_over_hand": ratio("sync", "hand"),
-                      **{f"{n}_{k}_by_seed": [r[k] for r in rs] for n, rs in results.items()
-                         for k in ("s_to_target", "steps_to_target", "samples_to_target", "s_per_step", "best_eval",
-                                   "mean_eval", "warmup_s")
-                         if all(k in r for r in rs)},
-                      **{f"{n}_s_to_{t}_by_seed": [r["s_to"][t] for r in rs] for n, rs in results.items()
-                         for t in args.also},
-                      "seeds": args.seeds, "target": args.target}))
+    spread = intervals(results)
+    headline = "; ".join(f"{n} reached {args.target} on {r[n + '_reached']} of {len(args.seeds)} "
+                         f"(95% {spread[n + '_reached_rate']['ci95']}), median {spread[n + '_steps_to_target']['median']} "
+                         f"steps (95% {spread[n + '_steps_to_target']['ci95']})" for n, r in reach.items())
+    result = {"headline": headline, **mean_evals, **{k: v for r in reach.values() for k, v in r.items()}, **spread,
+              "protocol": heldout.stamp("bench_e2e", args.heldout, args.seeds),
+              "sync_s_to_target": medians.get("sync"), "async_s_to_target": medians.get("async"),
+              "async_over_sync": ratio("async", "sync"), "async_wins": wins,
+              "hand_s_to_target": medians.get("hand"), "sync_over_hand": ratio("sync", "hand"),
+              **{f"{n}_{k}_by_seed": [r[k] for r in rs] for n, rs in results.items()
+                 for k in ("s_to_target", "steps_to_target", "samples_to_target", "s_per_step", "best_eval",
+                           "mean_eval", "warmup_s")
+                 if all(k in r for r in rs)},
+              **{f"{n}_s_to_{t}_by_seed": [r["s_to"][t] for r in rs] for n, rs in results.items()
+                 for t in args.also},
+              "seeds": args.seeds, "target": args.target}
+    heldout.record(result)
+    print(json.dumps(result))
+
+
+def intervals(results: dict[str, list[dict]]) -> dict:
+    """Each contender's success rate with its Wilson interval and its medians with quartiles and a bootstrap
+    interval; with both pipelines, async's time and steps to the target over sync's, with a paired one."""
+    out: dict = {}
+    for n, rs in results.items():
+        if rs:
+            out[f"{n}_reached_rate"] = heldout.rate(sum(r["s_to_target"] is not None for r in rs), len(rs))
+            out[f"{n}_steps_to_target"] = heldout.median_spread([r.get("steps_to_target") for r in rs])
+            out[f"{n}_s_to_target"] = heldout.median_spread([r["s_to_target"] for r in rs])
+    if results.get("sync") and results.get("async"):
+        for key in ("s_to_target", "steps_to_target"):
+            out[f"async_over_sync_{key}"] = heldout.median_ratio([r.get(key) for r in results["async"]],
+                                                                 [r.get(key) for r in results["sync"]])
+    return out
 
 
 if __name__ == "__main__":

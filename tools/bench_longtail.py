@@ -33,6 +33,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import heldout  # noqa: E402
 from bench_e2e import first_hit, grpo_phase, median_time, read_jsonl, supervise, warmup_policy  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -92,8 +93,13 @@ def summarise(runs: dict[str, list[dict]]) -> dict:
            for n, rs in runs.items()}
     sync_s, async_s = [r["s_to_target"] for r in runs["sync"]], [r["s_to_target"] for r in runs["async"]]
     wins = sum(a is not None and (s is None or a < s) for a, s in zip(async_s, sync_s, strict=True))
+    sync_n, async_n = [r["samples_to_target"] for r in runs["sync"]], [r["samples_to_target"] for r in runs["async"]]
     return {"wall_speedup": ratio(med["sync"]["s_to_target"], med["async"]["s_to_target"]),
             "sample_ratio": ratio(med["async"]["samples_to_target"], med["sync"]["samples_to_target"]),
+            # Paired bootstrap intervals (tools/heldout.py): one eval interval is not the uncertainty.
+            "wall_speedup_ci95": heldout.median_ratio(sync_s, async_s)["ci95"],
+            "sample_ratio_ci95": heldout.median_ratio(async_n, sync_n)["ci95"],
+            "reached": {n: heldout.rate(sum(r["s_to_target"] is not None for r in rs), len(rs)) for n, rs in runs.items()},
             "async_wins": wins, "seeds": len(sync_s),
             **{f"{n}_median_{k}": v for n, m in med.items() for k, v in m.items()},
             "failed_runs": sum(r.get("failed", False) for rs in runs.values() for r in rs),
@@ -103,7 +109,8 @@ def summarise(runs: dict[str, list[dict]]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--warmups", required=True, help="folder of per-seed warm-ups (made once, shared with bench_e2e)")
-    parser.add_argument("--seeds", type=lambda v: [int(x) for x in v.split(",") if x], default=[0, 1, 2, 3, 4])
+    parser.add_argument("--seeds", type=lambda v: [int(x) for x in v.split(",") if x],
+                        help="comma-separated (default 0-4; with --heldout the held-out seeds)")
     parser.add_argument("--tails", type=lambda v: [float(x) for x in v.split(",") if x], default=[0.0, 0.5, 1.0])
     parser.add_argument("--target", type=float, default=0.4)
     parser.add_argument("--grpo-seconds", type=float, default=240)
@@ -111,7 +118,12 @@ def main() -> None:
     parser.add_argument("--warmup-steps", type=int, default=650, help="steps of a warm-up made here (bench_e2e's)")
     parser.add_argument("--async-set", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--sync-set", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--heldout", action="store_true",
+                        help="measure the committed pipelines on the held-out seeds (tools/heldout.py)")
     args = parser.parse_args()
+    if args.heldout and (args.async_set or args.sync_set):
+        parser.error("--heldout measures the pipelines as committed: no --sync-set / --async-set")
+    args.seeds = heldout.seeds_for("bench_longtail", args.heldout, args.seeds) or [0, 1, 2, 3, 4]
     args.full = False  # bench_e2e.supervise: stop at the target
     results: dict[float, dict[str, list[dict]]] = {t: {"sync": [], "async": []} for t in args.tails}
     with tempfile.TemporaryDirectory() as tmp:
@@ -135,9 +147,16 @@ def main() -> None:
               f"sync {s['sync_median_samples_to_target']} / async {s['async_median_samples_to_target']} -> "
               f"sample_ratio {s['sample_ratio']}")
     heaviest = by_tail[str(max(args.tails))]
-    print(json.dumps({"wall_speedup": heaviest["wall_speedup"], "sample_ratio": heaviest["sample_ratio"],
-                      "async_wins": heaviest["async_wins"], "heaviest_tail": max(args.tails), "target": args.target,
-                      "seeds": args.seeds, "by_tail": by_tail}))
+    result = {"headline": f"tail {max(args.tails)}: wall_speedup {heaviest['wall_speedup']} (95% "
+                          f"{heaviest['wall_speedup_ci95']}), sample_ratio {heaviest['sample_ratio']} (95% "
+                          f"{heaviest['sample_ratio_ci95']}), async first on {heaviest['async_wins']} of {len(args.seeds)}",
+              "wall_speedup": heaviest["wall_speedup"], "wall_speedup_ci95": heaviest["wall_speedup_ci95"],
+              "sample_ratio": heaviest["sample_ratio"], "sample_ratio_ci95": heaviest["sample_ratio_ci95"],
+              "async_wins": heaviest["async_wins"], "heaviest_tail": max(args.tails), "target": args.target,
+              "protocol": heldout.stamp("bench_longtail", args.heldout, args.seeds), "seeds": args.seeds,
+              "by_tail": by_tail}
+    heldout.record(result)
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -29,7 +29,9 @@ rejection); by default masked tokens still count (AReaL's).
 KL to the reference: `apply_as: loss` adds coef * aggregate(k) to the loss; `apply_as: reward`
 subtracts coef * k (of the behaviour logprobs) from the token rewards before the advantages
 (`apply_kl_penalty`; only estimators that read every token's reward see it, see
-`objective.check_compatible`). Entropy bonus: loss -= entropy_coef * aggregate(H).
+`objective.check_compatible`). Entropy bonus: loss -= entropy_coef * aggregate(H); under
+`entropy_control: {target, max_coef}` the coefficient rises towards max_coef as the micro-batch's
+mean entropy falls below the target (`entropy_coefficient`; metric `entropy_coef`).
 
 A loss function built by `policy_loss(config)` or `value_loss(config)` is called once per
 micro-batch as `fn(output, batch, normaliser) -> (loss, metrics)`; the loss and every metric are
@@ -159,6 +161,18 @@ def top_logprobs(output: dict[str, torch.Tensor], batch: Batch) -> TopLogprobs |
     return TopLogprobs(current=output["top_logprobs"], behaviour=batch.top_logprobs)
 
 
+def entropy_coefficient(entropy: torch.Tensor, mask: torch.Tensor, config: LossConfig) -> float:
+    """The entropy bonus's coefficient on a micro-batch: fixed, or under `entropy_control` raised as
+    the mean entropy of its loss tokens falls below the target (EntropyControl)."""
+    control = config.entropy_control
+    if control is None:
+        return config.entropy_coef
+    tokens = float(mask.sum())
+    h = float((entropy.detach() * mask).sum()) / tokens if tokens else control.target
+    shortfall = min(max((control.target - h) / control.target, 0.0), 1.0)
+    return config.entropy_coef + (control.max_coef - config.entropy_coef) * shortfall
+
+
 def policy_loss(config: LossConfig) -> LossFn:
     """The per-micro-batch loss. `output` holds `logprobs` and `entropy`, both (B, T)."""
     config = loss_config(config)
@@ -200,8 +214,11 @@ def policy_loss(config: LossConfig) -> LossFn:
             kl_term = agg(kl_estimate(logprobs, batch.reference_logprobs, kl))
             loss = loss + kl.coef * kl_term
             metrics["kl"] = kl_term.item()
-        if config.entropy_coef:
-            loss = loss - config.entropy_coef * agg(output["entropy"])
+        coef = entropy_coefficient(output["entropy"], mask, config)
+        if coef:
+            loss = loss - coef * agg(output["entropy"])
+        if config.entropy_control is not None:  # token-weighted, so micro-batches sum to the batch's mean
+            metrics["entropy_coef"] = coef * float(batch.loss_mask.sum()) / max(counts.tokens, 1.0)
         metrics["loss"] = loss.item()
         return loss, metrics
 
