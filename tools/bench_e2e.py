@@ -272,8 +272,8 @@ def report(results: dict[str, list[dict]], names: list[str], args: argparse.Name
               f"{r[n + '_s_to_target_median']}, worst {r[n + '_s_to_target_worst']}; missed {r[n + '_missed']}")
     spread = intervals(results)
     headline = "; ".join(f"{n} reached {args.target} on {r[n + '_reached']} of {len(args.seeds)} "
-                         f"(95% {spread[n + '_reached_rate']['ci95']}), median {spread[n + '_steps_to_target']['median']} "
-                         f"steps (95% {spread[n + '_steps_to_target']['ci95']})" for n, r in reach.items())
+                         f"(95% {spread[n + '_reached_rate']['ci95']}), median {spread[n + '_steps_to_target_spread']['median']} "
+                         f"steps (95% {spread[n + '_steps_to_target_spread']['ci95']})" for n, r in reach.items())
     result = {"headline": headline, **mean_evals, **{k: v for r in reach.values() for k, v in r.items()}, **spread,
               "protocol": heldout.stamp("bench_e2e", args.heldout, args.seeds),
               "sync_s_to_target": medians.get("sync"), "async_s_to_target": medians.get("async"),
@@ -297,8 +297,8 @@ def intervals(results: dict[str, list[dict]]) -> dict:
     for n, rs in results.items():
         if rs:
             out[f"{n}_reached_rate"] = heldout.rate(sum(r["s_to_target"] is not None for r in rs), len(rs))
-            out[f"{n}_steps_to_target"] = heldout.median_spread([r.get("steps_to_target") for r in rs])
-            out[f"{n}_s_to_target"] = heldout.median_spread([r["s_to_target"] for r in rs])
+            out[f"{n}_steps_to_target_spread"] = heldout.median_spread([r.get("steps_to_target") for r in rs])
+            out[f"{n}_s_to_target_spread"] = heldout.median_spread([r["s_to_target"] for r in rs])
     if results.get("sync") and results.get("async"):
         for key in ("s_to_target", "steps_to_target"):
             out[f"async_over_sync_{key}"] = heldout.median_ratio([r.get(key) for r in results["async"]],
