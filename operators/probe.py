@@ -190,8 +190,9 @@ def _shown(score: Any) -> str:
 
 def _score(t: Trajectory) -> float | str:
     """The trajectory's score as training reports it, or why the reward node could not give one."""
-    if t.metadata.get(INVALID) is not None:
-        return str(t.metadata[INVALID])
+    if t.metadata.get(INVALID) is not None:  # the reward's error, on one line (its frame's carets left out)
+        lines = (part.strip() for part in str(t.metadata[INVALID]).splitlines())
+        return " ".join(part for part in lines if part and not set(part) <= set("~^ "))
     if t.reward is not None:
         return float(t.reward)
     for values in (t.turn_rewards, t.token_rewards):
