@@ -17,14 +17,14 @@ from flowrl.spec.errors import SpecError, UserError
 MAX_SHOWN = 50  # problems printed of one spec; a generated spec can have thousands
 
 
-def _compile(file: str, overrides: list[str]):
+def _compile(file: str, overrides: list[str], probe: bool = False):
     from flowrl.graph.compile import compile_file
 
-    return compile_file(file, overrides)
+    return compile_file(file, overrides, probe)
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    _compile(args.file, args.overrides)
+    _compile(args.file, args.overrides, args.probe)
     return 0
 
 
@@ -250,6 +250,8 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("validate", parents=[common], help="check a pipeline spec; silent on success")
     p.add_argument("file")
     p.add_argument("overrides", nargs="*", metavar="key=value")
+    p.add_argument("--probe", action="store_true", help="also score a few rows' reference and nonsense answers "
+                   "with the reward (seconds; docs/pipeline.md)")
     p.set_defaults(fn=cmd_validate)
 
     p = sub.add_parser("inspect", parents=[common], help="draw a pipeline (FILE) or what a run did (RUN_DIR)")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from flowrl.graph.compile import compile_spec
 from flowrl.operator import ConfigError
-from flowrl.spec import guard
+from flowrl.spec import guard, semantics
 from flowrl.spec.errors import SpecError, UserError
 from flowrl.spec.load import LoadedSpec, load
 from flowrl.spec.phases import expand, phase_dir
@@ -30,8 +30,8 @@ def start(file: str, overrides: list[str], run_dir: Path | None = None, executor
     if executor:  # as an override, so that the graph checks see it (e.g. a transport that needs one process)
         overrides = [*overrides, f"run.executor={executor}"]
     loaded = load(file, overrides)
-    for _, phase_loaded in expand(loaded):  # every phase must compile before anything runs
-        compile_spec(phase_loaded)
+    # Every phase must compile and pass the semantic checks before anything runs.
+    semantics.check([(phase, compile_spec(phase_loaded)) for phase, phase_loaded in expand(loaded)])
     run_dir = Path(run_dir or loaded.spec.run.run_dir or default_run_dir(loaded.spec.name))
     if run_dir.exists() and not run_dir.is_dir():
         raise UserError(f"the run directory {run_dir} is a file; choose another --run-dir")

@@ -79,7 +79,7 @@ def test_debug_shows_the_traceback_before_or_after_the_command(tmp_path: Path) -
 
 
 def test_a_flowrl_bug_is_reported_as_one(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    def broken(file: str, overrides: list[str]) -> None:
+    def broken(file: str, overrides: list[str], probe: bool = False) -> None:
         raise KeyError("plan")
 
     monkeypatch.setattr(flowrl_cli, "_compile", broken)

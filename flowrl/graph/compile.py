@@ -37,13 +37,16 @@ class Compiled:
     loaded: LoadedSpec
 
 
-def compile_file(file: str, overrides: list[str] | None = None) -> Compiled:
-    """Load, validate and compile a spec file. Raises SpecError with every problem found."""
+def compile_file(file: str, overrides: list[str] | None = None, probe: bool = False) -> Compiled:
+    """Load, validate and compile a spec file, then check what it means (flowrl/spec/semantics.py;
+    `probe`: also score a few rows with the reward). Raises SpecError with every problem found."""
+    from flowrl.spec import semantics
     from flowrl.spec.phases import expand
 
     loaded = load(file, overrides)
-    compiled = [compile_spec(phase_loaded) for _, phase_loaded in expand(loaded)]
-    return compiled[0]
+    compiled = [(phase, compile_spec(phase_loaded)) for phase, phase_loaded in expand(loaded)]
+    semantics.check(compiled, probe)
+    return compiled[0][1]
 
 
 def compile_spec(loaded: LoadedSpec) -> Compiled:

@@ -95,6 +95,11 @@ class calculator(TaskSource):  # noqa: N801 - the name users write: builtin:calc
         return EnvironmentWorkflow(CalculatorEnv, max_turns=max_turns, **args)
 
     @staticmethod
+    def reference(sample: dict[str, Any]) -> str:
+        """The right final answer (`flowrl validate --probe`, flowrl_operators/probe.py)."""
+        return f"answer: {sample['answer']}"
+
+    @staticmethod
     def reward(trajectory: Trajectory) -> float:
         """The environment already scored the episode; this reads it back."""
         return float(sum(trajectory.turn_rewards or [])) if trajectory.turn_rewards else (trajectory.reward or 0.0)

@@ -55,6 +55,11 @@ class _Digits(TaskSource):
         return {**prompt, "digits": digits, "target": self.answer(digits)}
 
     @staticmethod
+    def reference(sample: dict[str, Any]) -> str:
+        """The right answer (`flowrl validate --probe`, flowrl_operators/probe.py)."""
+        return sample["target"]
+
+    @staticmethod
     def reward(trajectory: Trajectory) -> float:
         """Dense reward: the fraction of correct positions."""
         return positions_correct(response_text(trajectory), sample_of(trajectory)["target"])

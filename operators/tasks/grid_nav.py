@@ -167,6 +167,11 @@ class grid_nav(TaskSource):  # noqa: N801 - the name users write: builtin:grid_n
         return EnvironmentWorkflow(make_env, max_turns=max_turns, system=system, max_context=max_context)
 
     @staticmethod
+    def reference(sample: dict[str, Any]) -> str:
+        """A best first move (`flowrl validate --probe`, flowrl_operators/probe.py)."""
+        return sample["target_move"]
+
+    @staticmethod
     def reward(trajectory: Trajectory) -> float:
         """The environment scored the episode; this reads it back (the sum of turn rewards). A
         supervised warm-up trajectory scores 1 (its answer is the best move)."""

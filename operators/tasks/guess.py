@@ -66,6 +66,11 @@ class guess_number(TaskSource):  # noqa: N801 - the name users write: builtin:gu
         return EnvironmentWorkflow(GuessNumberEnv, max_turns=max_turns, **args)
 
     @staticmethod
+    def reference(sample: dict[str, Any]) -> str:
+        """The right first guess (`flowrl validate --probe`, flowrl_operators/probe.py)."""
+        return str(sample["secret"])
+
+    @staticmethod
     def reward(trajectory: Trajectory) -> float:
         """The environment already scored the episode; this reads it back (sum of turn rewards)."""
         return float(sum(trajectory.turn_rewards or [])) if trajectory.turn_rewards else (trajectory.reward or 0.0)

@@ -146,6 +146,17 @@ class longtail_digits(TaskSource):  # noqa: N801 - the name users write: builtin
         return chain_workflow
 
     @staticmethod
+    def reference(sample: dict[str, Any]) -> str:
+        """The first turn's right answer (`flowrl validate --probe`, flowrl_operators/probe.py)."""
+        return sample["chunks"][0][::-1]
+
+    @staticmethod
+    def turn_sample(sample: dict[str, Any]) -> dict[str, Any]:
+        """The first turn's sample, as `chain_workflow` hands it to the reward."""
+        chunk = sample["chunks"][0]
+        return {"prompt": f"<{chunk}>", "digits": chunk, "target": chunk[::-1], "turn": 0, "chunks": sample["chunks"]}
+
+    @staticmethod
     def reward(trajectory: Trajectory) -> float:
         """The episode's mean over turns of the fraction of correct positions (the eval's score; any
         turn's trajectory holds it)."""
