@@ -181,6 +181,10 @@ class LossConfig(Strict):
 
     # A supervised loss (sft) reads no advantages and applies no behaviour weight.
     supervised: ClassVar[bool] = False
+    # Whether the loss reads the behaviour logprobs (`old`) itself: one that does not (plain REINFORCE)
+    # trains stale tokens as on-policy unless a correction weights them; validate refuses it behind an
+    # async edge or partial rollout (flowrl_operators/semantics.py). A plugin loss says so the same way.
+    reads_behaviour: ClassVar[bool] = True
     # The proximal pass (a correction's weights and rejection) is redone before every epoch, not once a
     # step: a loss whose own weight is 1 relies on it (reinforce_bypass).
     proximal_each_epoch: ClassVar[bool] = False

@@ -18,7 +18,6 @@ the spec's root, message) pair, located at that key of the file.
 
 from __future__ import annotations
 
-import dis
 from typing import Any
 
 import msgspec
@@ -88,14 +87,12 @@ def _schedule(plan: Plan, at: tuple[str, ...], optim: dict[str, Any], epochs: in
 def _stale_loss(plan: Plan, name: str, config: Any) -> Found:
     """A loss that ignores the behaviour policy, fed samples another policy version produced."""
     from flowrl_operators.training import objective
-    from flowrl_operators.training.registry import LOSSES
 
     try:
         loss = objective.loss_config(config.loss)
-        entry = LOSSES.of(loss)
     except Exception:  # noqa: BLE001 - a wrong loss is reported by the train node's check_graph
         return []
-    if loss.supervised or objective.needs_proximal(loss) or reads_behaviour(entry.fn):
+    if loss.supervised or objective.needs_proximal(loss) or loss.reads_behaviour:
         return []
     why = _off_policy(plan, name)
     if why is None:
@@ -129,21 +126,6 @@ def _ancestors(plan: Plan, node: str) -> set[str]:
                 seen.add(e.src)
                 todo.append(e.src)
     return seen
-
-
-def reads_behaviour(fn: Any) -> bool:
-    """Whether a loss function (fn(logprobs, old, advantages, mask, config, ...)) reads `old`, the
-    behaviour logprobs: found in its bytecode, so a plugin's loss is judged as a built-in one."""
-    code = getattr(fn, "__code__", None)
-    if code is None or code.co_argcount < 2:
-        return True  # cannot tell: assume it does
-    old = code.co_varnames[1]
-    for ins in dis.get_instructions(code):
-        if ins.opname.startswith(("LOAD_FAST", "LOAD_DEREF", "LOAD_CLOSURE")):
-            values = ins.argval if isinstance(ins.argval, tuple) else (ins.argval,)
-            if old in values:
-                return True
-    return False
 
 
 def _filter(plan: Plan, name: str) -> Found:

@@ -19,10 +19,14 @@ RL = frozenset({"advantages"})
 class Reinforce(LossConfig):
     """Vanilla REINFORCE: l = -A logp (Williams 1992; verl's reinforce loss without IS weights)."""
 
+    reads_behaviour: ClassVar[bool] = False  # -A logp: stale tokens need a correction
+
 
 class GPG(LossConfig):
     """Group policy gradient: l = -A logp, the REINFORCE term, with GPG's advantage (advantage
     `gpg`) (GPG, arXiv 2504.02546; verl gpg)."""
+
+    reads_behaviour: ClassVar[bool] = False
 
 
 class ReinforceBypass(LossConfig):
