@@ -159,6 +159,31 @@ class EntropyControl(Strict):
     max_coef: Annotated[float, Meta(ge=0)]
 
 
+class KLCov(Strict, tag="kl", tag_field="kind"):
+    """KL-Cov (arXiv 2505.22617): on the `fraction` of a micro-batch's loss tokens with the largest
+    covariance (logp - mean logp)(A - mean A) (no gradient), the loss adds coef * |logp - old|. Those
+    tokens, confident and rewarded, are the ones whose update collapses entropy; the penalty holds
+    them near the policy that sampled them while the rest learn (the paper: fraction 0.002 at
+    batches of millions of tokens, coef 1; on top of this loss's clip here, not instead of it)."""
+
+    fraction: Annotated[float, Meta(gt=0, le=1)]
+    coef: Annotated[float, Meta(gt=0)] = 1.0
+
+
+class ClipCov(Strict, tag="clip", tag_field="kind"):
+    """Clip-Cov (arXiv 2505.22617): of a micro-batch's loss tokens whose covariance lies in (low,
+    high), a random `fraction` of all loss tokens (at least one) gets no gradient this step (the
+    paper: fraction 2e-4, bounds 1 and 5)."""
+
+    fraction: Annotated[float, Meta(gt=0, le=1)]
+    low: float = 1.0
+    high: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.high <= self.low:
+            raise ValueError(f"high ({self.high}) must be above low ({self.low})")
+
+
 class LossConfig(Strict):
     """A policy loss (`kind`), and how its per-token values become the step's loss."""
 
@@ -178,6 +203,8 @@ class LossConfig(Strict):
     entropy_coef: float = 0.0  # loss -= entropy_coef * aggregate(entropy)
     # Adaptive entropy control: the bonus's coefficient rises with how far entropy fell below a target.
     entropy_control: EntropyControl | None = None
+    # Covariance control of entropy collapse: {kind: kl, fraction, coef} or {kind: clip, fraction, low, high}.
+    cov: KLCov | ClipCov | None = None
 
     # A supervised loss (sft) reads no advantages and applies no behaviour weight.
     supervised: ClassVar[bool] = False

@@ -401,3 +401,49 @@ def test_entropy_control_raises_the_bonus_as_entropy_falls_below_its_target(targ
     assert abs(metrics["entropy_coef"] - expected_coef) < 1e-6
     fixed, fixed_metrics, _ = run(msgspec.convert({"entropy_coef": 0.01}, LossConfig))
     assert "entropy_coef" not in fixed_metrics and abs(fixed.item() - (pg - 0.01 * h)) < 1e-6
+
+
+def covariances():
+    """(logp - mean logp)(A - mean A) over the loss tokens, by token."""
+    lp = [LOGP[i][t] for i, t in TOKENS]
+    adv = [ADV[i][t] for i, t in TOKENS]
+    mlp, madv = sum(lp) / len(lp), sum(adv) / len(adv)
+    return {(i, t): (LOGP[i][t] - mlp) * (ADV[i][t] - madv) for i, t in TOKENS}
+
+
+def test_kl_cov_adds_the_abs_log_ratio_on_the_largest_covariance_tokens_only():
+    """cov {kind: kl, fraction, coef}: the top max(1, int(n * fraction)) tokens by covariance get
+    coef * |logp - old| added to their PPO loss; every other token keeps its loss."""
+    cov = covariances()
+    top = sorted(cov, key=cov.get, reverse=True)[:2]  # 5 tokens * 0.4 = 2
+    config = msgspec.convert({"cov": {"kind": "kl", "fraction": 0.4, "coef": 0.5}}, LossConfig)
+    loss, _, _ = run(config)
+
+    def per(i, t):
+        base = ppo_token(LOGP[i][t], OLD[i][t], ADV[i][t], 0.2, 0.2)
+        return base + (0.5 * abs(LOGP[i][t] - OLD[i][t]) if (i, t) in top else 0.0)
+
+    assert abs(loss.item() - token_mean(table(per))) < 1e-6
+    plain, _, _ = run(L())
+    assert loss.item() > plain.item()
+
+
+def test_clip_cov_takes_the_gradient_of_tokens_in_its_band_only():
+    """cov {kind: clip}: a token drawn among those whose covariance lies in (low, high) gets no
+    gradient; with a band holding exactly one token, that token's gradient is 0 and the others' are
+    PPO's."""
+    cov = covariances()
+    target = max(cov, key=cov.get)
+    others = sorted(v for k, v in cov.items() if k != target)
+    low = others[-1] + 1e-6
+    config = msgspec.convert({"cov": {"kind": "clip", "fraction": 0.01, "low": low, "high": cov[target] + 1}}, LossConfig)
+    loss, _, logp = run(config, grad=True)
+    loss.backward()
+    plain_loss, _, plain = run(L(), grad=True)
+    plain_loss.backward()
+    assert logp.grad[target].item() == 0.0 and plain.grad[target].item() != 0.0
+    for i, t in TOKENS:
+        if (i, t) != target:
+            assert logp.grad[i, t].item() == pytest.approx(plain.grad[i, t].item())
+    with pytest.raises(msgspec.ValidationError, match="must be above low"):
+        msgspec.convert({"cov": {"kind": "clip", "fraction": 0.1, "low": 2.0, "high": 1.0}}, LossConfig)

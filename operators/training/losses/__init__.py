@@ -61,7 +61,7 @@ import msgspec
 import torch
 from msgspec import Meta
 
-from flowrl_operators.config import KLConfig, LossConfig
+from flowrl_operators.config import ClipCov, KLConfig, KLCov, LossConfig
 from flowrl_operators.training.batch import Batch, Normaliser, weighted_mask
 from flowrl_operators.training.losses.dppo import TopLogprobs
 from flowrl_operators.training.losses.ppo import ClipConfig
@@ -173,6 +173,31 @@ def entropy_coefficient(entropy: torch.Tensor, mask: torch.Tensor, config: LossC
     return config.entropy_coef + (control.max_coef - config.entropy_coef) * shortfall
 
 
+def covariance_control(per_token: torch.Tensor, logprobs: torch.Tensor, old: torch.Tensor, advantages: torch.Tensor,
+                       mask: torch.Tensor, cov: KLCov | ClipCov) -> torch.Tensor:
+    """KL-Cov or Clip-Cov (operators/config.py) on a micro-batch's per-token loss: the tokens chosen
+    by the covariance of their (detached) logprob and advantage get |logp - old| added, or no gradient."""
+    kept = mask > 0
+    n = int(kept.sum())
+    if n == 0:
+        return per_token
+    logp, adv = logprobs.detach()[kept], advantages[kept]
+    covariance = (logp - logp.mean()) * (adv - adv.mean())
+    count = max(1, int(n * cov.fraction))
+    if isinstance(cov, KLCov):
+        chosen = torch.topk(covariance, min(count, n)).indices
+    else:  # a random draw among the tokens in the band (seeded by the trainer's torch generator)
+        band = torch.nonzero((covariance > cov.low) & (covariance < cov.high)).squeeze(-1)
+        chosen = band[torch.randperm(len(band))[:count]]
+    selected = torch.zeros(n, dtype=torch.bool)
+    selected[chosen] = True
+    where = torch.zeros_like(kept)
+    where[kept] = selected
+    if isinstance(cov, KLCov):
+        return per_token + torch.where(where, cov.coef * (logprobs - old).abs(), 0.0)
+    return torch.where(where, per_token * 0.0, per_token)
+
+
 def policy_loss(config: LossConfig) -> LossFn:
     """The per-micro-batch loss. `output` holds `logprobs` and `entropy`, both (B, T)."""
     config = loss_config(config)
@@ -200,6 +225,8 @@ def policy_loss(config: LossConfig) -> LossFn:
                 mask, normaliser = weighted_mask(batch), normaliser.kept(sequences=not count_rejected)
         extra = {"top": top_logprobs(output, batch)} if reads_top else {}
         per_token, clipped = loss_per_token(logprobs, old, batch.advantages, mask, config, **extra)
+        if config.cov is not None:
+            per_token = covariance_control(per_token, logprobs, old, batch.advantages, mask, config.cov)
         if weight is not None:
             per_token = per_token * (geometric_mean(weight, mask) if geometric else weight)
 
