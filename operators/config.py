@@ -203,6 +203,12 @@ class LossConfig(Strict):
     entropy_coef: float = 0.0  # loss -= entropy_coef * aggregate(entropy)
     # Adaptive entropy control: the bonus's coefficient rises with how far entropy fell below a target.
     entropy_control: EntropyControl | None = None
+    # Unlikelihood on negative-advantage tokens: loss += coef * |A| * -log(1 - p(token)). Its gradient
+    # on the token's logit is coef * |A| * p, largest where the policy is sure: it moves a wrong token the
+    # policy has locked on (p ~ 1), where -A log p's gradient, |A| (1 - p), vanishes. Only for token-level
+    # credit (a token with A < 0 is wrong): under sequence rewards it would push down a wrong answer's
+    # right tokens as hard. 0: off.
+    unlikelihood: Annotated[float, Meta(ge=0)] = 0.0
     # Covariance control of entropy collapse: {kind: kl, fraction, coef} or {kind: clip, fraction, low, high}.
     cov: KLCov | ClipCov | None = None
 

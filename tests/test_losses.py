@@ -447,3 +447,24 @@ def test_clip_cov_takes_the_gradient_of_tokens_in_its_band_only():
             assert logp.grad[i, t].item() == pytest.approx(plain.grad[i, t].item())
     with pytest.raises(msgspec.ValidationError, match="must be above low"):
         msgspec.convert({"cov": {"kind": "clip", "fraction": 0.1, "low": 2.0, "high": 1.0}}, LossConfig)
+
+
+def test_unlikelihood_pushes_a_sure_wrong_token_where_the_policy_gradient_vanishes():
+    """unlikelihood: c: loss += c |A| -log(1 - p) on A < 0 tokens. On a token the policy is sure of
+    (p = 1 - 1e-4) with A = -1, -A log p's gradient on its logprob is ~|A| but moves its logit by
+    |A| (1 - p) ~ 1e-4; the unlikelihood term's gradient on the logprob is p / (1 - p) ~ 1e4."""
+    config = msgspec.convert({"unlikelihood": 0.5}, LossConfig)
+    loss, _, _ = run(config)
+    plain, _, _ = run(L())
+
+    def extra(i, t):
+        p = math.exp(LOGP[i][t])
+        return 0.5 * -ADV[i][t] * -math.log(1 - p) if ADV[i][t] < 0 else 0.0
+
+    assert abs(loss.item() - (plain.item() + token_mean(table(extra)))) < 1e-6
+    from flowrl_operators.training.losses import unlikelihood
+
+    sure = torch.tensor([[math.log(1 - 1e-4)]], requires_grad=True)
+    unlikelihood(sure, torch.tensor([[-1.0]])).sum().backward()
+    assert sure.grad.item() == pytest.approx((1 - 1e-4) / 1e-4, rel=1e-3)
+    assert unlikelihood(sure, torch.tensor([[1.0]])).item() == 0.0  # positive advantages: untouched

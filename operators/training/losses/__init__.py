@@ -173,6 +173,13 @@ def entropy_coefficient(entropy: torch.Tensor, mask: torch.Tensor, config: LossC
     return config.entropy_coef + (control.max_coef - config.entropy_coef) * shortfall
 
 
+def unlikelihood(logprobs: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
+    """|A| * -log(1 - p) on tokens with A < 0, 0 elsewhere (Welleck et al. 2019, arXiv 1908.04319):
+    its gradient on the token's logit is |A| p, which does not vanish as p -> 1."""
+    p = logprobs.exp().clamp(max=1 - 1e-6)
+    return torch.where(advantages < 0, -advantages * -torch.log1p(-p), 0.0)
+
+
 def covariance_control(per_token: torch.Tensor, logprobs: torch.Tensor, old: torch.Tensor, advantages: torch.Tensor,
                        mask: torch.Tensor, cov: KLCov | ClipCov) -> torch.Tensor:
     """KL-Cov or Clip-Cov (operators/config.py) on a micro-batch's per-token loss: the tokens chosen
@@ -225,6 +232,8 @@ def policy_loss(config: LossConfig) -> LossFn:
                 mask, normaliser = weighted_mask(batch), normaliser.kept(sequences=not count_rejected)
         extra = {"top": top_logprobs(output, batch)} if reads_top else {}
         per_token, clipped = loss_per_token(logprobs, old, batch.advantages, mask, config, **extra)
+        if config.unlikelihood:
+            per_token = per_token + config.unlikelihood * unlikelihood(logprobs, batch.advantages)
         if config.cov is not None:
             per_token = covariance_control(per_token, logprobs, old, batch.advantages, mask, config.cov)
         if weight is not None:
