@@ -9,6 +9,12 @@ module:attr`). Each evaluation appends a row to `RUN_DIR/eval.jsonl`:
 `{"version", "eval_reward", "samples", "time", "seconds"}` with `time` in seconds since the run's
 origin (when the evaluation ended) and `seconds` the time the evaluation took.
 
+`data.eval.options.also: {name: module:attr, ...}` scores the same answers with more functions, so
+that a gain can be checked against a second reading of the replies (one that does not reward a
+format alone); each one's mean over the evaluation goes into the row as `scores: {name: value}`.
+`data.eval.max_new_tokens` gives the greedy answers a budget of their own (default: the generate
+node's `sampling.max_new_tokens`), so an evaluation can read past the training budget.
+
 A sync reward runs on a daemon thread (flowrl_operators.threads), never on the event loop; a call
 that takes over `REWARD_TIMEOUT_S`, or a value that is not a finite number
 (flowrl_operators.reward_values), fails the evaluation with a message, as a raising reward does.
@@ -29,6 +35,7 @@ from flowrl_operators.threads import DaemonExecutor, call_in_thread
 from flowrl_operators.workflows.base import is_async_callable
 
 REWARD_TIMEOUT_S = 60.0  # one eval reward call
+ALSO = "also"  # data.eval.options key: more scores of the same answers
 
 
 class EvalProblem(ValueError):
@@ -48,6 +55,7 @@ def eval_parts(data: dict[str, Any], seed: int, tokenizer: Any = None, model: di
     spec = data["eval"]
     options = dict(spec.get("options") or {})
     reward = options.pop("reward", None)
+    options.pop(ALSO, None)  # the evaluation's own, not the source's (also_scores)
     where = ("eval", "source") if spec.get("source") else ("eval", "options") if options else ("source",)
     if spec.get("source") or options or source is None:
         options = {**(data.get("options") or {}), **options}
@@ -73,6 +81,50 @@ def eval_parts(data: dict[str, Any], seed: int, tokenizer: Any = None, model: di
                                  "set data.eval.options.reward: module:attr")
 
 
+def also_problems(options: dict[str, Any]) -> list[tuple[tuple[str, ...], str]]:
+    """What is wrong with `data.eval.options.also` (key path under it, message), found before any
+    weights load: a mapping of score names to functions of one trajectory."""
+    also = options.get(ALSO)
+    if also is None:
+        return []
+    if not isinstance(also, dict) or not also:
+        return [((), f"{ALSO} maps score names to reward functions, e.g. {{anywhere: my_rewards:anywhere}}; "
+                     f"got {also!r}")]
+    from flowrl.spec.refs import callable_path
+
+    out: list[tuple[tuple[str, ...], str]] = []
+    for name, fn in also.items():
+        if not isinstance(fn, str) or not fn:
+            out.append(((str(name),), f"a score is a reward function as module:attr or builtin:<task>; got {fn!r}"))
+        elif fn.startswith("builtin:"):
+            out += _builtin_problem(str(name), fn)
+        elif problem := callable_path(fn, arguments=1):
+            out.append(((str(name),), problem))
+    return out
+
+
+def _builtin_problem(name: str, fn: str) -> list[tuple[tuple[str, ...], str]]:
+    from flowrl_operators.reward import load_reward
+
+    try:
+        load_reward(fn)
+    except ValueError as e:
+        return [((name,), str(e))]
+    return []
+
+
+def also_scores(options: dict[str, Any]) -> dict[str, Any]:
+    """`data.eval.options.also` loaded: score name -> function. Raises EvalProblem at the first
+    problem (a run that skipped `flowrl validate` still stops with the key named)."""
+    problems = also_problems(options)
+    if problems:
+        where, message = problems[0]
+        raise EvalProblem(("eval", "options", ALSO, *where), message)
+    from flowrl_operators.reward import load_reward
+
+    return {str(name): load_reward(fn) for name, fn in (options.get(ALSO) or {}).items()}
+
+
 class Evaluator:
     def __init__(self, data: dict[str, Any], seed: int, run_dir: Path | None, tokenizer: Any = None,
                  final: int | None = None) -> None:
@@ -80,6 +132,8 @@ class Evaluator:
         self.final = final  # the run's last policy version: evaluated whether or not `every` divides it
         self.every, self.samples = int(spec.get("every", 10)), int(spec.get("samples", 64))
         self.source, self.reward = eval_parts(data, seed, tokenizer)
+        self.also = also_scores(spec.get("options") or {})
+        self.max_new_tokens = spec.get("max_new_tokens")  # None: the node's sampling budget
         self.run_dir = run_dir
         self.origin = time.time()
         if run_dir is not None and (Path(run_dir) / "meta.json").exists():
@@ -100,34 +154,37 @@ class Evaluator:
         if not self.held_out:
             self.held_out = [self.source.eval_sample(i) for i in range(self.samples)]
         groups = await asyncio.gather(*(
-            generate.generate(sample, step=-1, sample_id=f"eval{version}:{i}", greedy=True)
+            generate.generate(sample, step=-1, sample_id=f"eval{version}:{i}", greedy=True,
+                              max_new_tokens=self.max_new_tokens)
             for i, sample in enumerate(self.held_out)))
-        scores = []
+        reward, also = 0.0, dict.fromkeys(self.also, 0.0)  # sums; a rejected sample scores zero on each
         for group in groups:
-            trajectories = group.trajectories if group is not None else []
-            value = 0.0  # a rejected sample scores zero
-            if trajectories:
-                value = await self._score(trajectories[0])
-            scores.append(value)
-        row = {"version": version, "eval_reward": sum(scores) / len(scores), "samples": len(scores),
-               "time": round(time.time() - self.origin, 3), "seconds": round(time.time() - started, 3)}
+            if group is None or not group.trajectories:
+                continue
+            answer = group.trajectories[0]
+            reward += await self._score(self.reward, answer, "the eval reward")
+            for name, fn in self.also.items():
+                also[name] += await self._score(fn, answer, f"the eval score {name!r}")
+        n = len(groups)
+        row: dict[str, Any] = {"version": version, "eval_reward": reward / n}
+        if self.also:
+            row["scores"] = {name: total / n for name, total in also.items()}
+        row |= {"samples": n, "time": round(time.time() - self.origin, 3), "seconds": round(time.time() - started, 3)}
         if self.run_dir is not None:
             with open(Path(self.run_dir) / "eval.jsonl", "a") as f:
                 f.write(json.dumps(row) + "\n")
         return row
 
-    async def _score(self, trajectory: Any) -> float:
-        if is_async_callable(self.reward):
-            call = self.reward(trajectory)
-        else:
-            call = call_in_thread(self.thread, self.reward, trajectory)
+    async def _score(self, fn: Any, trajectory: Any, what: str) -> float:
+        """`fn(trajectory)` off the event loop, timed out; `what` names the score in a failure."""
+        call = fn(trajectory) if is_async_callable(fn) else call_in_thread(self.thread, fn, trajectory)
         try:
             value = await asyncio.wait_for(call, REWARD_TIMEOUT_S)
             if inspect.isawaitable(value):
                 value = await asyncio.wait_for(value, REWARD_TIMEOUT_S)
         except asyncio.TimeoutError:
-            raise TimeoutError(f"the eval reward took over {REWARD_TIMEOUT_S} s on {trajectory.id}") from None
-        return as_reward(value, f"the eval reward of {trajectory.id}")
+            raise TimeoutError(f"{what} took over {REWARD_TIMEOUT_S} s on {trajectory.id}") from None
+        return as_reward(value, f"{what} of {trajectory.id}")
 
 
 def eval_problems(data: dict[str, Any], seed: int, model: dict[str, Any] | None,
@@ -142,12 +199,16 @@ def eval_problems(data: dict[str, Any], seed: int, model: dict[str, Any] | None,
         problem = callable_path(reward, arguments=1)
         if problem:
             return [(("data", "eval", "options", "reward"), problem)]
+    also = [(("data", "eval", "options", ALSO, *where), message)
+            for where, message in also_problems(spec.get("options") or {})]
+    if also:
+        return also
     try:
         eval_parts(data, seed, model=model, source=built)
     except EvalProblem as e:
         return [(("data", *e.key), str(e))]
     except (Exception, SystemExit) as e:  # noqa: BLE001 - the user's factory may raise anything; report it at the key
-        own = set(spec.get("options") or {}) - {"reward"}  # options the eval passes its source
+        own = set(spec.get("options") or {}) - {"reward", ALSO}  # options the eval passes its source
         where = ("data", "eval", "source") if spec.get("source") else ("data", "eval", "options") if own else ("data", "eval")
         return [(where, str(e) if isinstance(e, ValueError) else f"building the eval source failed: "
                                                                  f"{type(e).__name__}: {e}")]

@@ -67,7 +67,18 @@ class Generate(Operator):
             out += image_model_problems(data["source"], facts.model)
         if isinstance(data.get("eval"), dict) and (facts.source is not None or data["eval"].get("source")):
             out += eval_problems(data, facts.seed, facts.model, facts.source)
+        if isinstance(data.get("eval"), dict):
+            out += cls._eval_budget_problems(config, data["eval"].get("max_new_tokens"))
         return out
+
+    @staticmethod
+    def _eval_budget_problems(config: GenerateConfig, budget: int | None) -> list[tuple[tuple[str, ...], str]]:
+        """data.eval.max_new_tokens within the engine's max_context, as sampling.max_new_tokens is."""
+        limit = config.engine.max_context if isinstance(config.engine, EngineConfig) else None
+        if budget is None or limit is None or budget < limit:
+            return []
+        return [(("data", "eval", "max_new_tokens"), f"data.eval.max_new_tokens {budget} leaves no room for a "
+                 f"prompt within the engine's max_context {limit}; lower it or raise engine.max_context")]
 
     inputs: ClassVar = {"prompts": PROMPTS, "weights": WEIGHTS}
     outputs: ClassVar = {"trajectories": TRAJECTORIES}
@@ -162,12 +173,15 @@ class Generate(Operator):
     # --- the generate kind's contract (flowrl/operator.py) -----------------------------------------
 
     async def generate(self, sample: dict[str, Any], *, step: int, sample_id: str,
-                       greedy: bool = False) -> Group | None:
+                       greedy: bool = False, max_new_tokens: int | None = None) -> Group | None:
         """`group_size` episodes of `sample` (one greedy episode if `greedy`, for evaluation), and with
-        `greedy_baseline` one more, greedy, marked in its metadata (`flowrl.data.trajectory.GREEDY_BASELINE`)."""
+        `greedy_baseline` one more, greedy, marked in its metadata (`flowrl.data.trajectory.GREEDY_BASELINE`).
+        `max_new_tokens` (greedy only: `data.eval.max_new_tokens`) replaces the sampling budget."""
         greedy_sampling = msgspec.structs.replace(self.sampling, temperature=0.0)
         # Evaluation trains on nothing: no top logprobs to record.
         sampling = msgspec.structs.replace(greedy_sampling, top_logprobs=0) if greedy else self.sampling
+        if greedy and max_new_tokens is not None:
+            sampling = msgspec.structs.replace(sampling, max_new_tokens=max_new_tokens)
         episodes = [sampling] * (1 if greedy else self.config.group_size)
         baseline = not greedy and self.config.greedy_baseline
         if baseline:  # ReMax: the last episode is the greedy baseline of the group

@@ -148,6 +148,18 @@ def test_environment_that_hangs_is_cancelled_and_counted(loop):
         loop.run_until_complete(op.close())
 
 
+def test_greedy_evaluation_takes_its_own_token_budget(loop, gen):
+    """data.eval.max_new_tokens reaches the engine for greedy answers only: the untrained model
+    writes all 8 tokens of the sampling budget greedily, and 2 under a budget of 2."""
+    sample = reverse_digits(seed=0).eval_sample(0)
+    whole = loop.run_until_complete(gen.generate(sample, step=-1, sample_id="e:0", greedy=True))
+    cut = loop.run_until_complete(gen.generate(sample, step=-1, sample_id="e:0", greedy=True, max_new_tokens=2))
+    sampled = loop.run_until_complete(gen.generate(sample, step=0, sample_id="0:0", max_new_tokens=2))
+    assert len(whole.trajectories[0].response_ids) == 8 and len(cut.trajectories[0].response_ids) == 2
+    assert cut.trajectories[0].response_ids == whole.trajectories[0].response_ids[:2]
+    assert max(len(t.response_ids) for t in sampled.trajectories) > 2  # sampling keeps its own budget
+
+
 def test_environment_that_raises_mid_episode_is_isolated_and_counted(loop):
     op = make(loop, group_size=4, workflow="test_generate_node:BrokenOnSecondTurn", max_episode_errors=3,
               sampling={"max_new_tokens": 3})

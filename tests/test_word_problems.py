@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from flowrl.data.trajectory import Trajectory
-from flowrl_operators.tasks.word_problems import final_answer, last_integer
+from flowrl_operators.tasks.word_problems import final_answer, last_integer, number_anywhere
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -67,6 +67,25 @@ def test_the_sums_reward_checks_the_last_integer_written(text: str, expected: fl
     assert scored(text, "85", last_integer) == expected
 
 
+@pytest.mark.parametrize(("text", "expected"), [
+    ("47 + 38 = 85", 1.0),
+    ("85 + 1 = 86", 1.0),  # where the sum stands does not matter (last_integer: 0.0)
+    ("The answer is 85, I think so", 1.0),
+    ("It is 85.", 1.0),  # a full stop ends the number
+    ("1,085", 0.0),  # part of a longer number, thousands separator or not
+    ("185", 0.0),
+    ("850", 0.0),
+    ("8.85", 0.0),
+    ("85.5", 0.0),
+    ("-85", 0.0),  # a different number
+    ("47 + 38", 0.0),  # restating the question writes no sum
+    ("eighty-five", 0.0),
+    ("", 0.0),
+])
+def test_number_anywhere_finds_the_sum_as_a_whole_number(text: str, expected: float) -> None:
+    assert scored(text, "85", number_anywhere) == expected
+
+
 def test_math_verify_would_score_a_restated_sum() -> None:
     """Why smollm2_sums does not use final_answer: GRPO learned to restate the question under it."""
     assert scored("To find 47 + 38, we", "85") == 1.0
@@ -109,3 +128,5 @@ def test_smollm2_sums_runs_a_step_on_the_real_model(tmp_path: Path) -> None:
     assert len(rows) == 1 and 0.0 <= rows[0]["reward"] <= 1.0
     evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
     assert [e["version"] for e in evals] == [0, 1] and all(e["samples"] == 4 for e in evals)
+    # The pipeline's second reading of the same answers (data.eval.options.also): the sum anywhere.
+    assert all(set(e["scores"]) == {"anywhere"} and 0.0 <= e["scores"]["anywhere"] <= 1.0 for e in evals)

@@ -35,6 +35,10 @@ class EvalSpec(Strict):
     final: bool = True  # also evaluate the final policy (the run waits for it)
     samples: PositiveInt = 64
     source: str | None = None  # defaults to the training source with held-out seeds
+    # The greedy answers' token budget (default: the generate node's sampling.max_new_tokens).
+    max_new_tokens: PositiveInt | None = None
+    # Passed to the eval source, but for `reward` (module:attr) and `also` ({name: module:attr}: more
+    # scores of the same answers, written to eval.jsonl as `scores`), which the evaluation reads.
     options: dict[str, Any] = {}
 
 

@@ -66,3 +66,17 @@ def last_integer(trajectory: Trajectory) -> float:
     """
     numbers = re.findall(r"-?\d+", response_text(trajectory).replace(",", ""))
     return 1.0 if numbers and numbers[-1] == str(trajectory.metadata["sample"]["answer"]).strip() else 0.0
+
+
+def number_anywhere(trajectory: Trajectory) -> float:
+    """1.0 when the row's `answer` appears as a whole number anywhere in the response, else 0.0.
+
+    A second reading of a sum's reply for the evaluation (`data.eval.options.also`): `last_integer`
+    also rewards the format (the answer must come last), so a gain under it alone could be the model
+    learning to stop after the sum. This one ignores where the sum is written; "85" inside "185" or
+    "8.5" does not count. Thousands separators are dropped first, as `last_integer` does.
+    """
+    answer = str(trajectory.metadata["sample"]["answer"]).strip()
+    text = response_text(trajectory).replace(",", "")
+    # Not preceded by a digit, a decimal point or a minus sign, nor followed by a digit or a decimal part.
+    return 1.0 if re.search(rf"(?<![\d.-]){re.escape(answer)}(?!\d|\.\d)", text) else 0.0
