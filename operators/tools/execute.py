@@ -15,10 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from flowrl_operators.tools.isolation import SANDBOX_HOME, command, environment, kill_uids
+from flowrl_operators.tools.isolation import SANDBOX_HOME, command, environment, kill_uids, reap_orphans
 
 CHUNK = 4096
 RUNNING: set[asyncio.subprocess.Process] = set()  # the calls' processes now, for a service that stops
+SPAWNING = [0]  # calls between fork and RUNNING: their process may not be collected by reap_orphans
 DRAIN_S = 1.0  # after the process ends, how long its pipes may stay open (a child holding them is killed first)
 
 
@@ -63,14 +64,14 @@ class Bounded:
 
 
 async def _marker(fd: int, started: list[float]) -> bytes:
-    """Reads the prelude's fd: the first byte is the start of the user's code, the rest an exception's name."""
+    """Reads the prelude's pipe: its clock when the user's code began, then an exception's name."""
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader()
     transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(fd, "rb", 0))
     try:
-        first = await reader.read(1)
-        if first:
-            started.append(time.monotonic())
+        line = await reader.readline()
+        with contextlib.suppress(ValueError):
+            started.append(float(line))
         return await reader.read(256)
     finally:
         transport.close()
@@ -86,18 +87,30 @@ def _prepare(call: Call, call_id: int, code: str) -> Path:
     return workdir
 
 
-async def _exit(pid: int) -> None:
+async def _exit(pid: int) -> float:
     """Returns when process `pid` has ended. asyncio's Process.wait() also waits for its pipes to
     close, which a child that outlives it (and holds them) would delay until the wall limit."""
-    fd = os.pidfd_open(pid)
-    loop = asyncio.get_running_loop()
-    ended = loop.create_future()
-    loop.add_reader(fd, lambda: ended.done() or ended.set_result(None))
     try:
-        await ended
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:  # ended, and already collected by asyncio's child watcher
+        return time.monotonic()
+    loop = asyncio.get_running_loop()
+    ended = loop.create_future()  # its result: when the loop saw the end (not when a task got to it)
+    loop.add_reader(fd, lambda: ended.done() or ended.set_result(time.monotonic()))
+    try:
+        return await ended
     finally:
         loop.remove_reader(fd)
         os.close(fd)
+
+
+async def _reap(uid: int) -> None:
+    """Collects the call's orphans (reap_orphans) once no call is between fork and RUNNING."""
+    for _ in range(100):
+        if not SPAWNING[0]:
+            reap_orphans({uid}, {p.pid for p in RUNNING})  # no await in it: no spawn starts meanwhile
+            return
+        await asyncio.sleep(0.002)
 
 
 def kill_running() -> None:
@@ -118,6 +131,7 @@ async def run_call(call: Call, call_id: int, code: str, wall_s: float) -> dict[s
                         processes=call.limits.processes, uid=call.uid, service_pid=call.service_pid,
                         marker_fd=write_fd)
     spawned = time.monotonic()
+    SPAWNING[0] += 1
     try:
         proc = await asyncio.create_subprocess_exec(
             *argv, cwd=cwd, env=environment(SANDBOX_HOME if call.bwrap else str(workdir)),
@@ -129,12 +143,15 @@ async def run_call(call: Call, call_id: int, code: str, wall_s: float) -> dict[s
         return result(error="start_failed", detail=str(e), timing=(0.0, 0.0))
     finally:
         os.close(write_fd)
+        SPAWNING[0] -= 1
     RUNNING.add(proc)
     try:
         return await _supervise(call, proc, read_fd, spawned, wall_s)
     finally:
         RUNNING.discard(proc)
         _kill(proc)  # cancelled (the service stopping): its own sweep kills the slots' uids
+        if call.uid >= 0:
+            await _reap(call.uid)
         await asyncio.to_thread(shutil.rmtree, workdir, True)
 
 
@@ -151,7 +168,7 @@ async def _supervise(call: Call, proc: asyncio.subprocess.Process, read_fd: int,
     await asyncio.wait([exited, overflow], timeout=max(wall_s - (time.monotonic() - spawned), 0.0),
                        return_when=asyncio.FIRST_COMPLETED)
     timed_out, over_limit = not exited.done() and not overflow.done(), overflow.done()
-    ended = time.monotonic()
+    ended = exited.result() if exited.done() else time.monotonic()
     exited.cancel()
     overflow.cancel()
     _kill(proc)  # the call is over: whatever of it still runs goes (a background child included)
@@ -162,7 +179,7 @@ async def _supervise(call: Call, proc: asyncio.subprocess.Process, read_fd: int,
     for task in pending:
         task.cancel()
     exception = marker.result().decode(errors="replace") if marker in done and not marker.exception() else ""
-    begun = started[0] if started else ended
+    begun = min(started[0], ended) if started else ended
     timing = (begun - spawned, ended - begun)
     error, detail = classify(code, call.bwrap, timed_out, over_limit, exception)
     if error == "timeout":

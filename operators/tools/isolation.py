@@ -4,8 +4,9 @@ applies the limits inside, the per-slot user ids, and the sweeps of processes an
 Each call runs `python3 -I -u -c PRELUDE` in a fresh folder. The prelude sets the rlimits (CPU,
 address space, file size, open files, no core dumps), drops to the worker slot's own user id when
 the service runs as root (RLIMIT_NPROC does not apply to root, so without the drop a fork bomb is
-bounded only by the CPU limit and the wall-time kill), writes one byte on a pipe (the moment the
-user's code starts: process start and code time are measured apart), then runs `main.py`. An
+bounded only by the CPU limit and the wall-time kill), writes its monotonic clock on a pipe (the
+moment the user's code starts, by the system-wide clock the service reads too: process start and
+code time are measured apart, whenever the service's loop gets to read it), then runs `main.py`. An
 uncaught exception's class name follows on that pipe, so "memory" is told from other errors reliably.
 
 Each slot's user id is unique to the service process (`slot_uid`): after a call in rlimit mode every
@@ -31,7 +32,7 @@ SANDBOX_HOME = "/tmp"  # where a call's folder is mounted under bwrap (a path th
 FILE_BYTES = 16 << 20  # the largest file a call may write (RLIMIT_FSIZE)
 
 PRELUDE = r"""
-import os, resource as R, sys
+import os, resource as R, sys, time
 cpu, mem, nproc, fsize, files, uid, pdeath, fd = map(int, sys.argv[1:9])
 del sys.argv[1:9]
 src = open("main.py", encoding="utf-8", errors="replace").read()
@@ -46,7 +47,7 @@ if pdeath:
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)
     if os.getppid() != pdeath:
         os._exit(137)
-os.write(fd, b".")
+os.write(fd, b"%r\n" % time.monotonic())
 try:
     exec(compile(src, "main.py", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
 except SystemExit:
@@ -112,16 +113,49 @@ def processes_of(uids: set[int] | None = None, above: int | None = None) -> dict
 
 
 def real_uid(pid: str) -> int | None:
-    """A process's real uid, from its status (its /proc folder's owner is root once a setuid made
-    it undumpable)."""
+    """A live process's real uid, from its status (its /proc folder's owner is root once a setuid
+    made it undumpable); None for a zombie (dead, waiting for its parent to collect it) or none."""
     try:
         with open(f"/proc/{pid}/status", "rb") as f:
             for line in f:
+                if line.startswith(b"State:") and line.split()[1] in (b"Z", b"X"):
+                    return None
                 if line.startswith(b"Uid:"):
                     return int(line.split()[1])
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+def become_subreaper() -> bool:
+    """Orphans of the calls (children whose parent ended) become this process's children, so that it
+    can collect their exit: uncollected, they would still count against their slot's RLIMIT_NPROC."""
+    import ctypes
+
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        return False
+
+
+def reap_orphans(uids: set[int], keep: set[int]) -> int:
+    """Collects the dead children of this process that ran under `uids`, but those in `keep` (the
+    calls' own processes, which asyncio collects). The number collected."""
+    me, reaped = str(os.getpid()).encode(), 0
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) in keep:
+            continue
+        try:
+            with open(f"/proc/{entry.name}/status", "rb") as f:
+                fields = dict(line.split(b":", 1) for line in f if b":" in line)
+            if fields[b"State"].split()[0] != b"Z" or fields[b"PPid"].strip() != me \
+                    or int(fields[b"Uid"].split()[0]) not in uids:
+                continue
+            os.waitpid(int(entry.name), os.WNOHANG)
+            reaped += 1
+        except (OSError, KeyError, ValueError, IndexError):
+            continue
+    return reaped
 
 
 def kill_uids(uids: set[int], rounds: int = 20) -> int:

@@ -30,7 +30,14 @@ from aiohttp import web
 
 from flowrl_operators.config import SandboxConfig
 from flowrl_operators.tools.execute import Call, Limits, kill_running, run_call
-from flowrl_operators.tools.isolation import ROOT_PREFIX, kill_uids, python_path, slot_uid, sweep_stale
+from flowrl_operators.tools.isolation import (
+    ROOT_PREFIX,
+    become_subreaper,
+    kill_uids,
+    python_path,
+    slot_uid,
+    sweep_stale,
+)
 from flowrl_operators.tools.pool import Pool
 
 MAX_CODE_BYTES = 64 << 10
@@ -135,6 +142,7 @@ def _stop_on_eof(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
 
 async def serve(config: SandboxConfig) -> None:
     stale = sweep_stale()
+    subreaper = become_subreaper()
     root = Path(tempfile.mkdtemp(prefix=f"{ROOT_PREFIX}{os.getpid()}-"))
     os.chmod(root, 0o711)  # the slots' uids reach their own folders, and list none
     uids: list[int] = []
@@ -147,7 +155,8 @@ async def serve(config: SandboxConfig) -> None:
         pool = Pool(python, facts["bwrap"], root, limits, uids, os.getpid())
         health = {"ok": True, "isolation": "bwrap" if facts["bwrap"] else "rlimits", "python": python,
                   "workers": config.workers, "limits": msgspec.to_builtins(config), "enforced": enforced,
-                  "not_enforced": not_enforced, "notes": facts["notes"], "swept_at_start": stale, "pid": os.getpid()}
+                  "not_enforced": not_enforced, "notes": facts["notes"], "swept_at_start": stale, "pid": os.getpid(),
+                  "root": str(root), "uids": uids, "subreaper": subreaper}
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.bind(("127.0.0.1", 0))
         runner = web.AppRunner(make_app(pool, health), shutdown_timeout=0.5, access_log=None)
