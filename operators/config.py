@@ -66,6 +66,24 @@ class EngineConfig(Strict):
                              "(server_args: {context_length: N})")
 
 
+class SandboxConfig(Strict):
+    """The code-execution tool service (flowrl_operators.tools): each call a fresh Python process."""
+
+    workers: Annotated[int, Meta(ge=1, le=256)] = 4  # calls running at once; the rest wait in its queue
+    cpu_s: PositiveInt = 2  # CPU seconds a call may use (RLIMIT_CPU)
+    memory_mb: Annotated[int, Meta(ge=64)] = 256  # address space a call may map (RLIMIT_AS)
+    wall_s: Annotated[float, Meta(gt=0)] = 5.0  # wall-clock seconds, start included; a call may ask for less
+    output_bytes: Annotated[int, Meta(ge=64)] = 8192  # kept of stdout and of stderr each; more stops the call
+    processes: PositiveInt = 16  # processes and threads a call may have at once (RLIMIT_NPROC)
+    # bwrap: bubblewrap namespaces around the rlimits (start fails if bwrap does not work here);
+    # rlimits: the rlimits alone; auto: bwrap where a probe at start shows it works.
+    isolation: Literal["auto", "bwrap", "rlimits"] = "auto"
+
+
+class ToolsConfig(Strict):
+    sandbox: SandboxConfig | None = None  # started with the node, reached as ctx.services["sandbox"]
+
+
 class GenerateConfig(Strict):
     engine: Literal["embedded", "sglang"] | EngineConfig = "embedded"
     group_size: PositiveInt = 1  # trajectories per sample
@@ -100,6 +118,8 @@ class GenerateConfig(Strict):
     # Serve the engine at an OpenAI-compatible endpoint (e.g. for a judge node with `node:`), written
     # to <run_dir>/endpoints/<node>.url. Agent workflows always start it.
     serve_openai: bool = False
+    # Tool services the node starts and stops with itself (workflows reach them in ctx.services).
+    tools: ToolsConfig = msgspec.field(default_factory=ToolsConfig)
 
 
 class RewardConfig(Strict):

@@ -99,6 +99,7 @@ class Generate(Operator):
         self.last_error: str | None = None
         self.isolated: list[str] = []  # errors() since its last call, at most KEPT_ERRORS
         self.evaluator: Any = None
+        self.sandbox: Any = None  # tools.sandbox's service, when the node has one
         self.episodes = Episodes(config.slow_episode_s)  # in flight, with what each awaits
 
     async def setup(self) -> None:
@@ -124,6 +125,11 @@ class Generate(Operator):
         self.sampling = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                                        max_new_tokens=s.max_new_tokens, stop_token_ids=list(s.stop_token_ids),
                                        top_logprobs=s.top_logprobs)
+        if self.config.tools.sandbox is not None:
+            from flowrl_operators.tools import SandboxService
+
+            self.sandbox = SandboxService(self.config.tools.sandbox)
+            self.services["sandbox"] = await self.sandbox.astart()  # a SandboxClient for workflows
         if getattr(self.workflow, "needs_proxy", False) or self.config.serve_openai:
             from flowrl_operators.workflows.proxy import Proxy
 
@@ -318,6 +324,8 @@ class Generate(Operator):
         proxy = self.services.get("proxy")
         if proxy is not None:
             await proxy.close()
+        if self.sandbox is not None:
+            await self.sandbox.astop()
         if self.engine is not None:
             await self.engine.close()
 
