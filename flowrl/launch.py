@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from flowrl.graph.compile import compile_spec
 from flowrl.operator import ConfigError
@@ -18,6 +19,10 @@ from flowrl.spec import guard, semantics
 from flowrl.spec.errors import SpecError, UserError
 from flowrl.spec.load import LoadedSpec, load
 from flowrl.spec.phases import expand, phase_dir
+from flowrl.spec.schema import PhaseSpec
+
+if TYPE_CHECKING:
+    from flowrl.runtime.run import RunResult
 
 
 def default_run_dir(name: str) -> Path:
@@ -76,6 +81,12 @@ def _launch_record(run_dir: Path) -> dict:
         raise UserError(f"cannot read {record}: {e}") from e
 
 
+def _too_short(phase: PhaseSpec, result: RunResult) -> str:
+    return (f"phase '{phase.name}' ran out of its {phase.seconds:g} s before one train step finished "
+            f"(it ran {result.seconds:.2g} s after setting up): nothing was trained, so it exported no policy "
+            "for the next phase; give it more seconds (or steps)")
+
+
 def _run_phases(loaded: LoadedSpec, run_dir: Path, executor: str | None, progress: bool,
                 resuming: bool = False) -> list:
     from flowrl.runtime import StageFailed, run
@@ -107,6 +118,8 @@ def _run_phases(loaded: LoadedSpec, run_dir: Path, executor: str | None, progres
         exports = [directory / "export" / n for n, node in plan.nodes.items() if node.kind == "train"]
         export = next((str(p) for p in exports if (p / "config.json").exists()), None)
         if exports and export is None and index + 1 < len(loaded.spec.phases):
+            if result.steps == 0 and result.stopped_by == "max_seconds":  # the phase's clock, not a fault
+                raise SpecError([phase_loaded.locator.diagnostic(("phases", index, "seconds"), _too_short(phase, result))])
             # The next phase would silently start from an older model.
             lost = result.lost()
             raise StageFailed(f"phase {phase.name} finished without exporting its policy "

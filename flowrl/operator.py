@@ -170,6 +170,14 @@ class Operator:
         return []
 
     @classmethod
+    def reported_metrics(cls, config: msgspec.Struct) -> frozenset[str] | None:
+        """A train node: the names its steps' `TrainResult.metrics` may hold, so that `flowrl validate`
+        refuses a `run.stop_when: {train.<key>: ...}` no step would report. None (the default): not
+        declared, nothing is checked."""
+        del config
+        return None
+
+    @classmethod
     def oversampling(cls, config: msgspec.Struct) -> tuple[float, float] | None:
         """A filter that drops groups may ask generate to over-sample: (samples issued per step at
         first, at most) as multiples of data.batch_size (see flowrl/runtime/coordinator.py)."""

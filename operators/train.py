@@ -252,6 +252,12 @@ class Train(Operator):
     resources = Resources(cpus=0.5)
 
     @classmethod
+    def reported_metrics(cls, config: TrainConfig) -> frozenset[str] | None:
+        from flowrl_operators.training.reported import train_metrics
+
+        return train_metrics(config)
+
+    @classmethod
     def check_graph(cls, config: TrainConfig, facts: GraphFacts) -> list[tuple[tuple[str, ...], str]]:
         from flowrl_operators.training import objective
         from flowrl_operators.training.engine import check_name

@@ -81,6 +81,14 @@ class Exits(Recorder):
         raise SystemExit(3)
 
 
+class Unkeepable(Recorder):
+    """open() returns state that trackers.json cannot keep (an object, not JSON)."""
+
+    def open(self, context: TrackerContext) -> dict[str, Any]:
+        super().open(context)
+        return {"run": object()}
+
+
 class Absent(Recorder):
     requires: ClassVar[tuple[str, ...]] = ("flowrl_no_such_module",)
 
@@ -345,6 +353,31 @@ def test_a_missing_tracker_package_says_what_to_install(monkeypatch: pytest.Monk
     assert "run.trackers[1]: tracker 'mlflow' needs mlflow, which is not installed: pip install mlflow " \
            "(or pip install 'flowrl[trackers]')" in err
     assert main(["validate", str(BASE), "run.samples_per_step=2"]) == 0
+
+
+def test_a_tracker_whose_state_json_cannot_keep_is_dropped_and_the_run_finishes(tmp_path: Path) -> None:
+    """Before: trackers.json's write raised TypeError at the first flush, and the run died with a traceback."""
+    plan = toy()
+    plan.run["trackers"] = ["test_trackers:Unkeepable", "test_trackers:Recorder"]
+    with pytest.warns(UserWarning, match=r"tracker 'test_trackers:Unkeepable' failed and is dropped .*Unkeepable.open\(\) "
+                      r"returned state that trackers.json cannot keep \(Object of type object is not JSON serializable\)"):
+        assert run(plan, tmp_path, progress=False).status == "done"
+    assert list(json.loads((tmp_path / "trackers.json").read_text())) == ["test_trackers:Recorder"]
+    assert lines(tmp_path / "unkeepable.jsonl")[-1] == {"close": True}  # it opened: it was closed
+    assert [r["step"] for e in lines(tmp_path / "recorder.jsonl") if "rows" in e for r in e["rows"]] == [0, 1, 2, 3]
+
+
+@pytest.mark.slow
+def test_flowrl_run_warns_of_a_tracker_whose_state_json_cannot_keep_and_finishes(tmp_path: Path) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "flowrl.cli", "run", str(BASE), "run.steps=1", "data.batch_size=2",
+                           "nodes.rollout.group_size=2", "nodes.rollout.sampling.max_new_tokens=4",
+                           "run.trackers=[test_trackers:Unkeepable]", "--run-dir", str(tmp_path / "run"), "--quiet"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "tracker 'test_trackers:Unkeepable' failed and is dropped" in proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 def test_a_tracker_that_hangs_or_exits_is_dropped_after_its_timeout_and_the_run_finishes(tmp_path: Path) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from flowrl.data.trajectory import Trajectory
-from flowrl.operator import TRAJECTORIES, Operator
+from flowrl.operator import POLICY, TRAJECTORIES, Operator, TrainResult
 
 
 async def wrong_returns(ctx: Any, sample: dict) -> Any:
@@ -69,3 +69,24 @@ class RaisingOp(Operator):
 
     async def process(self, inputs: dict[str, Any]) -> dict[str, Any]:
         return lookup({}, "weights")
+
+
+class GarbageOut(Operator):
+    """A transform whose result has the right port and the wrong type (a str, not a Group)."""
+
+    inputs: ClassVar = {"trajectories": TRAJECTORIES}
+    outputs: ClassVar = {"trajectories": TRAJECTORIES}
+
+    async def process(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        return {"trajectories": "garbage"}
+
+
+class BadMetricsTrain(Operator):
+    """A trainer whose metrics hold a value JSON cannot write (a set)."""
+
+    kind = "train"
+    inputs: ClassVar = {"trajectories": TRAJECTORIES}
+    outputs: ClassVar = {"policy": POLICY}
+
+    async def train(self, groups: list[Any], *, step: int) -> TrainResult:
+        return TrainResult(policy={"version": step + 1}, metrics={"loss": {0.5}})

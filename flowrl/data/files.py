@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 import random
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -180,27 +180,47 @@ def _prompt_column(row: dict[str, Any], prompt: str | None, messages: str | None
 
 def _check_rows(rows: Rows, key: str, column: str, file: str, where: str | None = None) -> None:
     """Every row's prompt, not the first alone: a bad row deep in the file would otherwise stop the
-    run when its step comes. Rows read into memory (jsonl, json, csv) are checked one by one; a
-    parquet column has one type, so only its missing values are counted."""
-    if isinstance(rows, list):
-        for number, row in enumerate(rows, 1):
-            try:
-                _check_value(key, row.get(column), column)
-            except SourceError as e:
-                raise SourceError(where or e.key, f"{file}: row {number}: {e.detail}") from None
-    elif isinstance(rows, ParquetRows) and (missing := rows.table.column(column).null_count):
+    run when its step comes. A parquet table is read a batch of values at a time, a `datasets`
+    folder row by row, so a large file is checked without copying it into Python objects whole."""
+    if isinstance(rows, ParquetRows) and (missing := rows.table.column(column).null_count):
         raise SourceError(where or key, f"{file}: column {column!r} has no value in {missing} row(s)")
+    for number, value in enumerate(_values(rows, column), 1):
+        try:
+            _check_value(key, value, column)
+        except SourceError as e:
+            raise SourceError(where or e.key, f"{file}: row {number}: {e.detail}") from None
+
+
+def _values(rows: Rows, column: str) -> Iterator[Any]:
+    """The column's value in each row, in order."""
+    if isinstance(rows, ParquetRows):
+        for batch in rows.table.select([column]).to_batches(max_chunksize=1024):
+            yield from batch.column(0).to_pylist()
+    elif isinstance(rows, list):
+        yield from (row.get(column) for row in rows)
+    else:
+        yield from (rows[i].get(column) for i in range(len(rows)))
+
+
+# The chat roles a chat template knows (as the OpenAI API and flowrl_operators.chat.request).
+ROLES = ("system", "user", "assistant", "tool")
 
 
 def _check_value(key: str, value: Any, column: str) -> None:
     if key == "prompt" and not isinstance(value, str):
         raise SourceError("prompt", f"column {column!r} must hold text, got {type(value).__name__} {value!r:.60}")
+    if key == "prompt" and not value.strip():
+        raise SourceError("prompt", f"column {column!r} holds an empty prompt {value!r}; the model would be "
+                                    "given nothing to answer: fill it in or remove the row")
     if key == "messages" and not (isinstance(value, list) and value and all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and image_columns.valid_content(m.get("content"))
             for m in value)):
         raise SourceError("messages", f"column {column!r} must hold a non-empty list of {{role, content}} "
                                       "messages (content: text, or a list of {type: text, text} and {type: image} "
                                       f"parts), got {value!r:.80}")
+    if key == "messages" and (bad := [m["role"] for m in value if m["role"] not in ROLES]):
+        raise SourceError("messages", f"column {column!r} holds a message with the role {bad[0]!r}; a role is one "
+                                      f"of {', '.join(ROLES)}")
 
 
 def _check_image_count(key: str, prompt: Any, count: int, column: str) -> None:

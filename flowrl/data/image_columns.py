@@ -16,7 +16,6 @@ the pixels; storing is idempotent (content hashed), so a re-issued or resumed sa
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 from typing import Any
 
@@ -61,19 +60,19 @@ def _resolve(item: Any, base: Path, column: str) -> Any:
 
 
 def check_cell(value: Any, base: Path, column: str) -> None:
-    """Fail early (at load, not mid-run) when a cell cannot be read as images."""
-    from PIL import Image, UnidentifiedImageError
-
+    """Fail early (at load, not mid-run) when a cell cannot be read as images: each one opened as
+    the run would store it, its header's size checked (images.MAX_PIXELS) and its data verified,
+    without decoding its pixels."""
     for item in cell_items(value):
         resolved = _resolve(item, base, column)
         try:
-            source = io.BytesIO(resolved) if isinstance(resolved, bytes) else resolved
-            if isinstance(source, str):
-                images.decode_data_url(source)
-                continue
-            with Image.open(source) as image:
+            if isinstance(resolved, str):  # a data URL: its base64, then what it holds
+                resolved = images.decode_data_url(resolved)
+            with images.open_image(resolved) as image:
                 image.verify()
-        except (UnidentifiedImageError, ValueError, OSError) as e:
+        except images.TooLarge as e:
+            raise SourceError("images", f"column {column!r} holds an image too large: {e}") from None
+        except (ValueError, OSError, SyntaxError) as e:  # PIL's verify raises SyntaxError on a broken PNG
             raise SourceError("images", f"column {column!r} holds something PIL cannot read as an image: {e}") from None
 
 

@@ -19,6 +19,7 @@ import base64
 import hashlib
 import io
 import os
+import re
 import tempfile
 import threading
 import warnings
@@ -44,15 +45,10 @@ class ImageRef(msgspec.Struct, frozen=True, array_like=True):
 def _as_rgb(image: ImageInput) -> PILImage.Image:
     from PIL import Image
 
-    with warnings.catch_warnings():  # PIL's bomb warning at open: check_pixels below refuses with a message
-        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-        if isinstance(image, bytes):
-            image = Image.open(io.BytesIO(image))
-        elif isinstance(image, (str, os.PathLike)):
-            text = str(image)
-            if text.startswith("data:"):
-                return _as_rgb(decode_data_url(text))
-            image = Image.open(text)
+    if isinstance(image, str) and image.startswith("data:"):
+        image = decode_data_url(image)
+    if isinstance(image, bytes | str | os.PathLike):
+        image = open_image(image)
     if not isinstance(image, Image.Image):
         raise TypeError(f"an image must be bytes, a path, a data URL or a PIL image, not {type(image).__name__}")
     check_pixels(image.width, image.height)  # from the header, before the pixels are decoded
@@ -60,6 +56,29 @@ def _as_rgb(image: ImageInput) -> PILImage.Image:
         return image.convert("RGB")
     except Image.DecompressionBombError as e:
         raise ValueError(str(e)) from None
+    except OSError as e:  # a header that opens, pixels that do not (a truncated file)
+        raise ValueError(f"the image's pixels cannot be decoded: {e}") from None
+
+
+def open_image(source: bytes | str | os.PathLike) -> PILImage.Image:
+    """PIL's lazy open (the header only) of bytes or a path, its size checked (`check_pixels`)
+    before any pixel is decoded. ValueError for what is no image or too large (PIL's own bomb
+    refusal, past twice its limit, included)."""
+    from PIL import Image, UnidentifiedImageError
+
+    with warnings.catch_warnings():  # PIL's bomb warning at open: check_pixels refuses with a message
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        try:
+            image = Image.open(io.BytesIO(source) if isinstance(source, bytes) else source)
+        except Image.DecompressionBombError as e:
+            found = re.search(r"\((\d+) pixels\)", str(e))
+            said = f"{int(found.group(1))} pixels" if found else "too many pixels"
+            raise TooLarge(f"the image declares {said}, over the limit of {MAX_PIXELS} pixels (6000x6000); "
+                             "scale it down") from None
+        except UnidentifiedImageError:
+            raise ValueError("the data is not an image PIL can read (PNG, JPEG, ...)") from None
+    check_pixels(image.width, image.height)
+    return image
 
 
 # The most pixels an image may have (6000 x 6000; its RGB is 3 bytes a pixel, 108 MB). Checked from
@@ -68,10 +87,14 @@ def _as_rgb(image: ImageInput) -> PILImage.Image:
 MAX_PIXELS = 6000 * 6000
 
 
+class TooLarge(ValueError):
+    """An image over MAX_PIXELS (a client's or a dataset's mistake: 413 on a server)."""
+
+
 def check_pixels(width: int, height: int) -> None:
-    """A ValueError for an image over MAX_PIXELS."""
+    """A TooLarge (ValueError) for an image over MAX_PIXELS."""
     if width * height > MAX_PIXELS:
-        raise ValueError(f"the image is {width}x{height} pixels, over the limit of {MAX_PIXELS} pixels "
+        raise TooLarge(f"the image is {width}x{height} pixels, over the limit of {MAX_PIXELS} pixels "
                          f"(6000x6000); scale it down")
 
 

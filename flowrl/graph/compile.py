@@ -66,6 +66,7 @@ def compile_spec(loaded: LoadedSpec) -> Compiled:
     _check_resources(spec, resources, loc, problems)
     if not problems:
         rules.check_fan_in(edges, ops, loc, problems)
+        rules.check_stop_when(spec, configs, ops, loc, problems)
         _check_operators(edges, ops, configs, resources, spec, loc, problems)
     rules.check_references(spec, configs, ops, loc, problems)  # imports the modules named, builds the data source
     if problems:

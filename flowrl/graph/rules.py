@@ -42,6 +42,32 @@ def check_references(spec: Any, configs: dict[str, msgspec.Struct], ops: dict[st
     problems.extend(loc.diagnostic(path, message) for path, message in found)
 
 
+def check_stop_when(spec: Any, configs: dict[str, msgspec.Struct], ops: dict[str, type[Operator]], loc: Locator,
+                    problems: list[Diagnostic]) -> None:
+    """`run.stop_when: {train.<key>: ...}`: a key no train node reports would never stop the run.
+    Checked against what the train nodes declare (`Operator.reported_metrics`); a node that declares
+    nothing (a plugin's) may report anything, and then nothing is checked."""
+    wanted = [name for name in spec.run.stop_when if name.startswith("train.")]
+    trains = [name for name, op in ops.items() if op.kind == "train" and name in configs]
+    if not wanted or not trains:
+        return
+    known: set[str] = set()
+    for name in trains:
+        try:
+            declared = ops[name].reported_metrics(configs[name])
+        except Exception:  # noqa: BLE001 - a plugin's declaration that fails declares nothing
+            return
+        if declared is None:
+            return
+        known |= set(declared)
+    for name in wanted:
+        if name.removeprefix("train.") not in known:
+            listed = ", ".join(f"train.{k}" for k in sorted(known))
+            problems.append(loc.diagnostic(("run", "stop_when", name), f"{name} is not a metric "
+                                           f"{'the train nodes report' if len(trains) > 1 else 'the train node reports'}"
+                                           f", so the run would never stop on it; known: {listed}", at_key=True))
+
+
 def check_fan_in(edges: list[tuple[int, EdgePlan]], ops: dict[str, type[Operator]], loc: Locator,
                  problems: list[Diagnostic]) -> None:
     """A train node learns from one stream of trajectories; a sync node publishes one trainer's policy."""

@@ -20,7 +20,7 @@ from flowrl.blame import UserCodeFailed, describe, user_frames
 from flowrl.data import images
 from flowrl.graph.plan import Plan
 from flowrl.operator import ConfigError, Operator, OperatorContext, TrainResult
-from flowrl.runtime import faults
+from flowrl.runtime import faults, ports
 from flowrl.runtime.channel import Work
 from flowrl.runtime.observe import node_pids, span
 from flowrl.spec.phases import UNBOUNDED_STEPS
@@ -162,6 +162,7 @@ class Stage:
         version = self.version
         group = await self._timed(self.op.generate(work.value, step=work.step, sample_id=work.id),
                                   "generate", work)
+        self._check_outputs("generate", work, {port: group})
         faults.reached("generate")
         await self.coord.complete(self.node.name, self.replica, work.id, {port: group}, version=version,
                                   busy=self.busy, counters=self.op.metrics(), errors=self.op.errors())
@@ -206,6 +207,7 @@ class Stage:
                                  f"sample {work.id}, which node '{self.node.name}' does not have (its outputs: "
                                  f"{', '.join(self.node.outputs) or 'none'})")
         outputs = {port: (outputs or {}).get(port) for port in self.node.outputs}
+        self._check_outputs("process", work, outputs)
         await self.coord.complete(self.node.name, self.replica, work.id, outputs, busy=self.busy,
                                   counters=self.op.metrics(), errors=self.op.errors())
 
@@ -222,8 +224,10 @@ class Stage:
                 result = await self._timed(self.op.train(groups, step=work.step), "train", work, tid=0)
                 faults.reached("train")
             if not isinstance(result, TrainResult):
-                raise TypeError(f"{type(self.op).__name__}.train() returned {type(result).__name__}, "
-                                "expected flowrl.operator.TrainResult")
+                raise UserCodeFailed(f"{type(self.op).__name__}.train() returned {type(result).__name__}; "
+                                     "expected flowrl.operator.TrainResult")
+            if (wrong := ports.wrong_metrics(result.metrics)) is not None:
+                raise UserCodeFailed(f"{type(self.op).__name__}.train() on step {work.step} returned {wrong}")
             await self.coord.complete(self.node.name, self.replica, work.id, {port: result.policy},
                                       metrics=dict(result.metrics), busy=self.busy)
 
@@ -238,6 +242,14 @@ class Stage:
             await self.coord.complete(self.node.name, self.replica, work.id, {port: weights}, busy=self.busy)
 
     # ---- helpers -----------------------------------------------------------------------------
+
+    def _check_outputs(self, method: str, work: Work, outputs: dict[str, Any]) -> None:
+        """Each output against its port's type: a wrong one is blamed here, on the node that returned
+        it, not on the node downstream that would fail on it."""
+        for port, value in outputs.items():
+            if (wrong := ports.wrong_value(self.node.outputs[port], value)) is not None:
+                raise UserCodeFailed(f"{type(self.op).__name__}.{method}() returned for port {port!r} on sample "
+                                     f"{work.id} {wrong}")
 
     async def _take(self) -> Work | None:
         self._raise_failure()

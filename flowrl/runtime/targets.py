@@ -15,8 +15,9 @@ written, status "done", stopped_by "stop_when", `flowrl run` exits 0. Metric nam
   `train.entropy`).
 
 A metric that should fall (a loss) is not a stop_when target: thresholds are lower bounds.
-A `train.<key>` that the train node's first trained step does not report fails the run there,
-naming the keys it does report (operators declare no metric names that validate could read).
+A `train.<key>` that no train node declares (`Operator.reported_metrics`) is refused by `flowrl
+validate`, naming the keys they report (flowrl/graph/rules.py); one a node that declares nothing
+(a plugin) does not report at its first trained step fails the run there, naming those it does.
 """
 
 from __future__ import annotations

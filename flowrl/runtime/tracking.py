@@ -23,6 +23,7 @@ the process alive at exit), so a tracker never holds up the run, its checkpoints
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
@@ -77,11 +78,21 @@ class Tracking:
         label = f"{group}/{self.run_dir.name}" if phased else self.run_dir.name
         state = tracker.open(TrackerContext(self.run_dir, self.name, label, group, self.origin, self.config,
                                             entry.get("state", {}), self.timeout))
+        state = state or {}
+        try:  # trackers.json must keep it: state that JSON cannot hold drops the tracker, not the run
+            if not isinstance(state, dict):
+                raise TypeError(f"it is {type(state).__name__}, not a dict")
+            json.dumps(state)
+        except (TypeError, ValueError) as e:
+            with contextlib.suppress(Exception):  # it did open: let it end what it began
+                tracker.close()
+            raise TypeError(f"{cls.__name__}.open() returned state that trackers.json cannot keep ({e}); "
+                            "return a dict of JSON values (a run id, say) or None") from None
         assert self.open is not None
         self.open[name] = tracker
         # A rewound tracker's files were cut back to the checkpoint: it gets the later steps again.
         steps = {} if getattr(cls, "rewound", False) else entry.get("steps", {})
-        self.saved[name] = {"state": state or {}, "steps": steps}
+        self.saved[name] = {"state": state, "steps": steps}
 
     def _call(self, name: str, fn: Any, *args: Any) -> bool:
         problem = bounded(fn, args, self.timeout)

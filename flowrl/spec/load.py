@@ -148,6 +148,8 @@ def _fields_at(schema: type, path: Path) -> list[str]:
     current: Any = schema
     for part in path:
         if isinstance(part, int):
+            if _is_struct(current):  # a list's item type, already unwrapped from list[...]
+                continue
             current = next((a for a in typing.get_args(current) if a is not type(None)), None)
         else:
             hints = typing.get_type_hints(current, include_extras=True) if _is_struct(current) else {}

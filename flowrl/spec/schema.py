@@ -151,6 +151,9 @@ class EdgeSpec(Strict):
     kind: Literal["data", "weights"] = "data"
 
 
+MIN_PHASE_SECONDS = 1.0
+
+
 class PhaseSpec(Strict):
     """A phase runs the graph for a number of steps with some keys changed (`set`, dotted keys)."""
 
@@ -158,6 +161,13 @@ class PhaseSpec(Strict):
     steps: PositiveInt | None = None
     seconds: Annotated[float, Meta(gt=0)] | None = None
     set: dict[str, Any] = {}
+
+    def __post_init__(self) -> None:
+        # The clock starts once every stage has set up; under a second no train step of a real
+        # model finishes, and the phase would export nothing for the next one.
+        if self.seconds is not None and self.seconds < MIN_PHASE_SECONDS:
+            raise ValueError(f"seconds: phase '{self.name}' lasts {self.seconds:g} s, too short to train a step "
+                             f"(at least {MIN_PHASE_SECONDS:g} s); give it more seconds, or steps")
 
 
 class NodeSpec(msgspec.Struct, kw_only=True):

@@ -18,6 +18,7 @@ names and bodies; weight versions are strings on the wire, as in SGLang, holding
   POST /update_weights_from_tensor   serialized_named_tensors: base64 safetensors (see transfer.py)
   POST /update_weights_from_disk     {"model_path"}
   POST /init_weights_update_group, /update_weights_from_distributed, /destroy_weights_update_group
+                                 (the rendezvous bounded by rendezvous_timeout_s: groups.py)
   POST /begin_weight_update, /end_weight_update: updates in between are staged and applied together
   POST /update_weight_version    {"new_version"}
   GET|POST /flush_cache          400 while requests run (nothing else is cached)
@@ -42,16 +43,11 @@ from aiohttp import web
 from flowrl_operators.chat import http_body
 from flowrl_operators.chat.request import MAX_COMPLETIONS, check_length, off_loop
 from flowrl_operators.engine.embedded.engine import EmbeddedEngine
-from flowrl_operators.engine.server import chat
+from flowrl_operators.engine.server import chat, groups
 from flowrl_operators.engine.sglang.image_data import request_images
 from flowrl_operators.inference import PAUSE_MODES, GenerateRequest, GenerateResult, SamplingParams
 from flowrl_operators.models import load_tokenizer
-from flowrl_operators.transport.engine_wire import (
-    LOAD_FORMAT,
-    decode_bucket,
-    parse_dtype,
-    weight_update_group,
-)
+from flowrl_operators.transport.engine_wire import LOAD_FORMAT, decode_bucket, parse_dtype
 
 # SGLang sampling keys this engine honours, and keys it may safely ignore at their defaults.
 SAMPLING_KEYS = {"temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "ignore_eos",
@@ -113,8 +109,10 @@ def version_spans(versions: list[int], current: int) -> list[dict]:
 class EngineServer:
     """aiohttp routes around one engine. Build with `start_server`, or `app()` for a custom runner."""
 
-    def __init__(self, engine: EmbeddedEngine, tokenizer=None, model_name: str | None = None) -> None:
+    def __init__(self, engine: EmbeddedEngine, tokenizer=None, model_name: str | None = None,
+                 rendezvous_timeout_s: float = groups.RENDEZVOUS_TIMEOUT_S) -> None:
         self.engine = engine
+        self.rendezvous_timeout_s = rendezvous_timeout_s  # /init_weights_update_group's bound (groups.py)
         self.tokenizer = tokenizer
         self.model_name = model_name or str(engine.folder)
         self.session: dict[str, torch.Tensor] | None = None  # staged weights between begin/end
@@ -320,13 +318,11 @@ class EngineServer:
         return success(f"loaded {body['model_path']}", num_paused_requests=0)
 
     async def init_group(self, request: web.Request) -> web.Response:
-        body = await json_body(request)
-        name = body.get("group_name", "weight_update_group")
-        group = await asyncio.to_thread(
-            weight_update_group, body["master_address"], int(body["master_port"]),
-            int(body.get("rank_offset", 1)), int(body["world_size"]), name, body.get("backend", "gloo"))
-        self.groups[name] = group
-        return success(f"joined weight update group {name!r}")
+        args = groups.group_args(await json_body(request), self.rendezvous_timeout_s, torch.cuda.is_available())
+        if args.name in self.groups:
+            raise BadRequest(f"weight update group {args.name!r} exists; destroy it first")
+        self.groups[args.name] = await groups.join(args)
+        return success(f"joined weight update group {args.name!r}")
 
     async def update_from_distributed(self, request: web.Request) -> web.Response:
         body = await json_body(request)
@@ -437,14 +433,15 @@ def success(message: str, **extra) -> web.Response:
 
 
 async def start_server(engine: EmbeddedEngine, host: str = "127.0.0.1", port: int = 0, tokenizer=None,
-                       model_name: str | None = None) -> tuple[web.AppRunner, int]:
+                       model_name: str | None = None,
+                       rendezvous_timeout_s: float = groups.RENDEZVOUS_TIMEOUT_S) -> tuple[web.AppRunner, int]:
     """Serve `engine` on host:port (port 0: a free one) in the running loop; returns (runner, port).
     Stop with `await runner.cleanup()`."""
     if not ipaddress.ip_address(host).is_loopback:
         raise ValueError(f"host {host!r}: the engine server binds loopback addresses only (127.0.0.1)")
     # handler_cancellation: a client that disconnects cancels its handler, and so its requests' work
     # (EmbeddedEngine.generate aborts a cancelled request), instead of generating for nobody.
-    runner = web.AppRunner(EngineServer(engine, tokenizer, model_name).app(), access_log=None,
+    runner = web.AppRunner(EngineServer(engine, tokenizer, model_name, rendezvous_timeout_s).app(), access_log=None,
                            handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
@@ -456,7 +453,8 @@ async def serve(args: argparse.Namespace) -> None:
     engine = EmbeddedEngine(args.model, max_slots=args.max_slots, max_context=args.max_context,
                             dtype=args.dtype, device=args.device, threads=args.threads, seed=args.seed)
     tokenizer = load_tokenizer(engine.folder)
-    runner, port = await start_server(engine, args.host, args.port, tokenizer, model_name=args.model)
+    runner, port = await start_server(engine, args.host, args.port, tokenizer, model_name=args.model,
+                                      rendezvous_timeout_s=args.rendezvous_timeout)
     print(f"flowrl engine listening on http://{args.host}:{port}", flush=True)
     try:
         await asyncio.Event().wait()
@@ -477,6 +475,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (one per process is fastest "
                         "when processes share cores)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rendezvous-timeout", type=float, default=groups.RENDEZVOUS_TIMEOUT_S,
+                        help="seconds /init_weights_update_group waits for rank 0 before a 400")
     try:
         asyncio.run(serve(parser.parse_args(argv)))
     except KeyboardInterrupt:
