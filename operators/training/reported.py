@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 LOSS = ("policy_loss", "loss", "kl", "clip_fraction", "entropy", "mismatch_logprob_mean", "mismatch_logprob_max",
-        "mismatch_out_of_clip", "behaviour_weight", "masked_by_correction")
+        "mismatch_out_of_clip", "behaviour_weight", "masked_by_correction", "entropy_coef")
 TRAINER = ("tokens", "sequences", "skipped", "skipped_steps", "grad_norm", "lr", "grad_cos_prev", "gac_projected")
 OPERATOR = ("reward_mean", "greedy_reward_mean", "trajectories", "policy_kl", "tied_group_fraction", "torch_threads")
 TRAIN_METRICS = frozenset(LOSS + TRAINER + OPERATOR)
