@@ -224,8 +224,8 @@ class LossConfig(Strict):
     # Adaptive entropy control: the bonus's coefficient rises with how far entropy fell below a target.
     entropy_control: EntropyControl | None = None
     # Unlikelihood on negative-advantage tokens: loss += coef * |A| * -log(1 - p(token)). Its gradient
-    # on the token's logit is coef * |A| * p, largest where the policy is sure: it moves a wrong token the
-    # policy has locked on (p ~ 1), where -A log p's gradient, |A| (1 - p), vanishes. Only for token-level
+    # on the token's logit is coef * |A| * p, largest where the policy is sure: it keeps a wrong token
+    # from becoming certain, where -A log p's gradient, |A| (1 - p), vanishes. Only for token-level
     # credit (a token with A < 0 is wrong): under sequence rewards it would push down a wrong answer's
     # right tokens as hard. 0: off.
     unlikelihood: Annotated[float, Meta(ge=0)] = 0.0
@@ -245,6 +245,11 @@ class LossConfig(Strict):
     def __post_init__(self) -> None:
         if unbounded_weight(self):
             raise ValueError(UNBOUNDED_WEIGHT)
+        if self.supervised and (self.unlikelihood or self.cov is not None):
+            raise ValueError("unlikelihood and cov act on advantages, which a supervised loss has none of: remove them")
+        if self.entropy_control is not None and self.entropy_control.max_coef < self.entropy_coef:
+            raise ValueError(f"entropy_control.max_coef ({self.entropy_control.max_coef}) is below entropy_coef "
+                             f"({self.entropy_coef}): the bonus would shrink as entropy collapses")
 
 
 UNBOUNDED_WEIGHT = (

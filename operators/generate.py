@@ -129,7 +129,10 @@ class Generate(Operator):
             from flowrl_operators.tools import SandboxService
 
             self.sandbox = SandboxService(self.config.tools.sandbox)
-            self.services["sandbox"] = await self.sandbox.astart()  # a SandboxClient for workflows
+            try:
+                self.services["sandbox"] = await self.sandbox.astart()  # a SandboxClient for workflows
+            except RuntimeError as exc:  # e.g. isolation: bwrap where bubblewrap does not work
+                raise ConfigError(self.context.node, ("tools", "sandbox", "isolation"), str(exc)) from None
         if getattr(self.workflow, "needs_proxy", False) or self.config.serve_openai:
             from flowrl_operators.workflows.proxy import Proxy
 

@@ -30,6 +30,7 @@ import msgspec
 from flowrl import registry
 from flowrl.data.trajectory import INVALID, Group, Trajectory, Turn
 from flowrl.graph.plan import Plan
+from flowrl_operators.config import RewardConfig
 
 PROBE_ROWS = 8
 REFERENCE_COLUMNS = ("answer", "target", "reference", "solution", "ground_truth", "label")
@@ -144,6 +145,8 @@ async def _probe_node(plan: Plan, name: str, op: type, found: list, source: Any)
     from flowrl.operator import OperatorContext
 
     config = msgspec.convert(plan.nodes[name].config, op.Config)
+    if isinstance(config, RewardConfig):  # the probe judges the function, not a control arm's draws
+        config = msgspec.structs.replace(config, control=None)
     node = op(config, OperatorContext(node=name, seed=plan.seed, model=plan.model, data=plan.data))
     tokenizer = _tokenizer(plan)
     try:

@@ -5,10 +5,11 @@ the answer, have gained as much (from a shorter reply, a format, the eval's nois
 random` the node still scores every trajectory with its function, keeps that score as
 `metadata["true_reward"]` (and reports its mean as `reward/true_mean`), and trains on a reward drawn
 at random from the scores seen so far in the run, this one's included: the task's own reward
-distribution at its current rate (for a 0/1 reward, 1 with the base rate's probability), independent
-of what the sample says. Only sequence rewards can be drawn so: a trajectory with turn or token
-rewards fails the node, naming the option. The draws are seeded by the run's seed and the node's
-name; a resumed run starts its pool of scores afresh.
+distribution, pooled since the run (or its resume) began (for a 0/1 reward, 1 with the pooled rate's
+probability; a control arm does not learn, so that stays about the base rate), independent of what
+the sample says. Only sequence rewards can be drawn so: a trajectory with turn or token rewards fails
+the node, naming the option. The draws are seeded by the run's seed, the node's name and how many
+scores the pool held.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ class ControlMisused(ValueError):
 
 class RandomReward:
     def __init__(self, seed: int, node: str) -> None:
-        self.rng = random.Random(seed * 1_000_003 + zlib.crc32(node.encode()))
+        self.seed = seed * 1_000_003 + zlib.crc32(node.encode())
         self.seen: list[float] = []
 
     def apply(self, trajectories: list[Trajectory]) -> None:
@@ -34,6 +35,7 @@ class RandomReward:
                                  "turn or token rewards: remove `control` or return one float per trajectory")
         scored = [t for t in trajectories if t.reward is not None]
         self.seen.extend(float(t.reward) for t in scored)
+        rng = random.Random(self.seed * 7_919 + len(self.seen))  # a group's draws: seed and pool size
         for t in scored:
             t.metadata["true_reward"] = t.reward
-            t.reward = self.rng.choice(self.seen)
+            t.reward = rng.choice(self.seen)

@@ -59,7 +59,7 @@ def test_an_empty_prompt_in_row_3_is_refused(tmp_path, capsys):
 def test_a_message_role_no_chat_template_knows_is_refused(tmp_path, capsys):
     rows = [{"messages": [{"role": role, "content": "<12>"}]} for role in ("user", "system", "robot", "user")]
     err = validate(tmp_path, rows, capsys)
-    assert "data.source.messages: " in err and "the role 'robot'; a role is one of system, user, assistant, tool" in err
+    assert "data.source.messages: " in err and "the role 'robot'; a role is one of system, developer, user, assistant, tool, ipython" in err
 
 
 def test_a_data_url_of_base64_that_is_no_image_is_refused(tmp_path, capsys):

@@ -58,7 +58,7 @@ def test_a_rendezvous_where_no_trainer_listens_is_a_400_within_its_bound(server,
     assert status == 400, message
     assert "did not answer within" in message and "is the trainer running" in message, message
     assert f"rendezvous_timeout_s {bound:g}" in message and "Traceback" not in message
-    assert seconds < bound + 4, seconds
+    assert seconds < 2 * bound + 5, seconds  # bounded (it was ~50 s), with slack for a loaded machine
 
 
 @pytest.mark.parametrize(("fields", "said"), [
@@ -77,4 +77,4 @@ def test_each_wrong_field_is_a_400_naming_it_before_anything_connects(fields, sa
 
     [(status, message, seconds)] = serve(test)
     assert status == 400 and said in message, (status, message)
-    assert seconds < 1.0
+    assert seconds < 3.0  # no rendezvous was tried (its bound is 5 s); slack for a busy 2-core machine

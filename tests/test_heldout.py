@@ -18,7 +18,8 @@ def heldout():
     module = importlib.util.module_from_spec(spec)
     sys.modules["heldout"] = module
     spec.loader.exec_module(module)
-    return module
+    yield module
+    sys.modules.pop("heldout", None)
 
 
 def test_wilson_interval_matches_the_formula_and_is_sound_at_the_ends(heldout):
@@ -57,12 +58,12 @@ def git(repo: Path, *args: str) -> None:
                         "GIT_COMMITTER_EMAIL": "t@t", "HOME": str(repo)})
 
 
-def test_heldout_seeds_need_heldout_and_a_clean_tree(heldout, tmp_path, capsys):
+def test_heldout_seeds_need_heldout_and_a_clean_tree(heldout, tmp_path, capsys, monkeypatch):
     git(tmp_path, "init", "-q")
     (tmp_path / "recipe.yaml").write_text("lr: 1\n")
     git(tmp_path, "add", "recipe.yaml")
     git(tmp_path, "commit", "-qm", "recipe")
-    heldout.ROOT = tmp_path
+    monkeypatch.setattr(heldout, "ROOT", tmp_path)
     with pytest.raises(SystemExit) as screening:
         heldout.seeds_for("bench_e2e", False, [3, 1004])
     assert screening.value.code == 2 and "held out" in capsys.readouterr().err

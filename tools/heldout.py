@@ -101,7 +101,9 @@ def median_ratio(numerator: Sequence[float | None], denominator: Sequence[float 
         top, bottom = _quantile(sorted(xs), 0.5), _quantile(sorted(ys), 0.5)
         if math.isinf(bottom):
             return math.nan if math.isinf(top) else 0.0
-        return top / bottom if bottom else math.inf
+        if not bottom:
+            return math.nan if not top else math.inf
+        return top / bottom
 
     rng = random.Random(seed)
     boots = []
@@ -111,9 +113,10 @@ def median_ratio(numerator: Sequence[float | None], denominator: Sequence[float 
             boots.append(ratio([a[i] for i in idx], [b[i] for i in idx]))
         else:
             boots.append(ratio(rng.choices(a, k=len(a)), rng.choices(b, k=len(b))))
+    undefined = sum(math.isnan(x) for x in boots)  # resamples where both medians are misses (or 0)
     boots = sorted(x for x in boots if not math.isnan(x))
     ci = [_finite(_quantile(boots, 0.025)), _finite(_quantile(boots, 0.975))] if boots else None
-    return {"ratio": _finite(ratio(a, b)), "ci95": ci}
+    return {"ratio": _finite(ratio(a, b)), "ci95": ci, "undefined_resamples": undefined}
 
 
 def rate(successes: int, trials: int) -> dict:
@@ -160,7 +163,12 @@ def record(result: dict, ledger: Path = LEDGER) -> None:
     same commit beside it (what screening bought; the held-out one is the figure to quote)."""
     protocol = result["protocol"]
     ledger.parent.mkdir(parents=True, exist_ok=True)
-    earlier = [json.loads(line) for line in ledger.read_text().splitlines() if line.strip()] if ledger.exists() else []
+    earlier = []
+    for line in ledger.read_text().splitlines() if ledger.exists() else []:
+        try:
+            earlier.append(json.loads(line))
+        except ValueError:  # a line cut by a crash: the rest of the ledger still counts
+            print(f"held-out protocol: skipped an unreadable line of {ledger}", file=sys.stderr)
     with ledger.open("a") as f:
         f.write(json.dumps(result) + "\n")
     if not protocol["heldout"]:

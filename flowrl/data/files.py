@@ -202,8 +202,9 @@ def _values(rows: Rows, column: str) -> Iterator[Any]:
         yield from (rows[i].get(column) for i in range(len(rows)))
 
 
-# The chat roles a chat template knows (as the OpenAI API and flowrl_operators.chat.request).
-ROLES = ("system", "user", "assistant", "tool")
+# The chat roles chat templates know: the OpenAI API's (flowrl_operators.chat.request), its newer
+# `developer`, and Llama 3's `ipython` (a tool's output).
+ROLES = ("system", "developer", "user", "assistant", "tool", "ipython")
 
 
 def _check_value(key: str, value: Any, column: str) -> None:

@@ -77,7 +77,11 @@ def open_image(source: bytes | str | os.PathLike) -> PILImage.Image:
                              "scale it down") from None
         except UnidentifiedImageError:
             raise ValueError("the data is not an image PIL can read (PNG, JPEG, ...)") from None
-    check_pixels(image.width, image.height)
+    try:
+        check_pixels(image.width, image.height)
+    except ValueError:
+        image.close()  # the lazily opened file, when source was a path
+        raise
     return image
 
 

@@ -16,7 +16,9 @@ later service kills the processes and removes the folders of a service that is g
 
 from __future__ import annotations
 
+import json
 import os
+import pwd
 import shutil
 import signal
 import sys
@@ -186,16 +188,32 @@ def alive(pid: int) -> bool:
     return True
 
 
+UIDS_FILE = "uids.json"  # in a service's root folder: the slot uids its calls ran as
+
+
 def sweep_stale(tmp: str | None = None) -> dict[str, int]:
     """Kill the sandbox processes and remove the folders of services that are gone (a service
-    killed with SIGKILL could clean up neither)."""
-    stale_uids = {uid for uid in processes_of(above=UID_BASE).values()
-                  if not alive((uid - UID_BASE) // SLOTS_PER_SERVICE)}
-    killed = kill_uids(stale_uids) if stale_uids else 0
-    removed = 0
+    killed with SIGKILL could clean up neither). Only the uids a dead service recorded in its own
+    folder are swept: never a uid this service did not hand out."""
+    killed = removed = 0
     for folder in Path(tmp or tempfile.gettempdir()).glob(ROOT_PREFIX + "*"):
         pid = folder.name[len(ROOT_PREFIX):].split("-")[0]
-        if pid.isdigit() and not alive(int(pid)):
-            shutil.rmtree(folder, ignore_errors=True)
-            removed += 1
+        if not pid.isdigit() or alive(int(pid)):
+            continue
+        try:
+            uids = {int(u) for u in json.loads((folder / UIDS_FILE).read_text()) if int(u) >= UID_BASE}
+        except (OSError, ValueError, TypeError):
+            uids = set()
+        killed += kill_uids(uids) if uids else 0
+        shutil.rmtree(folder, ignore_errors=True)
+        removed += 1
     return {"processes": killed, "folders": removed}
+
+
+def unused_uid(uid: int) -> bool:
+    """Whether no account of this machine has `uid` (a directory service can hand out uids this high)."""
+    try:
+        pwd.getpwuid(uid)
+    except KeyError:
+        return True
+    return False

@@ -32,11 +32,13 @@ from flowrl_operators.config import SandboxConfig
 from flowrl_operators.tools.execute import Call, Limits, kill_running, run_call
 from flowrl_operators.tools.isolation import (
     ROOT_PREFIX,
+    UIDS_FILE,
     become_subreaper,
     kill_uids,
     python_path,
     slot_uid,
     sweep_stale,
+    unused_uid,
 )
 from flowrl_operators.tools.pool import Pool
 
@@ -74,6 +76,10 @@ async def probe(config: SandboxConfig, python: str, root: Path, limits: Limits) 
         if why is not None:
             notes.append(f"bwrap does not work here ({why}); rlimits only")
     uids = [slot_uid(i) if uid >= 0 else -1 for i in range(config.workers)]
+    if uid >= 0 and not all(unused_uid(u) for u in uids):
+        notes.append("a slot uid belongs to an account of this machine; calls run as root, without a process limit")
+        uids = [-1] * config.workers
+    (root / UIDS_FILE).write_text(json.dumps([u for u in uids if u >= 0]))
     return {"bwrap": bwrap, "uids": uids, "notes": notes}
 
 

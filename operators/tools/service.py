@@ -45,8 +45,10 @@ class SandboxService:
         if self.process is not None:
             raise RuntimeError("the sandbox service is already started")
         arg = json.dumps(msgspec.to_builtins(self.config))
+        # A session of its own: the run's Ctrl-C stops the run gracefully, which stops this service
+        # last (stdin closes); a shared SIGINT would end the calls still in flight first.
         self.process = subprocess.Popen([sys.executable, "-m", "flowrl_operators.tools.server", arg],
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True)
         line = self._first_line()
         try:
             ready = json.loads(line)

@@ -119,6 +119,7 @@ class EngineServer:
         self.session_version: int | None = None
         self.session_error: str | None = None  # a failed update poisons the session: none applies
         self.groups: dict[str, object] = {}  # weight broadcast groups by name
+        self.joining: set[str] = set()  # group names whose rendezvous is under way
 
     def app(self) -> web.Application:
         # Bodies are read by json_body, with each route's own limit (WEIGHTS_LIMIT for weights).
@@ -319,9 +320,13 @@ class EngineServer:
 
     async def init_group(self, request: web.Request) -> web.Response:
         args = groups.group_args(await json_body(request), self.rendezvous_timeout_s, torch.cuda.is_available())
-        if args.name in self.groups:
+        if args.name in self.groups or args.name in self.joining:
             raise BadRequest(f"weight update group {args.name!r} exists; destroy it first")
-        self.groups[args.name] = await groups.join(args)
+        self.joining.add(args.name)  # two concurrent joins of one name: the second is refused, not leaked
+        try:
+            self.groups[args.name] = await groups.join(args)
+        finally:
+            self.joining.discard(args.name)
         return success(f"joined weight update group {args.name!r}")
 
     async def update_from_distributed(self, request: web.Request) -> web.Response:

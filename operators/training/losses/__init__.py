@@ -175,7 +175,9 @@ def entropy_coefficient(entropy: torch.Tensor, mask: torch.Tensor, config: LossC
 
 def unlikelihood(logprobs: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
     """|A| * -log(1 - p) on tokens with A < 0, 0 elsewhere (Welleck et al. 2019, arXiv 1908.04319):
-    its gradient on the token's logit is |A| p, which does not vanish as p -> 1."""
+    its gradient on the token's logit is |A| p, largest where the policy is surest. p is clamped at
+    1 - 1e-6 (-log(1 - p) is infinite at 1), where the gradient stops: the term keeps a wrong token from
+    becoming certain; it does not free one that already is (docs/benchmarks.md measured both)."""
     p = logprobs.exp().clamp(max=1 - 1e-6)
     return torch.where(advantages < 0, -advantages * -torch.log1p(-p), 0.0)
 
@@ -196,7 +198,7 @@ def covariance_control(per_token: torch.Tensor, logprobs: torch.Tensor, old: tor
     else:  # a random draw among the tokens in the band (seeded by the trainer's torch generator)
         band = torch.nonzero((covariance > cov.low) & (covariance < cov.high)).squeeze(-1)
         chosen = band[torch.randperm(len(band))[:count]]
-    selected = torch.zeros(n, dtype=torch.bool)
+    selected = torch.zeros(n, dtype=torch.bool, device=per_token.device)
     selected[chosen] = True
     where = torch.zeros_like(kept)
     where[kept] = selected
