@@ -204,7 +204,7 @@ def covariance_control(per_token: torch.Tensor, logprobs: torch.Tensor, old: tor
     where[kept] = selected
     if isinstance(cov, KLCov):
         return per_token + torch.where(where, cov.coef * (logprobs - old).abs(), 0.0)
-    return torch.where(where, per_token * 0.0, per_token)
+    return per_token.masked_fill(where, 0.0)
 
 
 def policy_loss(config: LossConfig) -> LossFn:
