@@ -8,13 +8,13 @@ checkpoint (or starts it, if it has none).
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from flowrl.graph.compile import compile_spec
 from flowrl.operator import ConfigError
+from flowrl.records import Launch, PhaseDone, RunDir, encode
 from flowrl.spec import guard, semantics
 from flowrl.spec.errors import SpecError, UserError
 from flowrl.spec.load import LoadedSpec, load
@@ -46,7 +46,7 @@ def start(file: str, overrides: list[str], run_dir: Path | None = None, executor
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "spec.yaml").write_text(guard.read_text(file))
-        (run_dir / "launch.json").write_text(json.dumps({"file": file, "overrides": overrides, "executor": executor}))
+        (run_dir / "launch.json").write_bytes(encode(Launch(file=file, overrides=overrides, executor=executor)))
     except OSError as e:
         raise UserError(f"cannot write the run directory {run_dir}: {e.strerror or e}") from e
     return _run_phases(loaded, run_dir, executor, progress)
@@ -55,16 +55,16 @@ def start(file: str, overrides: list[str], run_dir: Path | None = None, executor
 def resume(run_dir: Path, progress: bool = True) -> list:
     """Continue an interrupted `start()` from its run directory."""
     launch = _launch_record(run_dir)
-    loaded = load(str(run_dir / "spec.yaml"), launch["overrides"])
+    loaded = load(str(run_dir / "spec.yaml"), launch.overrides)
     phases = expand(loaded)
     single = not loaded.spec.phases
     if all(((run_dir if single else phase_dir(run_dir, i, phase)) / "phase.json").exists()
            for i, (phase, _) in enumerate(phases)):
         raise UserError(f"the run in {run_dir} has finished; nothing to resume (start a new run instead)")
-    return _run_phases(loaded, run_dir, launch.get("executor"), progress, resuming=True)
+    return _run_phases(loaded, run_dir, launch.executor, progress, resuming=True)
 
 
-def _launch_record(run_dir: Path) -> dict:
+def _launch_record(run_dir: Path) -> Launch:
     """launch.json of a run directory, or a UserError saying why `run_dir` is not one."""
     if not run_dir.is_dir():
         raise UserError(f"no run directory {run_dir}; --resume takes the directory of an earlier `flowrl run`")
@@ -73,12 +73,11 @@ def _launch_record(run_dir: Path) -> dict:
         raise UserError(f"{run_dir} is not a run directory (no launch.json and spec.yaml); --resume takes the "
                         "directory of an earlier `flowrl run`")
     try:
-        launch = json.loads(record.read_text())
-        if not isinstance(launch, dict) or not isinstance(launch.get("overrides"), list):
-            raise ValueError("not a launch record")
-        return launch
-    except (OSError, ValueError) as e:
+        return RunDir(run_dir).launch()
+    except OSError as e:
         raise UserError(f"cannot read {record}: {e}") from e
+    except ValueError as e:  # a RecordError: it names the file and what is wrong
+        raise UserError(f"cannot read {e}") from e
 
 
 def _too_short(phase: PhaseSpec, result: RunResult) -> str:
@@ -100,7 +99,7 @@ def _run_phases(loaded: LoadedSpec, run_dir: Path, executor: str | None, progres
         directory = run_dir if single else phase_dir(run_dir, index, phase)
         marker = directory / "phase.json"
         if marker.exists():  # finished before an interruption
-            exported[phase.name] = json.loads(marker.read_text()).get("export")
+            exported[phase.name] = RunDir(directory).phase_done().export  # type: ignore[union-attr] - it exists
             model_path = exported[phase.name] or model_path
             continue
         plan = compile_spec(phase_loaded).plan
@@ -124,7 +123,7 @@ def _run_phases(loaded: LoadedSpec, run_dir: Path, executor: str | None, progres
             lost = result.lost()
             raise StageFailed(f"phase {phase.name} finished without exporting its policy "
                               f"({', '.join(map(str, exports))} holds no config.json)" + (f"; {lost}" if lost else ""))
-        marker.write_text(json.dumps({"status": "done", "export": export, "seconds": result.seconds}))
+        marker.write_bytes(encode(PhaseDone(status="done", export=export, seconds=result.seconds)))
         exported[phase.name] = export
         model_path = export or model_path
     return results

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import json
 import os
 import sys
 import time
@@ -27,19 +26,14 @@ from typing import Any
 import msgspec
 import yaml
 
+from flowrl.records import MetricsRow, ReplayInfo, RunDir, encode
 from flowrl.runtime import rollouts
 from flowrl.spec.errors import UserError
 
 
 def phase_directory(run_dir: Path) -> Path:
-    """The directory holding the plan to replay: RUN_DIR itself, or its last phase's."""
-    if (run_dir / "plan.json").exists():
-        return run_dir
-    phases = sorted((p for p in (run_dir / "phases").glob("*-*") if (p / "plan.json").exists()),
-                    key=lambda p: int(p.name.split("-", 1)[0])) if (run_dir / "phases").is_dir() else []
-    if not phases:
-        raise UserError(f"{run_dir} is not a run directory (no plan.json, no phases/*/plan.json)")
-    return phases[-1]
+    """The directory holding the plan to replay: RUN_DIR itself, or its last phase's (RunDir.last)."""
+    return RunDir(run_dir).last().path
 
 
 def train_node(plan: Any, directory: Path) -> str:
@@ -96,14 +90,10 @@ def load_steps(directory: Path, node: str) -> list[rollouts.RolloutStep]:
 
 def _train_rows(directory: Path, node: str) -> list[dict[str, Any]] | None:
     """The run's metrics.jsonl rows of `node`'s train steps (None without a metrics.jsonl)."""
-    metrics = directory / "metrics.jsonl"
-    if not metrics.exists():
+    run = RunDir(directory)
+    if not run.has("metrics.jsonl"):
         return None
-    try:
-        rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    except ValueError as e:
-        raise UserError(f"{metrics}: a row does not parse: {e}") from None
-    return [r for r in rows if r.get("node") == node and isinstance(r.get("train"), dict)]
+    return [r.as_dict() for r in run.metrics() if r.node == node]  # a damaged row: RecordError, located
 
 
 def _trained_steps(directory: Path, node: str) -> int | None:
@@ -144,9 +134,9 @@ def replay(run_dir: Path, overrides: list[str], out: str | None = None, echo: An
     target = new_directory(run_dir, out)
     target.mkdir(parents=True, exist_ok=True)
     ids = rollouts.sample_ids(steps)
-    (target / "replay.json").write_text(json.dumps(
-        {"source": str(directory), "node": node, "overrides": overrides, "steps": len(steps),
-         "ids_sha256": rollouts.checksum(ids)}, indent=1))
+    info = ReplayInfo(source=str(directory), node=node, overrides=overrides, steps=len(steps),
+                      ids_sha256=rollouts.checksum(ids))
+    (target / "replay.json").write_bytes(msgspec.json.format(encode(info), indent=1))
     _thread_environment(recorded_threads(directory, node))
     started = time.time()
     asyncio.run(_train(plan, node, config, steps, directory, target, echo))
@@ -186,14 +176,15 @@ async def _train(plan: Any, node: str, config: dict[str, Any], steps: list[rollo
         await op.close()
         raise UserError(f"nodes.{node}: {e}") from None
     try:
+        started = time.time()
         with open(target / "metrics.jsonl", "ab") as rows:
             for record in steps:
                 began = time.time()
                 result = await op.train(record.groups, step=record.step)
-                row = {"step": record.step, "version": record.step + 1, "node": node, "replay": True,
-                       "step_seconds": round(time.time() - began, 4), "groups": len(record.groups),
-                       "reward": _mean_reward(record), "train": dict(result.metrics)}
-                rows.write(json.dumps(row).encode() + b"\n")
+                row = MetricsRow(step=record.step, version=record.step + 1, node=node, replay=True,
+                                 time=round(time.time() - started, 4), step_seconds=round(time.time() - began, 4),
+                                 groups=len(record.groups), reward=_mean_reward(record), train=dict(result.metrics))
+                rows.write(encode(row) + b"\n")
                 rows.flush()  # on disk while it runs
                 echo(f"replay step {record.step}: {len(record.groups)} groups, loss "
                      f"{result.metrics.get('loss', float('nan')):.6g}, {row['step_seconds']:.2f}s")
@@ -276,11 +267,11 @@ def compare(dirs: list[Path]) -> str:
 
 def _side(directory: Path) -> dict[str, Any]:
     """One run's or replay's train rows, what it is, and the checksum of the sample ids it trained on."""
-    if (directory / "replay.json").exists():
-        info = json.loads((directory / "replay.json").read_text())
-        rows = _train_rows(directory, info["node"]) or []
-        what = "replay of " + info["source"] + (" with " + " ".join(info["overrides"]) if info["overrides"] else "")
-        return {"dir": directory, "rows": rows, "ids": info["ids_sha256"], "what": what}
+    info = RunDir(directory).replay_info()
+    if info is not None:
+        rows = _train_rows(directory, info.node) or []
+        what = "replay of " + info.source + (" with " + " ".join(info.overrides) if info.overrides else "")
+        return {"dir": directory, "rows": rows, "ids": info.ids_sha256, "what": what}
     source = phase_directory(directory)
     from flowrl.runtime.run import load_plan
 

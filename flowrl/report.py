@@ -19,6 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
+from flowrl.records import NotARun, RunDir, as_dicts
+
 
 @dataclass
 class Phase:
@@ -32,55 +36,27 @@ class Phase:
     placement: dict[str, Any] = field(default_factory=dict)  # placement.json (Ray executor)
 
 
-def last_samples(path: Path) -> list[dict[str, Any]]:
+def last_samples(run: RunDir) -> list[dict[str, Any]]:
     """The rows of samples.jsonl's last step (a long run's file is read line by line, not kept)."""
-    if not path.exists():
-        return []
     rows: list[dict[str, Any]] = []
-    with path.open() as f:
-        for line in f:
-            if line.strip():
-                row = json.loads(line)
-                if rows and rows[-1]["step"] != row["step"]:
-                    rows = []
-                rows.append(row)
-    return rows
-
-
-def _json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:  # a damaged or foreign record: say which file
-        raise ValueError(f"{path}:{e.lineno}: not JSON ({e.msg})") from None
-
-
-def _jsonl(path: Path) -> list[Any]:
-    rows = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        try:
-            rows += [json.loads(line)] if line.strip() else []
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{number}: not a JSON line ({e.msg})") from None
+    for row in run.samples():
+        if rows and rows[-1]["step"] != row.step:
+            rows = []
+        rows.append(row.as_dict())
     return rows
 
 
 def load_run(run_dir: Path) -> list[Phase]:
-    dirs = sorted((run_dir / "phases").glob("*"), key=lambda p: int(p.name.split("-")[0])) \
-        if (run_dir / "phases").is_dir() else [run_dir]
+    """Each phase of the run in `run_dir`, read by RunDir (flowrl/records), as the plain rows the
+    text, html and json views and the health detector take."""
     phases = []
-    for d in dirs:
-        if not (d / "meta.json").exists():
+    for run in RunDir(run_dir).phases():
+        if not run.has("meta.json"):
             continue
-        rows = _jsonl(d / "metrics.jsonl") if (d / "metrics.jsonl").exists() else []
-        trace = _json(d / "trace.json") if (d / "trace.json").exists() else {}
-        events = trace.get("traceEvents", []) if isinstance(trace, dict) else trace
-        evals = _jsonl(d / "eval.jsonl") if (d / "eval.jsonl").exists() else []
-        name = d.name.split("-", 1)[1] if d != run_dir else "main"
-        placement = _json(d / "placement.json") if (d / "placement.json").exists() else {}
-        phases.append(Phase(name, d, _json(d / "meta.json"), rows, events, evals,
-                            last_samples(d / "samples.jsonl"), placement))
+        phases.append(Phase(run.name, run.path, msgspec.to_builtins(run.meta()), as_dicts(run.metrics()),
+                            as_dicts(iter(run.trace())), as_dicts(run.evals()), last_samples(run), run.placement()))
     if not phases:
-        raise FileNotFoundError(f"{run_dir} is not a run directory (no meta.json, nor phases/*/meta.json)")
+        raise NotARun(f"{run_dir} is not a run directory (no meta.json, nor phases/*/meta.json)")
     return phases
 
 
@@ -120,7 +96,8 @@ def render_run(run_dir: Path, fmt: str = "text") -> str | bytes:
     raise ValueError(f"format '{fmt}' is for pipeline files; a run directory renders as text, html, json or png")
 
 
-def _fmt(value: Any) -> str:
+def format_value(value: Any) -> str:
+    """A figure as the tables show it: 3 decimals, "-" for none."""
     return "-" if value is None else (f"{value:.3f}" if isinstance(value, float) else str(value))
 
 
@@ -136,7 +113,7 @@ def samples_text(phase: Phase) -> list[str]:
     lines = [f"  samples of step {phase.samples[0]['step']} (samples.jsonl):"]
     for row in phase.samples:
         prompt, response = row.get("prompt", row.get("prompt_ids")), row.get("response", row.get("response_ids"))
-        lines.append(f"    reward {_fmt(row.get('reward'))} v{row.get('version')}: {_clip(prompt)} -> {_clip(response)}")
+        lines.append(f"    reward {format_value(row.get('reward'))} v{row.get('version')}: {_clip(prompt)} -> {_clip(response)}")
     return lines
 
 
@@ -152,9 +129,9 @@ def render_text(phases: list[Phase]) -> str:
         failed = p.directory / "error.txt"  # what stopped a failed run (flowrl/runtime/run.py)
         if failed.is_file():
             lines.append(f"  failed: {_clip(failed.read_text(errors='replace').strip(), 200)} (all of it in {failed})")
-        best = f", best {_fmt(s['best_eval_reward'])} at v{s['best_eval_version']}" if s["best_eval_version"] else ""
-        lines.append(f"  reward {_fmt(s['first_reward'])} -> {_fmt(s['last_reward'])}; "
-                     f"eval reward last {_fmt(s['last_eval_reward'])}{best}")
+        best = f", best {format_value(s['best_eval_reward'])} at v{s['best_eval_version']}" if s["best_eval_version"] else ""
+        lines.append(f"  reward {format_value(s['first_reward'])} -> {format_value(s['last_reward'])}; "
+                     f"eval reward last {format_value(s['last_eval_reward'])}{best}")
         lines.append("  staleness (lag: groups): " + (", ".join(f"{k}: {v}" for k, v in s["staleness"].items()) or "-"))
         lines.append("  " + time_line(p))
         lines += placement_lines(p.placement)
@@ -271,10 +248,11 @@ def busy_time(events: list[dict[str, Any]]) -> tuple[dict[tuple[str, str], float
             start, end = e["ts"] / 1e6, (e["ts"] + e.get("dur", 0.0)) / 1e6
             intervals.setdefault((names.get(e["pid"], str(e["pid"])), e["name"]), []).append((start, end))
             wall = max(wall, end)
-    return {key: _union(spans) for key, spans in intervals.items()}, wall
+    return {key: union(spans) for key, spans in intervals.items()}, wall
 
 
-def _union(spans: list[tuple[float, float]]) -> float:
+def union(spans: list[tuple[float, float]]) -> float:
+    """Seconds covered by `spans` ((start, end) pairs), overlaps counted once."""
     total, reach = 0.0, -math.inf
     for start, end in sorted(spans):
         if end > reach:

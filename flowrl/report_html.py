@@ -19,7 +19,7 @@ import html
 from typing import Any
 
 from flowrl.graph.render import page
-from flowrl.report import CURVES, Phase, _fmt, health_events, metric, spans_of, summary
+from flowrl.report import CURVES, Phase, format_value, health_events, metric, spans_of, summary
 
 COLORS = {"generate": "#2e86de", "process": "#27ae60", "train": "#c0392b", "sync": "#8e44ad",
           "update_weights": "#e67e22", "drain": "#95a5a6", "setup": "#bdc3c7", "checkpoint": "#16a085",
@@ -47,8 +47,8 @@ def render_html(phases: list[Phase]) -> str:
         s = summary(p)
         best = f" at v{s['best_eval_version']}" if s["best_eval_version"] else ""
         body.append(f"<h2>Phase {html.escape(p.name)}: {s['steps']} steps, {s['seconds']} s</h2>"
-                    f"<p>reward {_fmt(s['first_reward'])} → {_fmt(s['last_reward'])}; eval reward best "
-                    f"{_fmt(s['best_eval_reward'])}{best}; {s['samples_per_s']} samples/s; dropped {s['dropped_total']}</p>"
+                    f"<p>reward {format_value(s['first_reward'])} → {format_value(s['last_reward'])}; eval reward best "
+                    f"{format_value(s['best_eval_reward'])}{best}; {s['samples_per_s']} samples/s; dropped {s['dropped_total']}</p>"
                     f"<h3>Health</h3>{health_list(p)}<h3>Learning curves</h3>{curve_charts(p)}"
                     f"<h3>Timeline</h3>{timeline(p, i)}<h3>Staleness</h3>{staleness_chart(p)}")
     return page(f"flowrl run · {title}", "".join(body), STYLE)

@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import json
 import time
 from pathlib import Path
 from typing import Any
 
+from flowrl import records
 from flowrl.data.source import load_source
+from flowrl.records import EvalRow, RunDir
 from flowrl_operators.reward_values import as_reward
 from flowrl_operators.threads import DaemonExecutor, call_in_thread
 from flowrl_operators.workflows.base import is_async_callable
@@ -136,8 +137,8 @@ class Evaluator:
         self.max_new_tokens = spec.get("max_new_tokens")  # None: the node's sampling budget
         self.run_dir = run_dir
         self.origin = time.time()
-        if run_dir is not None and (Path(run_dir) / "meta.json").exists():
-            self.origin = json.loads((Path(run_dir) / "meta.json").read_text())["origin"]
+        if run_dir is not None and RunDir(run_dir).has("meta.json"):
+            self.origin = RunDir(run_dir).meta().origin
         self.done: set[int] = set()
         # The held-out samples, drawn once: drawing them again for every evaluation cost the
         # quickstart ~30 ms each time (its eval runs every 5 steps).
@@ -147,7 +148,7 @@ class Evaluator:
     def due(self, version: int) -> bool:
         return (version % self.every == 0 or version == self.final) and version not in self.done
 
-    async def run(self, generate: Any, version: int) -> dict[str, float]:
+    async def run(self, generate: Any, version: int) -> dict[str, Any]:
         """Greedy episodes of every held-out sample through `generate` (a Generate operator)."""
         self.done.add(version)
         started = time.time()
@@ -166,14 +167,13 @@ class Evaluator:
             for name, fn in self.also.items():
                 also[name] += await self._score(fn, answer, f"the eval score {name!r}")
         n = len(groups)
-        row: dict[str, Any] = {"version": version, "eval_reward": reward / n}
+        row = EvalRow(version=version, eval_reward=reward / n, samples=n, time=round(time.time() - self.origin, 3),
+                      seconds=round(time.time() - started, 3))
         if self.also:
-            row["scores"] = {name: total / n for name, total in also.items()}
-        row |= {"samples": n, "time": round(time.time() - self.origin, 3), "seconds": round(time.time() - started, 3)}
+            row.scores = {name: total / n for name, total in also.items()}
         if self.run_dir is not None:
-            with open(Path(self.run_dir) / "eval.jsonl", "a") as f:
-                f.write(json.dumps(row) + "\n")
-        return row
+            records.append(Path(self.run_dir) / "eval.jsonl", [row])
+        return row.as_dict()
 
     async def _score(self, fn: Any, trajectory: Any, what: str) -> float:
         """`fn(trajectory)` off the event loop, timed out; `what` names the score in a failure."""

@@ -30,6 +30,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from flowrl.records import RunDir, as_dicts
+
 ROOT = Path(__file__).resolve().parents[1]
 DRIVER = """
 import importlib
@@ -50,12 +52,12 @@ def one(steps: int, durable: bool, every: int, workdir: Path, index: int) -> dic
                          run_dir=str(run_dir))
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "TERM": "dumb"})
     phase = run_dir / "phases" / "1-grpo"
-    rows = [json.loads(line) for line in (phase / "metrics.jsonl").read_text().splitlines()]
+    rows = as_dicts(RunDir(phase).metrics())
     kept = sorted(p.name for p in (phase / "checkpoints").iterdir() if p.is_dir())
     seconds = rows[-1]["time"] - rows[0]["time"]
     # The run's own work inside the same window, from the trace's runtime row (observe.py):
     # checkpoints (train nodes wait) and flushes (the event loop is busy appending).
-    events = json.loads((phase / "trace.json").read_text())["traceEvents"]
+    events = as_dicts(iter(RunDir(phase).trace()))
     lo, hi = rows[0]["time"] * 1e6, rows[-1]["time"] * 1e6
     spent = {name: sum(e["dur"] for e in events if e["pid"] == 0 and e.get("name") == name
                        and e.get("ph") == "X" and lo <= e["ts"] <= hi) / 1e6 for name in ("checkpoint", "flush")}

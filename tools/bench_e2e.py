@@ -45,12 +45,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import heldout  # noqa: E402
 
+from flowrl.records import RunDir, as_dicts  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 PIPELINES = {"sync": "pipelines/quickstart.yaml", "async": "pipelines/quickstart_async.yaml"}
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    """eval.jsonl's or metrics.jsonl's rows (RunDir; none while the file is not written yet)."""
+    reader = {"eval.jsonl": RunDir.evals, "metrics.jsonl": RunDir.metrics}[path.name]
+    return as_dicts(reader(RunDir(path.parent)))
 
 
 def first_hit(evals: list[dict], target: float) -> dict | None:
@@ -144,7 +148,7 @@ def run_flowrl(pipeline: str, run_dir: Path, seed: int, args: argparse.Namespace
     grpo = run_dir / ("phases/0-grpo" if args.warmups else "phases/1-grpo")
     wall = supervise([sys.executable, "-m", "flowrl.cli", "run", str(ROOT / pipeline), *overrides,
                       "--run-dir", str(run_dir), "--quiet"], grpo / "eval.jsonl", args, signal.SIGINT)
-    warmup = 0.0 if args.warmups else json.loads((run_dir / "phases/0-warmup/phase.json").read_text())["seconds"]
+    warmup = 0.0 if args.warmups else RunDir(run_dir / "phases/0-warmup").phase_done().seconds
     evals, rows = read_jsonl(grpo / "eval.jsonl"), read_jsonl(grpo / "metrics.jsonl")
     out = summary(evals, warmup, wall, args) | {"warmup_s": round(warmup, 1), "steps": len(rows)}
     # The median step: the first one also sets up the phase (engine, trainer, its process).

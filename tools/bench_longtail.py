@@ -36,6 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import heldout  # noqa: E402
 from bench_e2e import first_hit, grpo_phase, median_time, read_jsonl, supervise, warmup_policy  # noqa: E402
 
+from flowrl.records import RecordError, RunDir  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 PIPELINES = {"sync": "pipelines/longtail_sync.yaml", "async": "pipelines/longtail_async.yaml"}
 
@@ -45,11 +47,10 @@ def episode_tail(trace: Path) -> float | None:
     if not trace.exists():
         return None
     try:
-        events = json.loads(trace.read_text())
-    except json.JSONDecodeError:  # a trace cut off by the stop: no figure rather than a wrong one
+        events = RunDir(trace.parent).trace()  # a trace cut off by the stop reads up to the cut
+    except RecordError:  # damaged: no figure rather than a wrong one
         return None
-    spans = sorted(e["dur"] for e in (events.get("traceEvents", events) if isinstance(events, dict) else events)
-                   if isinstance(e, dict) and e.get("name") == "generate" and e.get("dur"))
+    spans = sorted(e.dur_us for e in events if e.name == "generate" and e.dur_us)
     if len(spans) < 20:
         return None
     return round(spans[min(len(spans) - 1, int(0.99 * len(spans)))] / statistics.median(spans), 2)

@@ -31,6 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from flowrl.records import RunDir
+
 ROOT = Path(__file__).resolve().parents[1]
 SHAPE = dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
              intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=8192,
@@ -102,8 +104,8 @@ def child(args: argparse.Namespace) -> None:
         started = time.perf_counter()
         start(str(file), [], run_dir=Path(tmp) / "run", progress=False)
         seconds = time.perf_counter() - started
-        rows = [json.loads(line) for line in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
-    train = [r["train"] for r in rows if "train" in r]
+        rows = list(RunDir(Path(tmp) / "run").metrics())
+    train = [r.train for r in rows]
     print(json.dumps({
         "config": args.child, "train_keys": CONFIGS[args.child], "peak_rss_gb": status_kb("VmHWM") / 2**20,
         "steps": len(train), "seconds": seconds,

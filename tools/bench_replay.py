@@ -27,6 +27,7 @@ from pathlib import Path
 
 import yaml
 
+from flowrl.records import RunDir
 from flowrl.runtime import rollouts
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,8 +52,7 @@ def cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def step_seconds(run_dir: Path) -> list[float]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r["step_seconds"] for r in rows if "train" in r][1:]
+    return [r.step_seconds for r in RunDir(run_dir).metrics()][1:]
 
 
 def direct_cost(run_dir: Path, where: Path) -> float:

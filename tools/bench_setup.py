@@ -44,6 +44,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from flowrl.records import RunDir
+
 ROOT = Path(__file__).resolve().parents[1]
 PARTS = ("interpreter", "import", "compile", "setup", "first_step")
 
@@ -75,7 +77,7 @@ def floor(env: dict) -> tuple[float, float]:
 
 
 def spans(trace: Path) -> list[dict]:
-    return [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
+    return [e.as_dict() for e in RunDir(trace.parent).trace() if e.ph == "X"]
 
 
 def measure(run_dir: Path, phase: str, env: dict) -> dict:
@@ -89,10 +91,9 @@ def measure(run_dir: Path, phase: str, env: dict) -> dict:
     cpu = cpu_seconds() - cpu
     marks = json.loads(out.stdout.splitlines()[0])
     directory = run_dir / "phases" / phase
-    origin = json.loads((directory / "meta.json").read_text())["origin"]
+    origin = RunDir(directory).meta().origin
     events = spans(directory / "trace.json")
-    names = {e["pid"]: e["args"]["name"] for e in json.loads((directory / "trace.json").read_text())["traceEvents"]
-             if e.get("name") == "process_name"}
+    names = {e.pid: e.args["name"] for e in RunDir(directory).trace() if e.name == "process_name"}
     setups = {names[e["pid"]]: e["dur"] / 1e6 for e in events if e["name"] == "setup"}
     set_up = max((e["ts"] + e["dur"]) / 1e6 for e in events if e["name"] == "setup")
     first = min((e["ts"] + e["dur"]) / 1e6 for e in events if e["name"] == "step")
@@ -109,7 +110,7 @@ def in_run(run_dir: Path, phases: list[str]) -> dict:
     marks = []
     for phase in phases:
         directory = run_dir / "phases" / phase
-        origin = json.loads((directory / "meta.json").read_text())["origin"]
+        origin = RunDir(directory).meta().origin
         events = spans(directory / "trace.json")
         steps = sorted(origin + (e["ts"] + e["dur"]) / 1e6 for e in events if e["name"] == "step")
         setup = max(origin + (e["ts"] + e["dur"]) / 1e6 for e in events if e["name"] == "setup")

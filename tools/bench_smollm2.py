@@ -50,6 +50,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import heldout  # noqa: E402
 
+from flowrl.records import RunDir, as_dicts  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 PIPELINE = "pipelines/smollm2_sums.yaml"
 BENCH = "bench_smollm2"
@@ -96,8 +98,7 @@ def se(p: float, n: int) -> float:
 def summary(run_dir: Path) -> dict:
     """The greedy-eval curve, the first-to-last gain in absolute terms and in standard errors, and
     each score's first, last and gain (`scores`: eval_reward and the `also` scores)."""
-    path = run_dir / "eval.jsonl"
-    evals = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    evals = as_dicts(RunDir(run_dir).evals())
     if len(evals) < 2:
         return {"curve": [[e["version"], e["eval_reward"]] for e in evals], "gain": None, "gain_se": None, "scores": {}}
     first, last = evals[0], evals[-1]

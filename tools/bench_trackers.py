@@ -21,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from flowrl.records import RunDir, as_dicts
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -63,8 +65,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.one:
         run_dir = Path(args.one[0])
-        rows, samples = ([json.loads(line) for line in (run_dir / f).read_text().splitlines()]
-                         for f in ("metrics.jsonl", "samples.jsonl"))
+        rows, samples = as_dicts(RunDir(run_dir).metrics()), as_dicts(RunDir(run_dir).samples())
         print(json.dumps(measure(args.one[1], rows, samples)))
         return
     run_dir = records()

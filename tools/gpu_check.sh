@@ -93,11 +93,11 @@ if [[ $CUDA == 1 ]] && part pipelines; then
     rc=$?
     [[ $rc == 0 ]] || { PIPELINES="failed ($name rc $rc)"; tail -20 "$RUNS/$name.log"; }
     $PY - "$RUNS/$name" <<'SUMMARY'
-import json, statistics, sys
+import statistics, sys
 from pathlib import Path
-grpo = Path(sys.argv[1]) / "phases/1-grpo"
-evals = [json.loads(x) for x in (grpo / "eval.jsonl").read_text().splitlines()] if (grpo / "eval.jsonl").exists() else []
-rows = [json.loads(x) for x in (grpo / "metrics.jsonl").read_text().splitlines()] if (grpo / "metrics.jsonl").exists() else []
+from flowrl.records import RunDir, as_dicts
+grpo = RunDir(Path(sys.argv[1]) / "phases/1-grpo")
+evals, rows = as_dicts(grpo.evals()), as_dicts(grpo.metrics())
 steps = statistics.median(r["step_seconds"] for r in rows[1:]) if len(rows) > 1 else None
 print(f"  {Path(sys.argv[1]).name}: {len(rows)} GRPO steps, median {steps} s a step; eval {evals[0]['eval_reward'] if evals else None}"
       f" -> best {max((e['eval_reward'] for e in evals), default=None)}, last {evals[-1]['eval_reward'] if evals else None}")

@@ -2,7 +2,7 @@
 multi-node Ray cluster: used by `tools/bench_weight_sync.py --ray-path`.
 
 A train actor on worker node `a` publishes the weights as the train stage does (the train node's
-`StoredSnapshot.put`: one `ray.put` per bucket; ray_stage's `_by_reference`: only a ref goes on); the driver stands for the
+`StoredSnapshot.put`: one `ray.put` per bucket; ray_stage's `by_reference`: only a ref goes on); the driver stands for the
 coordinator and holds nothing but that ref (its tensor bytes are counted, as metrics.jsonl's
 `coordinator_weight_bytes`); a sync actor next to the trainer resolves the ref as the sync stage's
 proxy does and runs the real sync operator (`transport: auto`, the object store under Ray, which
@@ -54,11 +54,11 @@ class TrainEnd:
     async def publish(self) -> list:
         import asyncio
 
-        from flowrl.runtime.ray_stage import _by_reference
+        from flowrl.runtime.ray_stage import by_reference
         from flowrl_operators.transport import StoredSnapshot
 
         start = time.perf_counter()
-        ref = await _by_reference(await asyncio.to_thread(StoredSnapshot.put, self.policy), 0)
+        ref = await by_reference(await asyncio.to_thread(StoredSnapshot.put, self.policy), 0)
         return [ref, time.perf_counter() - start]  # in a list: Ray hands back the ref, not its value
 
     def checksum(self) -> float:

@@ -1,13 +1,11 @@
 """What `flowrl plan` reads of a run: its plan, the spans of every stage, the groups it trained on,
 and the measured figures (seconds per step, samples/s, idle per stage, staleness) of its steady steps.
 
-The readers are `flowrl inspect`'s (flowrl/report.py: `load_run`) and `flowrl replay`'s
-(flowrl/replay.py: `phase_directory`, the rollout store); a multi-phase run is read at its last phase.
+The files are read by RunDir (flowrl/records); a multi-phase run is read at its last phase.
 """
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +14,8 @@ from typing import Any
 import msgspec
 
 from flowrl.graph.plan import Plan
+from flowrl.records import RunDir, as_dicts
+from flowrl.report import union
 from flowrl.spec.errors import UserError
 
 WARMUP = 2  # steps left out of every figure: the first ones pay for setup and the first weight loads
@@ -54,12 +54,10 @@ class Baseline:
 
 def load(run_dir: Path) -> Baseline:
     """The run in `run_dir` (its last phase), or a located UserError saying what is missing."""
-    from flowrl.replay import phase_directory
-    from flowrl.runtime.run import load_plan
-
-    directory = phase_directory(run_dir)
+    run = RunDir(run_dir).last()
+    directory = run.path
     try:
-        plan = load_plan(directory)
+        plan = run.plan()
     except (OSError, msgspec.DecodeError, msgspec.ValidationError) as e:
         raise UserError(f"cannot read {directory / 'plan.json'}: {e}") from None
     trains = [n for n, f in plan.facts.nodes.items() if f.input is not None]
@@ -67,11 +65,11 @@ def load(run_dir: Path) -> Baseline:
         raise UserError(f"{directory / 'plan.json'}: plan simulates a pipeline with one train node; this one has "
                         f"{len(trains)} ({', '.join(trains) or 'none'})")
     unsupported(plan, directory, trains[0])
-    rows = [r for r in _rows(directory) if r.get("node") == trains[0]]
+    rows = [r for r in _rows(run) if r.get("node") == trains[0]]
     if len(rows) < WARMUP + 2:
         raise UserError(f"{directory / 'metrics.jsonl'}: {len(rows)} train steps recorded; plan needs at least "
                         f"{WARMUP + 2} (the first {WARMUP} are warm-up) to fit its cost models")
-    return Baseline(directory, plan, rows, _spans(directory), *_group_rows(directory, trains[0]))
+    return Baseline(directory, plan, rows, _spans(run), *_group_rows(directory, trains[0]))
 
 
 def unsupported(plan: Plan, directory: Path, train: str) -> None:
@@ -87,45 +85,33 @@ def unsupported(plan: Plan, directory: Path, train: str) -> None:
     joins = [n for n in plan.nodes if sum(e.dst == n and e.kind == "data" for e in plan.edges) > 1]
     if joins:
         raise UserError(f"{where}: node '{joins[0]}' joins two data inputs; plan simulates nodes with one")
-    executor = json.loads((directory / "meta.json").read_text()).get("executor") \
-        if (directory / "meta.json").exists() else None
+    executor = RunDir(directory).meta().executor if (directory / "meta.json").exists() else None
     if executor == "ray":
         raise UserError(f"{directory / 'meta.json'}: the run used the Ray executor; plan models the in-process "
                         "one (every stage in one interpreter)")
 
 
-def _rows(directory: Path) -> list[dict[str, Any]]:
-    from flowrl.report import _jsonl
-
-    file = directory / "metrics.jsonl"
+def _rows(run: RunDir) -> list[dict[str, Any]]:
+    """metrics.jsonl's rows as mappings: figures() takes the simulator's rows too (simulate.py)."""
+    file = run.file("metrics.jsonl")
     if not file.exists():
         raise UserError(f"{file} is missing: plan fits its models on a run's metrics, trace and rollouts")
-    try:
-        return _jsonl(file)
-    except ValueError as e:
-        raise UserError(str(e)) from None
+    return as_dicts(run.metrics())
 
 
-def _spans(directory: Path) -> list[Span]:
-    from flowrl.report import _json
-
-    file = directory / "trace.json"
+def _spans(run: RunDir) -> list[Span]:
+    file = run.file("trace.json")
     if not file.exists():
         raise UserError(f"{file} is missing: plan fits its models on the spans of every stage")
-    try:
-        trace = _json(file)
-    except ValueError as e:
-        raise UserError(str(e)) from None
-    events = trace.get("traceEvents", []) if isinstance(trace, dict) else trace
-    names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M"}
+    events = run.trace()
+    names = {e.pid: e.args["name"] for e in events if e.ph == "M"}
     spans = []
     for e in events:
-        if e.get("ph") != "X" or e["pid"] not in names:
+        if e.ph != "X" or e.pid not in names:
             continue
-        args = e.get("args") or {}
-        start = e["ts"] / 1e6
-        spans.append(Span(names[e["pid"]], int(e.get("tid", 0)) // 100, e["name"], start,
-                          start + e.get("dur", 0.0) / 1e6, args.get("step"), args.get("id")))
+        start = e.start_us / 1e6
+        spans.append(Span(names[e.pid], e.tid // 100, e.name, start, start + e.dur_us / 1e6,
+                          e.args.get("step"), e.args.get("id")))
     return sorted(spans, key=lambda s: s.start)
 
 
@@ -165,15 +151,13 @@ def measured(base: Baseline) -> dict[str, Any]:
 def trace_idle(plan: Plan, spans: list[Span], times: list[float]) -> dict[str, float]:
     """Each node's idle fraction over the steps between `times` (observe.py's formula per step,
     weighted by the step's seconds)."""
-    from flowrl.report import _union
-
     idle = {}
     for name, node in plan.nodes.items():
         mine = [s for s in spans if s.node == name and s.name in TIMED]
         replicas = max(1, node.resources.replicas)
         fractions = []
         for left, right in zip(times, times[1:], strict=False):
-            busy = sum(_union([(max(s.start, left), min(s.end, right)) for s in mine
+            busy = sum(union([(max(s.start, left), min(s.end, right)) for s in mine
                                if s.replica == r and s.end > left and s.start < right]) for r in range(replicas))
             fractions.append(min(1.0, max(0.0, 1.0 - busy / (max(right - left, 1e-9) * replicas))) * (right - left))
         idle[name] = round(sum(fractions) / max(times[-1] - times[0], 1e-9), 3)

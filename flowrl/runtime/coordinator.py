@@ -38,6 +38,7 @@ from typing import Any
 
 from flowrl.data.source import batch_size
 from flowrl.graph.plan import EdgePlan, Plan
+from flowrl.records import TraceEvent
 from flowrl.runtime import rollouts, snapshot
 from flowrl.runtime.batches import Batches
 from flowrl.runtime.channel import Channel, Record, Work
@@ -155,7 +156,7 @@ class Coordinator:
         self._check_done()  # the final evaluation may have been all the run waited for
         self.notify()
 
-    async def report(self, node: str, replica: int, events: list[dict[str, Any]], busy: float,
+    async def report(self, node: str, replica: int, events: list[TraceEvent], busy: float,
                      metrics: dict[str, float] | None = None, errors: list[str] | None = None,
                      waits: list[dict[str, Any]] | None = None) -> None:
         """A stage's periodic report: trace events, busy time, its operator's counters, the errors

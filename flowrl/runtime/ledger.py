@@ -22,9 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import msgspec
-
-_encoder = msgspec.json.Encoder()
+from flowrl.records import LedgerEntry, RunDir, encode
 
 
 class Ledger:
@@ -33,9 +31,8 @@ class Ledger:
         self.lines: list[bytes] = []
 
     def write(self, event: str, edge: str, id: str, step: int, version: int, **extra: Any) -> None:
-        if self.path is not None:
-            row = {"event": event, "edge": edge, "id": id, "step": step, "version": version, **extra}
-            self.lines.append(_encoder.encode(row))
+        if self.path is not None:  # a keyword LedgerEntry lacks is a TypeError here, not a row no one reads
+            self.lines.append(encode(LedgerEntry(event=event, edge=edge, id=id, step=step, version=version, **extra)))
 
     def flush(self) -> None:
         if self.path is None or not self.lines:
@@ -60,8 +57,15 @@ class LedgerReport:
 
 
 def read(run_dir: Path) -> list[dict[str, Any]]:
-    path = Path(run_dir) / "ledger.jsonl"
-    return [msgspec.json.decode(line) for line in path.read_bytes().splitlines() if line.strip()]
+    """The ledger's events as mappings (each holds only the keys its event has)."""
+    return [e.as_dict() for e in _entries(run_dir)]
+
+
+def _entries(run_dir: Path) -> list[LedgerEntry]:
+    run = RunDir(run_dir)
+    if not run.has("ledger.jsonl"):  # a run always writes one: its absence is not "nothing happened"
+        raise FileNotFoundError(f"{run.file('ledger.jsonl')} is missing")
+    return list(run.ledger())
 
 
 def check(run_dir: Path, weights: bool = False) -> LedgerReport:
@@ -69,13 +73,13 @@ def check(run_dir: Path, weights: bool = False) -> LedgerReport:
     (only after the run ended) pending, exactly once. Weights edges are skipped unless asked:
     a newer weights record legitimately supersedes an older one for each replica.
     """
-    events = read(run_dir)
-    report = LedgerReport(ended=any(e["event"] == "end" for e in events))
+    events = _entries(run_dir)
+    report = LedgerReport(ended=any(e.event == "end" for e in events))
     produced: dict[str, set[str]] = defaultdict(set)
     outcome: dict[str, dict[str, str]] = defaultdict(dict)
     for e in events:
-        kind, edge, rid = e["event"], e["edge"], e["id"]
-        if e.get("weights") and not weights:
+        kind, edge, rid = e.event, e.edge, e.id
+        if e.weights is True and not weights:
             continue
         if kind in ("produce", "issue"):
             if rid in produced[edge]:

@@ -22,17 +22,18 @@ seconds and at checkpoints, so memory stays bounded in a long run.
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
+from flowrl import records
 from flowrl.graph.plan import Plan
 from flowrl.health import Health
 from flowrl.operator import POLICY, WEIGHTS
-from flowrl.runtime.streams import TraceFile, append_lines
+from flowrl.records import MetricsRow, SampleRow, TraceEvent
+from flowrl.runtime.streams import TraceFile
 from flowrl.runtime.tracking import TIMEOUT_S as TRACKER_TIMEOUT_S
 from flowrl.runtime.tracking import Tracking, sample_rows
 
@@ -40,9 +41,9 @@ DEFAULT_TRACKERS = ["tensorboard"]  # run.trackers
 SAMPLES_PER_STEP = 4  # run.samples_per_step
 
 
-def span(pid: int, tid: int, name: str, start: float, end: float, origin: float, **args: Any) -> dict[str, Any]:
-    return {"name": name, "ph": "X", "ts": round((start - origin) * 1e6, 1),
-            "dur": round(max(end - start, 0.0) * 1e6, 1), "pid": pid, "tid": tid, "args": args}
+def span(pid: int, tid: int, name: str, start: float, end: float, origin: float, **args: Any) -> TraceEvent:
+    return TraceEvent(name=name, ph="X", ts=round((start - origin) * 1e6, 1),
+                      dur=round(max(end - start, 0.0) * 1e6, 1), pid=pid, tid=tid, args=args)
 
 
 RUNTIME_PID = 0  # the trace row of the run's own work; nodes are 1, 2, ...
@@ -59,8 +60,8 @@ class Observer:
         self.run_dir = run_dir
         self.origin = origin
         self.pids = node_pids(plan)
-        self.events: list[dict[str, Any]] = [
-            {"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": node}}
+        self.events: list[TraceEvent] = [
+            TraceEvent(name="process_name", ph="M", pid=pid, args={"name": node})
             for node, pid in {"runtime": RUNTIME_PID, **self.pids}.items()
         ]
         self.busy: dict[tuple[str, int], float] = {}
@@ -89,8 +90,8 @@ class Observer:
         self.events.append(span(RUNTIME_PID, 0, name, start, time.time(), self.origin, **args))
 
     def instant(self, node: str, replica: int, name: str) -> None:
-        self.events.append({"name": name, "ph": "i", "s": "p", "ts": round((time.time() - self.origin) * 1e6, 1),
-                            "pid": self.pids[node], "tid": replica * 100})
+        self.events.append(TraceEvent(name=name, ph="i", s="p", ts=round((time.time() - self.origin) * 1e6, 1),
+                                      pid=self.pids[node], tid=replica * 100))
 
     def train_step(self, node: str, step: int, version: int, work: Any, metrics: dict[str, Any],
                    queues: dict[str, int], counters: dict[str, int]) -> None:
@@ -108,23 +109,23 @@ class Observer:
             keys = [k for k in self.busy if k[0] == n]
             busy = sum(self.busy[k] - self._mark["busy"].get(k, 0.0) for k in keys)
             idle[n] = round(min(1.0, max(0.0, 1.0 - busy / (dt * max(1, plan.resources.replicas)))), 4)
-        row = {
-            "step": step, "version": version, "node": node, "time": round(now - self.origin, 4),
-            "step_seconds": round(dt, 4), "groups": len(values), "samples_per_s": round(len(values) / dt, 3),
-            "trajectories_per_s": round(len(trajectories) / dt, 3),
-            "reward": (sum(rewards) / len(rewards)) if rewards else None,
-            "reward_max": max(rewards) if rewards else None,  # the batch's best trajectory (flowrl/health.py)
-            "queues": queues, "staleness": staleness, "dropped": self.dropped - self._mark["dropped"],
-            "dropped_total": counters["dropped"], "stale_kept_total": counters["stale_kept"],
-            "rejected_total": counters["rejected"], "filtered_total": counters["filtered"],
+        row = MetricsRow(
+            step=step, version=version, node=node, time=round(now - self.origin, 4),
+            step_seconds=round(dt, 4), groups=len(values), samples_per_s=round(len(values) / dt, 3),
+            trajectories_per_s=round(len(trajectories) / dt, 3),
+            reward=(sum(rewards) / len(rewards)) if rewards else None,
+            reward_max=max(rewards) if rewards else None,  # the batch's best trajectory (flowrl/health.py)
+            queues=queues, staleness=staleness, dropped=self.dropped - self._mark["dropped"],
+            dropped_total=counters["dropped"], stale_kept_total=counters["stale_kept"],
+            rejected_total=counters["rejected"], filtered_total=counters["filtered"],
             # Since the previous row: groups filtered out (e.g. dynamic_sampling's tied groups) and
             # samples issued beyond the step's batch_size or by admission credit (flowrl/runtime/quota.py).
-            "filtered": counters["filtered"] - self._mark.get("filtered", 0),
-            "oversampled": counters["oversampled"] - self._mark.get("oversampled", 0),
-            "oversampled_total": counters["oversampled"],
-            "coordinator_weight_bytes": self.weight_bytes - self._mark.get("weight_bytes", 0),
-            "idle": idle, "train": metrics, "operators": self._operator_totals(),
-        }
+            filtered=counters["filtered"] - self._mark.get("filtered", 0),
+            oversampled=counters["oversampled"] - self._mark.get("oversampled", 0),
+            oversampled_total=counters["oversampled"],
+            coordinator_weight_bytes=self.weight_bytes - self._mark.get("weight_bytes", 0),
+            idle=idle, train=numbers(metrics), operators=self._operator_totals(),
+        ).as_dict()
         self._mark = {"time": now, "busy": dict(self.busy), "dropped": self.dropped,
                       "filtered": counters["filtered"], "oversampled": counters["oversampled"],
                       "weight_bytes": self.weight_bytes}
@@ -162,8 +163,9 @@ class Observer:
             return
         start = time.time()
         self.trace.append(events)
-        append_lines(self.run_dir / "metrics.jsonl", [json.dumps(row).encode() for row in rows])
-        append_lines(self.run_dir / "samples.jsonl", [json.dumps(sample).encode() for sample in samples])
+        # Typed on the way out: a row the reader (flowrl/records) would refuse fails here, at its writer.
+        records.append(self.run_dir / "metrics.jsonl", [msgspec.convert(row, MetricsRow) for row in rows])
+        records.append(self.run_dir / "samples.jsonl", [msgspec.convert(sample, SampleRow) for sample in samples])
         if self.tracking is not None:
             self.tracking.log(rows, samples)
         self.runtime("flush", start, rows=len(rows), events=len(events))
@@ -190,6 +192,12 @@ class Observer:
         for node, values in state.get("health", {}).items():  # a checkpoint from before health: afresh
             self.health.setdefault(node, Health()).restore(values)
         self.health_events = list(state.get("health_events", []))
+
+
+def numbers(metrics: dict[str, Any]) -> dict[str, float]:
+    """A train step's metrics as the row's numbers (TrainResult.metrics: floats; a bool or int an
+    operator put there is written as the float it stands for, so the row reads back as written)."""
+    return {k: float(v) if isinstance(v, int | float) else v for k, v in metrics.items()}
 
 
 def tensor_bytes(value: Any, seen: set[int] | None = None) -> int:

@@ -44,7 +44,7 @@ class RemoteCoordinator:
     async def complete(self, node: str, replica: int, work_id: str, outputs: dict[str, Any],
                        *args: Any, **kwargs: Any) -> bool:
         if self._policy_ports:
-            outputs = {port: await _by_reference(value, replica) if port in self._policy_ports else value
+            outputs = {port: await by_reference(value, replica) if port in self._policy_ports else value
                        for port, value in outputs.items()}
         return await self._handle.complete.remote(node, replica, work_id, outputs, *args, **kwargs)
 
@@ -55,7 +55,9 @@ class RemoteCoordinator:
         return work
 
 
-async def _by_reference(value: Any, replica: int) -> Any:
+async def by_reference(value: Any, replica: int) -> Any:
+    """A policy output as an object ref the stage put itself (None from ranks > 0), so the
+    coordinator passes a reference, never the weights."""
     if value is None or replica > 0:  # rank > 0: the coordinator keeps rank 0's policy only
         return None
     # A plugin's policy may be a whole model, pickled by ray.put: off the stage's event loop.

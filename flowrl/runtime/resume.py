@@ -22,15 +22,18 @@ import json
 import pickle
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
 from flowrl.graph.plan import Plan
+from flowrl.records import Meta, RunDir
 from flowrl.runtime import checkpoints, streams
 from flowrl.spec.errors import UserError
 
+T = TypeVar("T")
 MANIFEST_FORMAT = 3  # meta.json "format" from which every checkpoint has a manifest
 SHOWN = 6  # differences named when a spec was edited
 # Plan fields compared on resume; the others (order, facts) follow from nodes and edges, and
@@ -52,7 +55,7 @@ def prepare(plan: Plan, run_dir: Path) -> tuple[bytes, Path, float] | None:
     the checkpoint; None when it holds no checkpoint (said, and its records set aside)."""
     meta = _meta(run_dir)
     _same_plan(plan, run_dir)
-    checkpoint, note = choose(run_dir, int(meta.get("format", 2)))
+    checkpoint, note = choose(run_dir, meta.format)
     if checkpoint is None:
         _start_again(run_dir)
         return None
@@ -70,7 +73,7 @@ def prepare(plan: Plan, run_dir: Path) -> tuple[bytes, Path, float] | None:
     if note:
         print(f"flowrl: {note}", file=sys.stderr, flush=True)
     streams.truncate(run_dir, sizes)
-    return state, checkpoint, float(meta["origin"])
+    return state, checkpoint, meta.origin
 
 
 def choose(run_dir: Path, fmt: int = MANIFEST_FORMAT) -> tuple[Path | None, str | None]:
@@ -124,11 +127,18 @@ def _instead(run_dir: Path, bad: Path, fmt: int = MANIFEST_FORMAT) -> str:
     return "no other checkpoint is intact: " + NEW_RUN
 
 
-def _meta(run_dir: Path) -> dict[str, Any]:
-    meta = _read_json(run_dir / "meta.json")
-    if not isinstance(meta.get("origin"), int | float):
-        raise ResumeError(f"{run_dir / 'meta.json'} has no number 'origin'; it is damaged: " + NEW_RUN)
-    return meta
+def _meta(run_dir: Path) -> Meta:
+    return _record(run_dir, "meta.json", RunDir.meta)
+
+
+def _record(run_dir: Path, name: str, read: Callable[[RunDir], T]) -> T:
+    """A run record read by RunDir, its absence or damage a ResumeError saying what to do."""
+    if not (run_dir / name).exists():
+        raise ResumeError(f"{run_dir / name} is missing: the run directory is incomplete; " + NEW_RUN)
+    try:
+        return read(RunDir(run_dir))
+    except (OSError, ValueError) as e:  # a RecordError names the file, line and key
+        raise ResumeError(f"cannot read {e}; the file is damaged: " + NEW_RUN) from None
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -145,7 +155,7 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 def _same_plan(plan: Plan, run_dir: Path) -> None:
     """Refuse a plan that differs from the one the run started with, naming what changed."""
-    then = _read_json(run_dir / "plan.json")
+    then = _record(run_dir, "plan.json", RunDir.plan_record)
     now = msgspec.json.decode(plan.record())
     for record in (then, now):
         record["run"] = {k: v for k, v in (record.get("run") or {}).items() if k not in ADJUSTABLE}

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
 import sys
 import time
@@ -15,6 +14,7 @@ import msgspec
 
 from flowrl.blame import UserCodeFailed
 from flowrl.graph.plan import Plan
+from flowrl.records import Meta, RunDir, encode
 from flowrl.runtime import checkpoints, streams
 from flowrl.runtime.executor import Executor
 
@@ -91,7 +91,7 @@ def run(plan: Plan, run_dir: Path | str | None = None, executor: str | None = No
 
 def load_plan(run_dir: Path | str) -> Plan:
     """The plan a run directory was started with (plan.json)."""
-    return msgspec.json.decode((Path(run_dir) / "plan.json").read_bytes(), type=Plan)
+    return RunDir(run_dir).plan()
 
 
 latest_checkpoint = checkpoints.latest
@@ -165,9 +165,9 @@ def _prepare(plan: Plan, run_dir: Path, executor: str, steps: int, resume: bool,
         raise FileExistsError(f"{run_dir} already holds a run; resume it or choose another run directory")
     streams.truncate(run_dir, {})
     (run_dir / "plan.json").write_bytes(plan.record())  # environment values redacted
-    meta = {"name": plan.name, "origin": started, "executor": executor, "steps": steps, "format": 3,
-            "health": 1}  # its metrics rows carry the health events (flowrl/health.py); format 3: manifests
-    (run_dir / "meta.json").write_text(json.dumps(meta, indent=1))
+    meta = Meta(name=plan.name, origin=started, executor=executor, steps=steps, format=3,
+                health=1)  # its metrics rows carry the health events (flowrl/health.py); format 3: manifests
+    (run_dir / "meta.json").write_bytes(msgspec.json.format(encode(meta), indent=1))
     return None, None, started
 
 

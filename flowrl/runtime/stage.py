@@ -20,6 +20,7 @@ from flowrl.blame import UserCodeFailed, describe, user_frames
 from flowrl.data import images
 from flowrl.graph.plan import Plan
 from flowrl.operator import ConfigError, Operator, OperatorContext, TrainResult
+from flowrl.records import TraceEvent
 from flowrl.runtime import faults, ports
 from flowrl.runtime.channel import Work
 from flowrl.runtime.observe import node_pids, span
@@ -48,7 +49,7 @@ class Stage:
         self.version = 0  # policy version of the weights a generate stage has loaded
         self.tasks: set[asyncio.Task] = set()
         self.slots: set[int] = set()
-        self.events: list[dict[str, Any]] = []
+        self.events: list[TraceEvent] = []
         self.busy = 0.0
         self._busy_since: float | None = None
         self._in_flight = 0

@@ -12,10 +12,11 @@ the checkpoint recorded is started anew.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
+
+from flowrl.records import TraceEvent, encode
 
 TRACE_HEAD = b'{"displayTimeUnit": "ms", "traceEvents": [\n'
 TRACE_TAIL = b"\n]}\n"
@@ -44,12 +45,12 @@ class TraceFile:
             self.path.write_bytes(TRACE_HEAD + TRACE_TAIL)
             self.size = len(TRACE_HEAD)
 
-    def append(self, events: list[dict[str, Any]]) -> None:
+    def append(self, events: list[TraceEvent]) -> None:
         self._open()
         if not events:
             return
         first = self.size == len(TRACE_HEAD)
-        body = (b"" if first else b",\n") + ",\n".join(json.dumps(e) for e in events).encode()
+        body = (b"" if first else b",\n") + b",\n".join(encode(e) for e in events)
         with open(self.path, "r+b") as f:
             f.seek(self.size)
             f.write(body + TRACE_TAIL)

@@ -15,13 +15,13 @@ shorter than that fails when every one of its steps was empty. 0 turns the check
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any
 
+from flowrl import records
 from flowrl.data.trajectory import INVALID
-from flowrl.runtime.streams import append_lines
+from flowrl.records import ErrorRow
 
 DEFAULT_MAX_EMPTY = 3
 KEPT = 20  # errors written to errors.jsonl per node; the rest are only counted
@@ -37,7 +37,7 @@ class Untrained:
         self.first: list[tuple[str, str]] = []  # (node, text): the run's first errors, for the message
         self.kept: dict[str, int] = {}
         self.seen: dict[str, int] = {}
-        self.lines: list[bytes] = []
+        self.lines: list[ErrorRow] = []
         self.empty: dict[str, list[int]] = {}  # train node -> its empty steps in a row
         self.invalid = 0  # groups trained on whose every trajectory is invalid (no real reward)
         self.bad = 0  # rejected + filtered + invalid + errors seen, at the last step
@@ -49,8 +49,8 @@ class Untrained:
                 self.first.append((node, text))
             if self.kept.get(node, 0) < KEPT:
                 self.kept[node] = self.kept.get(node, 0) + 1
-                row = {"node": node, "replica": replica, "time": round(time.time() - self.origin, 3), "error": text}
-                self.lines.append(json.dumps(row).encode())
+                self.lines.append(ErrorRow(node=node, replica=replica, time=round(time.time() - self.origin, 3),
+                                           error=text))
 
     def step(self, node: str, step: int, batch: list[dict[str, Any]], counters: dict[str, int]) -> str | None:
         """Train node `node` finished `step` on `batch` ({port: group} items): the reason to stop,
@@ -92,7 +92,7 @@ class Untrained:
 
     def flush(self) -> None:
         if self.path is not None:
-            append_lines(self.path, self.lines)
+            records.append(self.path, self.lines)
         self.lines = []
 
     def state(self) -> dict[str, Any]:

@@ -11,12 +11,15 @@ observation of wall time, like `trace.json`: a resumed run appends to it and doe
 
 from __future__ import annotations
 
-import json
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
-from flowrl.runtime.streams import append_lines
+import msgspec
+
+from flowrl import records
+from flowrl.records import WaitRow
 
 NAMES = ("sample_id", "episode", "turn", "awaits")  # what makes a wait the same one across reports
 
@@ -37,11 +40,15 @@ class Waits:
         else:
             self.now.pop((node, replica), None)
         if self.path is not None:
-            append_lines(self.path, rows)
+            records.append(self.path, [r for r in rows if r is not None])
 
-    def _row(self, event: str, node: str, replica: int, wait: dict[str, Any]) -> bytes:
+    def _row(self, event: str, node: str, replica: int, wait: dict[str, Any]) -> WaitRow | None:
         row = {"event": event, "node": node, "replica": replica, "time": round(time.time() - self.origin, 3)}
-        return json.dumps(row | wait, default=str).encode()
+        try:  # typed as the reader will read it (flowrl/records); keys of the operator's own are not kept
+            return msgspec.convert(row | wait, WaitRow)
+        except msgspec.ValidationError as e:  # an operator's report of the wrong shape: the run goes on
+            warnings.warn(f"node '{node}': a wait it reported is not written to waits.jsonl: {e}", stacklevel=2)
+            return None
 
     def status(self) -> dict[str, list[dict[str, Any]]]:
         """Per node, its waits now over all replicas, longest first."""
