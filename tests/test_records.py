@@ -79,10 +79,14 @@ def test_a_torn_last_line_is_skipped(old: Path) -> None:
 def test_a_damaged_middle_line_is_located(old: Path, capsys: pytest.CaptureFixture[str]) -> None:
     lines = (old / "metrics.jsonl").read_bytes().splitlines(keepends=True)
     (old / "metrics.jsonl").write_bytes(lines[0][:30] + b"\n" + lines[1])
-    with pytest.raises(RecordError, match=r"metrics\.jsonl:1: not JSON"):
+    with pytest.raises(RecordError, match=r"metrics\.jsonl:1: not a JSON line"):
         list(RunDir(old).metrics())
     assert main(["inspect", str(old)]) == 1
-    assert f"{old / 'metrics.jsonl'}:1: not JSON" in capsys.readouterr().err
+    assert f"{old / 'metrics.jsonl'}:1: not a JSON line" in capsys.readouterr().err
+    # A final line that ends with its newline was written whole: its damage is located too.
+    (old / "metrics.jsonl").write_bytes(lines[0] + lines[1][:30] + b"\n")
+    with pytest.raises(RecordError, match=r"metrics\.jsonl:2: not a JSON line"):
+        list(RunDir(old).metrics())
 
 
 def test_a_value_of_the_wrong_type_is_located_with_its_key(old: Path) -> None:

@@ -1,9 +1,10 @@
 """Reading and writing a run's JSON files: one place for the rules every reader needs.
 
 - A JSON-lines file is read lazily, line by line, each line decoded into its row Struct.
-- A run can be killed mid-write: a final line that is not JSON (cut, or padded with NUL bytes by the
-  filesystem) is skipped. A line that is not JSON with more after it is damage, and an error naming
-  `file:line`; so is a line that is JSON but not the row (a key of the wrong type).
+- A run can be killed mid-write: each write appends whole lines, so a final line without its newline
+  was cut, and is skipped (so are blank lines, and the NUL bytes a filesystem may leave after a
+  crash). Any other line that is not JSON is damage, an error naming `file:line`; so is a line that
+  is JSON but not the row (a key of the wrong type).
 - Runs written before the writers used msgspec wrote NaN and Infinity as bare tokens (Python's
   json), which msgspec refuses: such a line is parsed by the json module and then typed.
 """
@@ -52,7 +53,7 @@ def decode(data: bytes, kind: type[T], where: str) -> T:
         try:  # the json module's tokens of earlier runs (NaN, Infinity)
             value = json.loads(data)
         except ValueError:
-            raise RecordError(f"{where}: not JSON ({e})") from None
+            raise RecordError(f"{where}: not a JSON line ({e})") from None
         try:
             return msgspec.convert(value, kind)
         except msgspec.ValidationError as e:
@@ -60,21 +61,17 @@ def decode(data: bytes, kind: type[T], where: str) -> T:
 
 
 def lines(path: Path, kind: type[T]) -> Iterator[T]:
-    """The rows of a JSON-lines file, in order; a torn final line is skipped (module docstring)."""
-    torn: RecordError | None = None  # a line that is not JSON: damage unless it turns out to be the last
+    """The rows of a JSON-lines file, in order; a cut final line is skipped (module docstring)."""
     with open(path, "rb") as f:
         for number, line in enumerate(f, 1):
             if not line.strip(b" \t\r\n\x00"):
                 continue
-            if torn is not None:
-                raise torn
             try:
                 yield decode(line, kind, f"{path}:{number}")
-            except RecordError as e:
-                if not _is_json(line):
-                    torn = e
-                    continue
-                raise
+            except RecordError:
+                if line.endswith(b"\n") or _is_json(line):
+                    raise
+                # The last line, without its newline: the write was cut by a kill.
 
 
 def _is_json(line: bytes) -> bool:

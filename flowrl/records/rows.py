@@ -43,8 +43,8 @@ class HealthEvent(Row):
 class MetricsRow(Row):
     """metrics.jsonl: one row per train step (flowrl/runtime/observe.py), or per replayed step."""
     step: int
-    version: int
-    node: str
+    version: int = 0  # the version the step published (step + 1)
+    node: str = ""  # the train node
     time: float = 0.0  # seconds since the run's origin; a replay's: since the replay began
     step_seconds: float = 0.0
     groups: int = 0
