@@ -54,7 +54,7 @@ def load_run(run_dir: Path) -> list[Phase]:
         if not run.has("meta.json"):
             continue
         phases.append(Phase(run.name, run.path, msgspec.to_builtins(run.meta()), as_dicts(run.metrics()),
-                            as_dicts(iter(run.trace())), as_dicts(run.evals()), last_samples(run), run.placement()))
+                            as_dicts(run.trace()), as_dicts(run.evals()), last_samples(run), run.placement()))
     if not phases:
         raise NotARun(f"{run_dir} is not a run directory (no meta.json, nor phases/*/meta.json)")
     return phases

@@ -57,7 +57,7 @@ def one(steps: int, durable: bool, every: int, workdir: Path, index: int) -> dic
     seconds = rows[-1]["time"] - rows[0]["time"]
     # The run's own work inside the same window, from the trace's runtime row (observe.py):
     # checkpoints (train nodes wait) and flushes (the event loop is busy appending).
-    events = as_dicts(iter(RunDir(phase).trace()))
+    events = as_dicts(RunDir(phase).trace())
     lo, hi = rows[0]["time"] * 1e6, rows[-1]["time"] * 1e6
     spent = {name: sum(e["dur"] for e in events if e["pid"] == 0 and e.get("name") == name
                        and e.get("ph") == "X" and lo <= e["ts"] <= hi) / 1e6 for name in ("checkpoint", "flush")}

@@ -8,7 +8,7 @@ is decoded into the Structs its writer encodes (flowrl/records/rows.py).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -92,8 +92,7 @@ class RunDir:
 
     def plan_record(self) -> dict[str, Any]:
         """plan.json as plain JSON values (to compare with another plan key by key)."""
-        value = document(self.path / "plan.json", dict[str, Any])
-        return value
+        return document(self.path / "plan.json", dict[str, Any])
 
     def metrics(self) -> Iterator[MetricsRow]:
         return self._rows("metrics.jsonl", MetricsRow)
@@ -181,7 +180,7 @@ def _trace_lines(path: Path, whole: RecordError) -> list[TraceEvent]:
     return events
 
 
-def as_dicts(rows: Iterator[msgspec.Struct]) -> list[dict[str, Any]]:
+def as_dicts(rows: Iterable[msgspec.Struct]) -> list[dict[str, Any]]:
     """Rows as plain mappings, for code that also takes rows not read from a file (health, the
     simulator's rows, trackers)."""
     return [msgspec.to_builtins(r) for r in rows]

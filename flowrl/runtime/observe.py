@@ -195,9 +195,9 @@ class Observer:
 
 
 def numbers(metrics: dict[str, Any]) -> dict[str, float]:
-    """A train step's metrics as the row's numbers (TrainResult.metrics: floats; a bool or int an
-    operator put there is written as the float it stands for, so the row reads back as written)."""
-    return {k: float(v) if isinstance(v, int | float) else v for k, v in metrics.items()}
+    """A train step's metrics as the row's floats: an int or bool an operator returned (stage.py lets
+    Python numbers through) is written as the float it stands for, so the row reads back as written."""
+    return {k: float(v) for k, v in metrics.items()}
 
 
 def tensor_bytes(value: Any, seen: set[int] | None = None) -> int:
