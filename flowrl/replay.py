@@ -187,7 +187,7 @@ async def _train(plan: Any, node: str, config: dict[str, Any], steps: list[rollo
                 rows.write(encode(row) + b"\n")
                 rows.flush()  # on disk while it runs
                 echo(f"replay step {record.step}: {len(record.groups)} groups, loss "
-                     f"{result.metrics.get('loss', float('nan')):.6g}, {row['step_seconds']:.2f}s")
+                     f"{result.metrics.get('loss', float('nan')):.6g}, {row.step_seconds:.2f}s")
     finally:
         await op.close()  # the final export, into target/export/<node>
 
