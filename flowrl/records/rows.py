@@ -96,7 +96,7 @@ class SampleRow(Row):
 class TraceEvent(Row):
     """An event of trace.json (Chrome trace format, flowrl/runtime/observe.py)."""
     name: str
-    ph: str  # X: a span, i: an instant, M: a process name
+    ph: str = ""  # X: a span, i: an instant, M: a process name (every event flowrl writes has one)
     ts: float | UnsetType = UNSET  # microseconds since the run's origin; a process name has none
     dur: float | UnsetType = UNSET  # a span's
     pid: int = 0
