@@ -167,6 +167,8 @@ def _prepare(plan: Plan, run_dir: Path, executor: str, steps: int, resume: bool,
     (run_dir / "plan.json").write_bytes(plan.record())  # environment values redacted
     meta = {"name": plan.name, "origin": started, "executor": executor, "steps": steps, "format": 3,
             "health": 1}  # its metrics rows carry the health events (flowrl/health.py); format 3: manifests
+    if plan.metric_roles is not None:  # what the train nodes' metrics mean, for `flowrl inspect`
+        meta["metric_roles"] = msgspec.to_builtins(plan.metric_roles)
     (run_dir / "meta.json").write_text(json.dumps(meta, indent=1))
     return None, None, started
 
