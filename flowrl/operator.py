@@ -166,7 +166,8 @@ class Operator:
       result, or None, filters the record out on that port.
     - train: `train(groups, step=)` once per step, one at a time, with the step's groups (up to
       `data.batch_size`; fewer, even none, if some were rejected, filtered or dropped as stale);
-      returns a TrainResult. The runtime publishes policy version step + 1 with its `policy`
+      returns a TrainResult (with `context.threads` set, each step runs with that many torch
+      threads, set in the thread it runs in). The runtime publishes policy version step + 1 with its `policy`
       (None is allowed, e.g. nothing to train on: the record still goes out and carries the version).
       With `resources.replicas: N`, the N replicas are the ranks of one model: each gets the same
       groups (shard them by `context.rank`), the policy and metrics of rank 0 are published, and

@@ -5,7 +5,8 @@ forward/backward (token and sequence counts) and optimizer step (grad norm, lr, 
 gradient alignment), and the train operator (reward means, trajectories, policy KL, tied groups,
 thread count). A loss or training engine a plugin registers may report others: then nothing is
 declared (None), and validate checks nothing. tests/test_reported_metrics.py holds a run's
-reports to this list.
+reports to this list. ROLES says which of them plays which part in the learning health
+(`Train.metric_roles`, flowrl/health.py).
 """
 
 from __future__ import annotations
