@@ -29,6 +29,8 @@ import asyncio
 from pathlib import Path
 from typing import Any, ClassVar
 
+import msgspec
+
 from flowrl.blame import UserCodeFailed
 from flowrl.data.trajectory import Group
 from flowrl.operator import (
@@ -248,7 +250,8 @@ class Train(Operator):
 
     @classmethod
     def cost_shape(cls, config: TrainConfig) -> CostShape:
-        return CostShape(concurrency=1, process_threads=config.own_process.threads if config.own_process else None)
+        threads = config.own_process.threads if config.own_process is not None else None
+        return msgspec.structs.replace(super().cost_shape(config), process_threads=threads)
 
     @classmethod
     def export_difference(cls, recorded: Path, replayed: Path) -> float | None:
