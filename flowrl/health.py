@@ -92,7 +92,7 @@ HINTS = {
 }
 
 
-# The built-in train operator's names (flowrl_operators.training.reported.ROLES; tests/test_health.py
+# The built-in train operator's names (flowrl_operators.training.reported.ROLES; test_health_declared.py
 # holds the two equal): how a run recorded before operators declared their metrics is read.
 BUILTIN_ROLES = MetricRoles(entropy="entropy", clip_fraction="clip_fraction", mismatch="mismatch_logprob_mean",
                             tied_groups="tied_group_fraction", policy_kl="policy_kl", grad_norm="grad_norm",
