@@ -17,11 +17,13 @@ runs recorded before it existed) and returns events: `{"condition", "event": "be
 Entropy collapse, tied groups and a plateau are not judged while the run is near solved (its batch
 reward SOLVED_SHARE of the way from its start to the best trajectory's reward, the row's
 `reward_max`): a converged policy shows the same signs. It reads these keys of a row: `step`,
-`reward`, `reward_max`, and of `train`: `entropy`, `tied_group_fraction`,
-`clip_fraction`, `mismatch_logprob_mean` (the train operator's names, flowrl_operators.training).
-Only policy-gradient steps are judged: those whose train metrics carry `mismatch_logprob_mean`,
-which a supervised step (no behaviour policy) never reports; a supervised step drives entropy down
-and its reward to a ceiling by design. A condition that clears for as many steps as it took to begin
+`reward`, `reward_max`, and of `train` the metrics its node declares for each role
+(`Operator.metric_roles`, flowrl.operator.MetricRoles: entropy, tied groups, clip fraction,
+mismatch); a run recorded before nodes declared them is read with the built-in train operator's
+names (BUILTIN_ROLES), and a node that declares none is not judged. Only policy-gradient steps are
+judged: those whose train metrics carry the declared `policy_gradient` metric (the built-in's
+`mismatch_logprob_mean`, which a supervised step, with no behaviour policy, never reports); a
+supervised step drives entropy down and its reward to a ceiling by design. A condition that clears for as many steps as it took to begin
 ends; it may begin again later. Pure and small: no flowrl_operators import, no I/O; its state is
 plain data (`state()` / `restore()`, kept in checkpoints so a resumed run judges as an uninterrupted one).
 """
@@ -30,6 +32,10 @@ from __future__ import annotations
 
 import math
 from typing import Any
+
+import msgspec
+
+from flowrl.operator import MetricRoles
 
 # Why each value: these name conditions, they do not stop a run, so each errs toward a condition
 # that has clearly set in, over a window long enough that one noisy batch cannot raise it.
@@ -86,6 +92,17 @@ HINTS = {
 }
 
 
+# The built-in train operator's names (flowrl_operators.training.reported.ROLES; test_health_declared.py
+# holds the two equal): how a run recorded before operators declared their metrics is read.
+BUILTIN_ROLES = MetricRoles(entropy="entropy", clip_fraction="clip_fraction", mismatch="mismatch_logprob_mean",
+                            tied_groups="tied_group_fraction", policy_kl="policy_kl", grad_norm="grad_norm",
+                            policy_gradient="mismatch_logprob_mean")
+# Where each judged role's values are kept in the detector's state: the built-in names, which
+# checkpoints written before roles were declared hold.
+KEYS = {"entropy": "entropy", "tied_groups": "tied_group_fraction", "clip_fraction": "clip_fraction",
+        "mismatch": "mismatch_logprob_mean"}
+
+
 def _number(value: Any) -> float | None:
     return float(value) if isinstance(value, int | float) and math.isfinite(value) else None
 
@@ -110,9 +127,10 @@ class Streak:
 
 
 class Health:
-    """The health of one train node's run, step by step."""
+    """The health of one train node's run, step by step, reading its metrics by the roles it declared."""
 
-    def __init__(self) -> None:
+    def __init__(self, roles: MetricRoles = BUILTIN_ROLES) -> None:
+        self.roles = roles
         self.steps = 0  # policy-gradient steps seen
         self.reference: dict[str, list[float]] = {"entropy": [], "mismatch_logprob_mean": []}
         self.streaks = {"entropy_collapse": Streak(ENTROPY_STEPS), "tied_groups": Streak(TIED_STEPS),
@@ -127,20 +145,22 @@ class Health:
 
     def update(self, row: dict[str, Any]) -> list[dict[str, Any]]:
         train = row.get("train") or {}
-        if _number(train.get("mismatch_logprob_mean")) is None:
+        gate = self.roles.policy_gradient
+        if gate is not None and _number(train.get(gate)) is None:
             return []  # not a policy-gradient step
+        judged = self._judged(train)
         step = int(row["step"])
         self.steps += 1
         for key, values in self.reference.items():
-            if len(values) < REFERENCE_STEPS and _number(train.get(key)) is not None:
-                values.append(float(train[key]))
+            if len(values) < REFERENCE_STEPS and judged.get(key) is not None:
+                values.append(judged[key])
         reward, best = _number(row.get("reward")), _number(row.get("reward_max"))
         if reward is not None and len(self.start) < REFERENCE_STEPS:
             self.start.append(reward)
         if best is not None:
             self.top = best if self.top is None else max(self.top, best)
         events = []
-        for condition, holds in self._holds(train).items():
+        for condition, holds in self._holds(judged).items():
             if holds and condition in SOLVED_CONDITIONS and self.solved(reward):
                 holds = False
             streak = self.streaks[condition]
@@ -158,13 +178,16 @@ class Health:
         start = sum(self.start) / len(self.start)
         return self.top > start and reward - start >= SOLVED_SHARE * (self.top - start)
 
-    def _holds(self, train: dict[str, Any]) -> dict[str, bool | None]:
+    def _judged(self, train: dict[str, Any]) -> dict[str, float | None]:
+        """The step's value of each judged role, under the detector's keys (KEYS); None: not reported."""
+        names = self.roles.names()
+        return {key: _number(train.get(names[role])) if role in names else None for role, key in KEYS.items()}
+
+    def _holds(self, judged: dict[str, float | None]) -> dict[str, bool | None]:
         """Whether each windowed condition holds at this step (None: not measurable)."""
-        entropy, tied = _number(train.get("entropy")), _number(train.get("tied_group_fraction"))
-        clip, mismatch = _number(train.get("clip_fraction")), _number(train.get("mismatch_logprob_mean"))
-        self.last.update({k: v for k, v in (("entropy", entropy), ("tied_group_fraction", tied),
-                                             ("clip_fraction", clip), ("mismatch_logprob_mean", mismatch))
-                          if v is not None})
+        entropy, tied = judged["entropy"], judged["tied_group_fraction"]
+        clip, mismatch = judged["clip_fraction"], judged["mismatch_logprob_mean"]
+        self.last.update({k: v for k, v in judged.items() if v is not None})
         start_entropy, start_mismatch = self._reference("entropy"), self._reference("mismatch_logprob_mean")
         return {
             "entropy_collapse": None if entropy is None or start_entropy is None
@@ -239,14 +262,26 @@ class Health:
             vars(self.streaks[key]).update(values)
 
 
-def replay(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Every event of a metrics stream, as the run would have recorded them (one detector per node)."""
+def replay(rows: list[dict[str, Any]], roles: dict[str, MetricRoles] | None = None) -> list[dict[str, Any]]:
+    """Every event of a metrics stream, as the run would have recorded them (one detector per node):
+    each node judged by the roles it declared (`roles`, as the run recorded them: a node missing is
+    not judged), or, for a run recorded before nodes declared them (None), by BUILTIN_ROLES."""
     detectors: dict[str, Health] = {}
     events = []
     for row in rows:
         node = str(row.get("node"))
-        events += [e | {"node": node} for e in detectors.setdefault(node, Health()).update(row)]
+        declared = BUILTIN_ROLES if roles is None else roles.get(node)
+        if declared is not None:
+            events += [e | {"node": node} for e in detectors.setdefault(node, Health(declared)).update(row)]
     return events
+
+
+def recorded_roles(value: Any) -> dict[str, MetricRoles] | None:
+    """The roles a run recorded (meta.json `metric_roles`: node -> MetricRoles as JSON), None where
+    it recorded none (a run from before operators declared them)."""
+    if not isinstance(value, dict):
+        return None
+    return {node: msgspec.convert(roles, MetricRoles) for node, roles in value.items() if isinstance(roles, dict)}
 
 
 def recorded(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

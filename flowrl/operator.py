@@ -58,6 +58,10 @@ class OperatorContext(msgspec.Struct, kw_only=True):
     steps: int | None = None
     phase: str = "main"
     executor: str = "inprocess"
+    # Torch threads a train step runs with (torch's count is per OS thread, so the operator sets it
+    # in the thread each step runs in): `flowrl replay` gives the recorded run's count, since a
+    # float sum's order depends on it. None: the process's own.
+    threads: int | None = None
 
 
 class Knobs(msgspec.Struct, frozen=True, kw_only=True):
@@ -68,6 +72,41 @@ class Knobs(msgspec.Struct, frozen=True, kw_only=True):
     # Trajectory fields this node fills with its config, beyond its class's `provides` (a generate
     # node's greedy baseline rows), for the graph checks downstream (GraphFacts.upstream_provides).
     provides: frozenset[str] = frozenset()
+
+
+class CostShape(msgspec.Struct, frozen=True, kw_only=True):
+    """The shape of a node's cost, as `flowrl plan` models it (flowrl/plan/, docs/plan.md); its class
+    says, from its config (`Operator.cost_shape`), so that plan reads no config key by name."""
+
+    concurrency: int = 16  # calls in flight per replica, as `Knobs.concurrency`
+    partial_rollout: bool = False  # generate: as `Knobs.partial_rollout`
+    group_size: int = 1  # generate: trajectories per sample
+    # generate: rows its engine decodes together in one iteration (the rest wait for a slot); None:
+    # no limit known, every admitted row is decoded at once.
+    slots: int | None = None
+    # train: the step runs in a child process of its own with this many threads, beside the run's
+    # process (no interpreter lock shared with the other stages); None: in the stage's process.
+    process_threads: int | None = None
+
+
+class MetricRoles(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """Which of a train node's step metrics (`TrainResult.metrics`) plays which part in its learning
+    health (flowrl/health.py) and in `flowrl inspect`'s columns; its class says, from its config
+    (`Operator.metric_roles`). Each field names a metric; None: the node reports none that plays it."""
+
+    entropy: str | None = None  # the policy's mean token entropy on the step's tokens
+    clip_fraction: str | None = None  # the share of tokens whose ratio the trust region clipped
+    mismatch: str | None = None  # train/inference mismatch: mean |trainer - engine| logprob a token
+    tied_groups: str | None = None  # the share of groups whose rewards all tie
+    policy_kl: str | None = None  # KL between the policy before and after the step
+    grad_norm: str | None = None
+    # A metric only a policy-gradient step reports: a step without it is not judged (a supervised
+    # step drives entropy down and its reward to a ceiling by design). None: every step is judged.
+    policy_gradient: str | None = None
+
+    def names(self) -> dict[str, str]:
+        """role -> the metric that plays it, for the roles declared."""
+        return {role: name for role in self.__struct_fields__ if isinstance(name := getattr(self, role), str)}
 
 
 class GraphFacts(msgspec.Struct, frozen=True):
@@ -127,7 +166,8 @@ class Operator:
       result, or None, filters the record out on that port.
     - train: `train(groups, step=)` once per step, one at a time, with the step's groups (up to
       `data.batch_size`; fewer, even none, if some were rejected, filtered or dropped as stale);
-      returns a TrainResult. The runtime publishes policy version step + 1 with its `policy`
+      returns a TrainResult (with `context.threads` set, each step runs with that many torch
+      threads, set in the thread it runs in). The runtime publishes policy version step + 1 with its `policy`
       (None is allowed, e.g. nothing to train on: the record still goes out and carries the version).
       With `resources.replicas: N`, the N replicas are the ranks of one model: each gets the same
       groups (shard them by `context.rank`), the policy and metrics of rank 0 are published, and
@@ -175,6 +215,29 @@ class Operator:
         refuses a `run.stop_when: {train.<key>: ...}` no step would report. None (the default): not
         declared, nothing is checked."""
         del config
+        return None
+
+    @classmethod
+    def metric_roles(cls, config: msgspec.Struct) -> MetricRoles | None:
+        """A train node: which of its reported metrics plays which part in judging its learning
+        health (flowrl/health.py). None (the default): not declared, and health judges none of its steps."""
+        del config
+        return None
+
+    @classmethod
+    def cost_shape(cls, config: msgspec.Struct) -> CostShape:
+        """The shape of this node's cost for `flowrl plan`: slots, group size, concurrency, a
+        process of its own. The default: what `knobs(config)` says, one trajectory per sample, no
+        slot limit, in the stage's process."""
+        knobs = cls.knobs(config)
+        return CostShape(concurrency=knobs.concurrency, partial_rollout=knobs.partial_rollout)
+
+    @classmethod
+    def export_difference(cls, recorded: Path, replayed: Path) -> float | None:
+        """A train node: the largest |difference| of any parameter between two of its final exports
+        (what its `close()` wrote), for `flowrl replay`'s reproduction check; raises ValueError where
+        they hold different parameters. None (the default): it writes none that can be compared."""
+        del recorded, replayed
         return None
 
     @classmethod

@@ -142,7 +142,7 @@ def replay(run_dir: Path, overrides: list[str], out: str | None = None, echo: An
     asyncio.run(_train(plan, node, config, steps, directory, target, echo))
     # Without overrides: the reproduction's error (0.0 on CPU). With them: how far the A/B moved the
     # policy from the recorded one, on identical data.
-    diff = max_abs_diff(directory / "export" / node, target / "export" / node)
+    diff = max_abs_diff(plan.nodes[node].op, directory / "export" / node, target / "export" / node)
     return {"steps": len(steps), "samples": sum(len(s.groups) for s in steps),
             "trajectories": sum(len(i) for i in ids), "ids_sha256": rollouts.checksum(ids),
             "max_abs_diff_vs_recorded": None if overrides else diff,
@@ -167,8 +167,7 @@ async def _train(plan: Any, node: str, config: dict[str, Any], steps: list[rollo
         raise UserError(f"nodes.{node}: {e}") from None
     context = OperatorContext(node=node, run_dir=target, seed=plan.seed, model=plan.model, data=plan.data, rank=0,
                               world_size=1, steps=run_steps(plan), phase=str(plan.run.get("phase", "main")),
-                              executor="inprocess")
-    _use_threads(recorded_threads(source, node))
+                              executor="inprocess", threads=_threads(recorded_threads(source, node)))
     op = cls(typed, context)
     try:
         await op.setup()
@@ -200,17 +199,17 @@ def _thread_environment(threads: dict[int, int]) -> None:
         os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(threads[min(threads)])
 
 
-def _use_threads(threads: dict[int, int]) -> None:
-    """Train with the run's torch thread count: a float sum's order depends on it. The count is per
-    OS thread, so the train operator sets it in the thread each step runs in, from FLOWRL_TORCH_THREADS
-    (flowrl/ imports no torch)."""
+def _threads(threads: dict[int, int]) -> int | None:
+    """The torch thread count to train with: the run's, as a float sum's order depends on it (None:
+    the run recorded none). It reaches the train operator as `OperatorContext.threads`, which sets it
+    in the thread each step runs in (torch's count is per OS thread; flowrl/ imports no torch)."""
     if not threads:
-        return
+        return None
     count = threads[min(threads)]
     if len(set(threads.values())) > 1:
         print(f"flowrl replay: the run trained with {sorted(set(threads.values()))} torch threads in different "
               f"steps; replaying with {count}: the policy may differ in the last bits", file=sys.stderr)
-    os.environ["FLOWRL_TORCH_THREADS"] = str(count)
+    return count
 
 
 def _mean_reward(record: rollouts.RolloutStep) -> float | None:
@@ -218,23 +217,20 @@ def _mean_reward(record: rollouts.RolloutStep) -> float | None:
     return sum(rewards) / len(rewards) if rewards else None
 
 
-def max_abs_diff(recorded: Path, replayed: Path) -> float | None:
-    """The largest |difference| of any parameter between two exports (None: no recorded export)."""
-    from safetensors.torch import load_file
+def max_abs_diff(op: str, recorded: Path, replayed: Path) -> float | None:
+    """The largest |difference| of any parameter between the two exports, as the train node's
+    operator `op` measures it (`Operator.export_difference`: flowrl/ reads no tensors); None where
+    there is no recorded export to compare with."""
+    from flowrl import registry
 
-    files = sorted(recorded.glob("*.safetensors"))
-    if not files:
-        print(f"flowrl replay: {recorded} holds no export to compare with (the run did not finish, or its train operator exports none)",
-              file=sys.stderr)
-        return None
-    worst = 0.0
-    for file in files:
-        mine, theirs = load_file(str(replayed / file.name)), load_file(str(file))
-        if mine.keys() != theirs.keys():
-            raise UserError(f"{replayed / file.name} and {file} hold different parameters")
-        for name, tensor in theirs.items():
-            worst = max(worst, (mine[name].double() - tensor.double()).abs().max().item())
-    return worst
+    try:
+        diff = registry.resolve(op).export_difference(recorded, replayed)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if diff is None:
+        print(f"flowrl replay: {recorded} holds no export to compare with (the run did not finish, or its train "
+              "operator exports none)", file=sys.stderr)
+    return diff
 
 
 COMPARED = ("loss", "grad_norm", "entropy", "kl", "clip_fraction")  # train metrics shown side by side

@@ -143,12 +143,30 @@ def render_text(phases: list[Phase]) -> str:
 
 TABLE_ROWS = 10  # spans of steps in a phase's table (5 when a run has more than two phases)
 HEALTH_LINES = 6  # findings listed per phase; the rest are counted
-CURVES = (  # (column, width, metric: a row key or train.<key>, format)
-    ("reward", 7, "reward", ".3f"), ("entropy", 8, "train.entropy", ".3g"),
-    ("tied", 5, "train.tied_group_fraction", ".2f"), ("clip", 6, "train.clip_fraction", ".3f"),
-    ("kl", 8, "train.policy_kl", ".2g"), ("grad", 8, "train.grad_norm", ".3g"),
-    ("mismatch", 8, "train.mismatch_logprob_mean", ".2g"),
+CURVES = (  # (column, width, metric: a row key, or role:<role> of flowrl.operator.MetricRoles, format)
+    ("reward", 7, "reward", ".3f"), ("entropy", 8, "role:entropy", ".3g"),
+    ("tied", 5, "role:tied_groups", ".2f"), ("clip", 6, "role:clip_fraction", ".3f"),
+    ("kl", 8, "role:policy_kl", ".2g"), ("grad", 8, "role:grad_norm", ".3g"),
+    ("mismatch", 8, "role:mismatch", ".2g"),
 )
+
+
+def role_metric(p: Phase, key: str) -> str:
+    """A CURVES metric as a key of the phase's rows: a role as `train.<the metric>` its train nodes
+    declared for it (meta.json), else the built-in train operator's (flowrl/health.py)."""
+    from flowrl.health import BUILTIN_ROLES, recorded_roles
+
+    if not key.startswith("role:"):
+        return key
+    names = BUILTIN_ROLES.names()
+    for roles in (recorded_roles(p.meta.get("metric_roles")) or {}).values():
+        names |= roles.names()
+    return f"train.{names.get(key[5:], key[5:])}"
+
+
+def curves(p: Phase) -> list[tuple[str, int, str, str]]:
+    """CURVES with each metric as a key of the phase's rows (`role_metric`)."""
+    return [(column, width, role_metric(p, key), fmt) for column, width, key, fmt in CURVES]
 
 
 def metric(row: dict[str, Any], key: str) -> float | None:
@@ -175,7 +193,7 @@ def curve_table(p: Phase, count: int) -> list[str]:
     if not p.rows:
         return []
     evals = {e["version"]: e["eval_reward"] for e in p.evals}
-    shown = [c for c in CURVES if any(metric(r, c[2]) is not None for r in p.rows)]
+    shown = [c for c in curves(p) if any(metric(r, c[2]) is not None for r in p.rows)]
     head = f"  {'steps':>9} {'time_s':>7} " + " ".join(f"{c[0]:>{c[1]}}" for c in shown) + (" eval" if evals else "")
     lines = [head + ("   (means over each span of steps)" if len(p.rows) > count else "")]
     for span in spans_of(p.rows, count):
@@ -195,9 +213,9 @@ def _number(value: float | None, fmt: str) -> str:
 def health_events(p: Phase) -> list[dict[str, Any]]:
     """The phase's health events: as the run recorded them, or found afresh in a run from before
     flowrl recorded them (flowrl/health.py)."""
-    from flowrl.health import recorded, replay
+    from flowrl.health import recorded, recorded_roles, replay
 
-    return recorded(p.rows) if p.meta.get("health") else replay(p.rows)
+    return recorded(p.rows) if p.meta.get("health") else replay(p.rows, recorded_roles(p.meta.get("metric_roles")))
 
 
 def health_lines(p: Phase) -> list[str]:

@@ -19,13 +19,13 @@ import html
 from typing import Any
 
 from flowrl.graph.render import page
-from flowrl.report import CURVES, Phase, format_value, health_events, metric, spans_of, summary
+from flowrl.report import Phase, curves, format_value, health_events, metric, role_metric, spans_of, summary
 
 COLORS = {"generate": "#2e86de", "process": "#27ae60", "train": "#c0392b", "sync": "#8e44ad",
           "update_weights": "#e67e22", "drain": "#95a5a6", "setup": "#bdc3c7", "checkpoint": "#16a085",
           "flush": "#7f8c8d"}
-CONDITION_CURVE = {"entropy_collapse": "train.entropy", "tied_groups": "train.tied_group_fraction",
-                   "high_clip": "train.clip_fraction", "mismatch_growth": "train.mismatch_logprob_mean"}
+CONDITION_CURVE = {"entropy_collapse": "role:entropy", "tied_groups": "role:tied_groups",  # role_metric keys
+                   "high_clip": "role:clip_fraction", "mismatch_growth": "role:mismatch"}
 HIDDEN = {"wait", "step"}  # a wait is idle time; a train node's step span covers its work
 MAX_POINTS = 200  # points of a curve: beyond, means over spans of steps
 EXACT_SPANS = 2000  # a phase with more trace spans draws its timeline binned
@@ -129,10 +129,10 @@ def curve_charts(p: Phase) -> str:
     step a condition began."""
     began = [e for e in health_events(p) if e["event"] == "began"]
     charts = []
-    for name, _, key, _ in CURVES[1:]:
+    for name, _, key, _ in curves(p)[1:]:
         points = _points(p.rows, key, "step")
         if points:
-            marks = [e["step"] for e in began if CONDITION_CURVE.get(e["condition"]) == key]
+            marks = [e["step"] for e in began if role_metric(p, CONDITION_CURVE.get(e["condition"], "")) == key]
             charts.append(small_chart(name, points, marks))
     return f'<div class="charts">{"".join(charts)}</div>' if charts else "<p>no learning curves recorded</p>"
 

@@ -15,6 +15,7 @@ from flowrl.operator import (
     TRAJECTORIES,
     WEIGHTS,
     ConfigError,
+    CostShape,
     DataFacts,
     GraphFacts,
     Knobs,
@@ -46,6 +47,14 @@ class Generate(Operator):
             provides.add("top_logprobs")
         return Knobs(concurrency=config.max_concurrency, partial_rollout=config.partial_rollout,
                      provides=frozenset(provides))
+
+    @classmethod
+    def cost_shape(cls, config: GenerateConfig) -> CostShape:
+        """Slots: the engine's max_batch (an SGLang server's own limit is not known here: the
+        embedded engine's default stands in for it)."""
+        engine = config.engine if isinstance(config.engine, EngineConfig) else EngineConfig(kind=config.engine)
+        return CostShape(concurrency=config.max_concurrency, partial_rollout=config.partial_rollout,
+                         group_size=config.group_size, slots=engine.max_batch)
 
     @classmethod
     def check_graph(cls, config: GenerateConfig, facts: GraphFacts) -> list[tuple[tuple[str, ...], str]]:

@@ -26,23 +26,27 @@ process (flowrl_operators.training.process), and the node only passes trajectori
 from __future__ import annotations
 
 import asyncio
-import os
 from pathlib import Path
 from typing import Any, ClassVar
 
+import msgspec
+
 from flowrl.blame import UserCodeFailed
-from flowrl.data.trajectory import Group, Trajectory
+from flowrl.data.trajectory import Group
 from flowrl.operator import (
     POLICY,
     TRAJECTORIES,
     ConfigError,
+    CostShape,
     GraphFacts,
+    MetricRoles,
     Operator,
     OperatorContext,
     Resources,
     TrainResult,
 )
 from flowrl_operators.config import OptimConfig, TrainConfig
+from flowrl_operators.training.vocabulary import out_of_vocabulary, vocab_size
 
 
 def trainer_config(optim: OptimConfig, micro_batch_tokens: int, max_nonfinite_steps: int, steps: int, seed: int,
@@ -72,23 +76,6 @@ def schedule_horizon(optim: OptimConfig, context: OperatorContext, per_step: int
     return steps * per_step
 
 
-def _join_train_group(rank: int, world_size: int) -> None:
-    """The ranks of a replicated train node form one torch.distributed group (FSDP2 shards over it);
-    the Ray executor sets MASTER_ADDR / MASTER_PORT for the rendezvous."""
-    import os
-
-    import torch
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        return
-    if "MASTER_ADDR" not in os.environ:
-        raise RuntimeError(f"a train node with replicas: {world_size} needs run.executor: ray, which gives "
-                           "its ranks a rendezvous; use replicas: 1 with the in-process executor")
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size)
-
-
 def _reward_means(trajectories: list) -> dict[str, float]:
     """reward_mean over the sampled trajectories; greedy_reward_mean over the greedy baselines
     (generate greedy_baseline: true), which are no samples of the policy's distribution."""
@@ -102,9 +89,6 @@ def _reward_means(trajectories: list) -> dict[str, float]:
     return out
 
 
-# Set by `flowrl replay` (flowrl/replay.py): the torch thread count the recorded run trained with.
-# torch's count is per OS thread, so the step sets it where it runs.
-THREADS_ENV = "FLOWRL_TORCH_THREADS"
 LOGPROB_SUM = "logprob_sum"  # what _with_logprob_sum adds to the loss's metrics
 
 
@@ -126,7 +110,7 @@ class Learner:
     or, with `own_process`, in a child process (flowrl_operators.training.process)."""
 
     def __init__(self, engine: str, model: str, config: Any, loss: Any, advantage: Any, epochs: int,
-                 copy: bool = True, share: bool = False, kl_every: int = 0) -> None:
+                 copy: bool = True, share: bool = False, kl_every: int = 0, threads: int | None = None) -> None:
         from flowrl_operators.training.engine import build
         from flowrl_operators.training.losses import policy_loss
 
@@ -142,6 +126,7 @@ class Learner:
         self.copy, self.share, self.shared = copy, share, False
         self.loss_fn = policy_loss(loss)
         self.kl_every = kl_every  # policy_kl every this many steps (0: never)
+        self.threads = threads  # OperatorContext.threads: set in the thread each step runs in (per OS thread)
 
     def train(self, trajectories: list, step: int = 0) -> tuple[dict[str, float], list]:
         """One step on these trajectories: (metrics, the new weights as buckets of copies)."""
@@ -153,8 +138,8 @@ class Learner:
         from flowrl_operators.training.losses import apply_kl_penalty, needs_proximal, set_behaviour_weights
         from flowrl_operators.training.objective import needs_reference
 
-        if threads := os.environ.get(THREADS_ENV):  # `flowrl replay`: the run's count, in this very thread
-            torch.set_num_threads(int(threads))
+        if self.threads is not None:  # `flowrl replay`: the recorded run's count, in this very thread
+            torch.set_num_threads(self.threads)
         from flowrl_operators.training.tuning import base_logprobs
 
         supervised = self.loss.supervised
@@ -258,6 +243,23 @@ class Train(Operator):
         return train_metrics(config)
 
     @classmethod
+    def metric_roles(cls, config: TrainConfig) -> MetricRoles:
+        from flowrl_operators.training.reported import ROLES
+
+        return ROLES
+
+    @classmethod
+    def cost_shape(cls, config: TrainConfig) -> CostShape:
+        threads = config.own_process.threads if config.own_process is not None else None
+        return msgspec.structs.replace(super().cost_shape(config), process_threads=threads)
+
+    @classmethod
+    def export_difference(cls, recorded: Path, replayed: Path) -> float | None:
+        from flowrl_operators.training.checkpoint import max_abs_diff
+
+        return max_abs_diff(recorded, replayed)
+
+    @classmethod
     def check_graph(cls, config: TrainConfig, facts: GraphFacts) -> list[tuple[tuple[str, ...], str]]:
         from flowrl_operators.training import objective
         from flowrl_operators.training.engine import check_name
@@ -329,6 +331,7 @@ class Train(Operator):
 
     async def setup(self) -> None:
         from flowrl_operators.tokenizer import import_transformers
+        from flowrl_operators.training.engine import join_group
         from flowrl_operators.training.objective import advantage_config, check_compatible, loss_config
         from flowrl_operators.training.process import Child
 
@@ -339,11 +342,11 @@ class Train(Operator):
                              f"has replicas: {self.context.world_size}, whose ranks are their own processes "
                              "under the Ray executor already: remove own_process")
         if self.context.world_size > 1:
-            _join_train_group(self.context.rank, self.context.world_size)
+            join_group(self.context.rank, self.context.world_size)
         loss, advantage = loss_config(c.loss), advantage_config(c.advantage)
         check_compatible(loss, advantage)
         self._check_tuning()
-        self.vocab = _vocab_size(self.context.model["path"])
+        self.vocab = vocab_size(self.context.model["path"])
         horizon = schedule_horizon(c.optim, self.context, c.epochs)
         config = trainer_config(c.optim, c.micro_batch_tokens, c.max_nonfinite_steps, horizon, self.context.seed,
                                 gradient_checkpointing=c.gradient_checkpointing, freeze=list(c.freeze), lora=c.lora)
@@ -352,7 +355,7 @@ class Train(Operator):
         # step can change the weights (`_published`): the Learner need not copy it first.
         copy = in_process and self.context.executor != "ray"
         args = (c.engine, self.context.model["path"], config, loss, advantage, c.epochs, copy,
-                in_process and self.context.executor == "inprocess", c.policy_kl_every)
+                in_process and self.context.executor == "inprocess", c.policy_kl_every, self.context.threads)
         if c.own_process is not None:
             self.child = await asyncio.to_thread(Child, Learner, args, threads=c.own_process.threads,
                                                  name=f"flowrl-train-{self.context.node}")
@@ -439,24 +442,3 @@ class Train(Operator):
         finally:
             if self.child is not None:
                 await asyncio.to_thread(self.child.close)
-
-
-def _vocab_size(model_path: str) -> int:
-    """The model's vocabulary (its text model's, for a vision-language one), from config.json."""
-    from flowrl_operators.models import load_config
-
-    return int(getattr(load_config(model_path).get_text_config(), "vocab_size", 0) or 0)
-
-
-def out_of_vocabulary(trajectories: list[Trajectory], vocab: int) -> str | None:
-    """The first token id outside 0..vocab-1, said with its trajectory and position (a workflow's or
-    an operator's mistake upstream, which the embedding would answer with a bare IndexError)."""
-    for t in trajectories:
-        for field in ("prompt_ids", "response_ids"):
-            ids = getattr(t, field)
-            if ids and (min(ids) < 0 or max(ids) >= vocab):
-                i, bad = next((i, x) for i, x in enumerate(ids) if not 0 <= x < vocab)
-                return (f"trajectory {t.id} (sample {t.sample_id}) has token id {bad} at {field}[{i}], outside "
-                        f"the model's vocabulary (ids 0..{vocab - 1}); the node that built it (a workflow or an "
-                        "operator upstream) must emit the model's own token ids")
-    return None

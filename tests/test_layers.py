@@ -26,13 +26,24 @@ def imports(path: Path) -> list[tuple[int, str]]:
     return out
 
 
+def reached(path: Path) -> list[tuple[int, str]]:
+    """`imports`, plus each name a `from X import name` takes as the module `X.name`: `from safetensors
+    import torch` loads safetensors.torch, and torch with it."""
+    out = imports(path)
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out += [(node.lineno, f"{node.module}.{alias.name}") for alias in node.names]
+    return sorted(set(out))
+
+
 def engine_imports(prefix: str) -> list[str]:
     return [f"{path.relative_to(ROOT)}:{line} imports {module}"
             for path in sorted((ROOT / "flowrl").rglob("*.py"))
-            for line, module in imports(path) if module == prefix or module.startswith(prefix + ".")]
+            for line, module in reached(path) if module == prefix or module.startswith(prefix + ".")]
 
 
-@pytest.mark.parametrize("library", ["flowrl_operators", "torch"])
+# safetensors.torch imports torch as it loads: a tensor file read through it is torch in the engine.
+@pytest.mark.parametrize("library", ["flowrl_operators", "torch", "safetensors.torch"])
 def test_the_engine_imports_neither_the_operator_library_nor_torch(library):
     assert engine_imports(library) == []
 
@@ -41,6 +52,19 @@ def test_the_walk_sees_imports_inside_functions(tmp_path):
     module = tmp_path / "m.py"
     module.write_text("def f():\n    from flowrl_operators.models import x\n    import torch.nn\n")
     assert imports(module) == [(2, "flowrl_operators.models"), (3, "torch.nn")]
+
+
+def test_a_planted_safetensors_torch_import_in_the_engine_is_found(tmp_path, monkeypatch):
+    """Each way of spelling it: the module itself, a name from it, and the module as a name of its package."""
+    monkeypatch.setattr(f"{__name__}.ROOT", tmp_path)
+    (tmp_path / "flowrl").mkdir()
+    (tmp_path / "flowrl/a.py").write_text("import safetensors.torch\n")
+    (tmp_path / "flowrl/b.py").write_text("def f():\n    from safetensors.torch import load_file\n")
+    (tmp_path / "flowrl/c.py").write_text("from safetensors import torch as st\n")
+    (tmp_path / "flowrl/d.py").write_text("from safetensors import safe_open\nfrom safetensors.numpy import load\n")
+    assert engine_imports("safetensors.torch") == [
+        "flowrl/a.py:1 imports safetensors.torch", "flowrl/b.py:2 imports safetensors.torch",
+        "flowrl/b.py:2 imports safetensors.torch.load_file", "flowrl/c.py:1 imports safetensors.torch"]
 
 
 def test_every_builtin_task_and_model_is_registered():

@@ -12,7 +12,7 @@ import msgspec
 import pytest
 
 from flowrl import registry
-from flowrl.operator import KINDS, PORT_TYPES, Knobs, Operator
+from flowrl.operator import KINDS, PORT_TYPES, CostShape, Knobs, Operator
 from flowrl.spec.describe import fields
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,6 +44,21 @@ def test_operator_contract(name: str) -> None:
     if op.kind == "generate":  # the knobs are the config's, not the defaults
         config = msgspec.convert({"max_concurrency": 3, "partial_rollout": True}, op.Config)
         assert op.knobs(config) == Knobs(concurrency=3, partial_rollout=True)
+    if knobs is not None:  # what plan simulates is what the runtime drives
+        shape = op.cost_shape(msgspec.convert({}, op.Config))
+        assert isinstance(shape, CostShape)
+        assert (shape.concurrency, shape.partial_rollout) == (knobs.concurrency, knobs.partial_rollout)
+        assert shape.group_size >= 1 and (shape.slots is None or shape.slots >= 1)
+
+
+def test_built_in_cost_shapes_are_their_configs() -> None:
+    """The shapes `flowrl plan` reads, declared from each built-in's own keys."""
+    generate, train = registry.resolve("generate"), registry.resolve("train")
+    config = msgspec.convert({"group_size": 4, "engine": {"max_batch": 8}, "max_concurrency": 5}, generate.Config)
+    assert generate.cost_shape(config) == CostShape(concurrency=5, group_size=4, slots=8)
+    assert generate.cost_shape(msgspec.convert({}, generate.Config)).slots == 32  # the embedded engine's default
+    assert train.cost_shape(msgspec.convert({"own_process": {"threads": 2}}, train.Config)).process_threads == 2
+    assert train.cost_shape(msgspec.convert({}, train.Config)).process_threads is None
 
 
 def _defaults_suffice(op: type) -> bool:

@@ -16,6 +16,7 @@ from flowrl.plan import plan_run
 from flowrl.plan.cpu import MAIN, Cpu
 from flowrl.plan.fit import iterations, nonneg_fit
 from flowrl.plan.solo import solo_work
+from flowrl.spec.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -192,7 +193,7 @@ def test_groups_with_more_trajectories_than_group_size_wait_on_their_environment
 def test_the_other_keys_are_read(grpo_run, capsys):
     result = plan_run(grpo_run, ["run.steps=6"])
     assert result["predicted"]["staleness"] == {0: 7 * 4 * 8}  # 7 repeats of 6 steps (40+), 4 steady, 8 groups
-    slots = plan_run(grpo_run, ["nodes.rollout.engine.max_batch=8"])  # a quarter of the slots: never faster
+    slots = plan_run(grpo_run, ["nodes.rollout.slots=8"])  # a quarter of the slots: never faster
     assert slots["predicted"]["step_seconds"] >= 0.98 * slots["simulated"]["step_seconds"]
     partial = plan_run(grpo_run, ["max_staleness=1", "nodes.rollout.partial_rollout=true"])["predicted"]
     assert set(partial["staleness"]) <= {0, 1}  # weights may change mid-group: version at its start
@@ -200,3 +201,84 @@ def test_the_other_keys_are_read(grpo_run, capsys):
     assert "expected true or false" in capsys.readouterr().err
     assert main(["plan", str(grpo_run), "run.steps=3"]) == 1
     assert "expected an integer >= 4" in capsys.readouterr().err
+
+
+# ---- what plan reads: the cost shapes operators declare -------------------------------------------
+
+LANES = '''
+"""A generate node whose engine's slots are its config's `lanes` (the built-in calls them engine.max_batch)."""
+import msgspec
+
+from flowrl.operator import CostShape
+from flowrl_operators.config import GenerateConfig
+from flowrl_operators.generate import Generate
+
+
+class LanesConfig(GenerateConfig):
+    lanes: int = 32
+
+
+class LaneGenerate(Generate):
+    """The built-in generate node, its slots declared from `lanes`."""
+
+    Config = LanesConfig
+
+    @classmethod
+    def cost_shape(cls, config):
+        return msgspec.structs.replace(super().cost_shape(config), slots=config.lanes)
+'''
+
+
+@pytest.fixture
+def lanes_plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """LaneGenerate as an installed distribution (package + dist-info) on sys.path, by entry point."""
+    from flowrl import plugins
+
+    site = tmp_path / "site"
+    (site / "acme_lanes").mkdir(parents=True)
+    (site / "acme_lanes/__init__.py").write_text(LANES)
+    info = site / "acme_lanes-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: acme-lanes\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[flowrl.operators]\nlane_generate = acme_lanes:LaneGenerate\n")
+    monkeypatch.syspath_prepend(str(site))
+    plugins.targets.cache_clear()
+    yield site
+    monkeypatch.undo()
+    plugins.targets.cache_clear()
+
+
+def test_plan_reads_the_slots_a_plugin_declares_under_its_own_key(grpo_run, lanes_plugin, tmp_path):
+    """The run's generate node swapped for a plugin whose slots are `lanes`: plan fits and predicts
+    with them; the built-in's key for slots is nothing to it."""
+    import shutil
+
+    copy = tmp_path / "run"
+    shutil.copytree(grpo_run, copy)
+    plan = json.loads((copy / "plan.json").read_text())
+    plan["nodes"]["rollout"] |= {"op": "lane_generate", "config": plan["nodes"]["rollout"]["config"] | {"lanes": 2}}
+    (copy / "plan.json").write_text(json.dumps(plan))
+    narrow = plan_run(copy, ["nodes.rollout.lanes=2"])
+    assert narrow["predicted"] == narrow["simulated"]  # lanes as the run had them: the same simulation
+    wide = plan_run(copy, ["nodes.rollout.lanes=64"])["predicted"]
+    assert wide["step_seconds"] < 0.9 * narrow["simulated"]["step_seconds"]  # 64 rows a step, not 2
+    assert wide == plan_run(copy, ["nodes.rollout.slots=64"])["predicted"]  # the same field of its shape
+    with pytest.raises(UserError, match="nodes.rollout.sampling.temperature': it changes nothing in the cost shape"):
+        plan_run(copy, ["nodes.rollout.sampling.temperature=0.5"])
+
+
+def test_overrides_set_the_declared_shape_not_config_keys_plan_knows():
+    from flowrl.graph.compile import compile_file
+    from flowrl.plan.changes import apply
+    from flowrl.plan.shapes import processes
+
+    plan = compile_file(str(ROOT / "pipelines/grpo_sync.yaml"), ["nodes.rollout.engine={max_batch: 16}"]).plan
+    scenario = apply(plan, [], 10)
+    assert (scenario.shapes["rollout"].slots, scenario.shapes["rollout"].group_size) == (16, 8)
+    assert scenario.shapes["score"].concurrency == 16 and processes(scenario.plan, scenario.shapes) == {}
+    changed = apply(plan, ["nodes.rollout.engine.max_batch=4", "nodes.score.concurrency=2",
+                           "nodes.learner.own_process={threads: 2}", "nodes.rollout.max_concurrency=3"], 10)
+    assert changed.shapes["rollout"].slots == 4 and changed.shapes["rollout"].concurrency == 3
+    assert changed.shapes["score"].concurrency == 2
+    assert processes(changed.plan, changed.shapes) == {"learner": 2.0}  # a trainer in a process of its own
+    assert plan.nodes["rollout"].config["engine"]["max_batch"] == 16  # the run's plan is left as it was

@@ -135,3 +135,20 @@ def test_critic_node_values_then_one_update_per_step(tmp_path: Path) -> None:
         assert again.trajectories[0].values != first.trajectories[0].values  # the update moved the values
 
     asyncio.run(main())
+
+
+def test_the_context_sets_the_steps_torch_threads_in_the_thread_each_runs_in(tmp_path: Path) -> None:
+    """`OperatorContext.threads` (what `flowrl replay` gives, the recorded run's count) reaches the
+    step's own thread; without it a step keeps the count its thread has. No environment variable."""
+    async def step_threads(threads: int | None) -> float:
+        ctx = msgspec.structs.replace(context(tmp_path / str(threads), "learner"), threads=threads)
+        op = Train(msgspec.convert({"policy_kl_every": 0}, TrainConfig), ctx)
+        await op.setup()
+        try:
+            return (await op.train(groups(0), step=0)).metrics["torch_threads"]
+        finally:
+            await op.close()
+
+    own = asyncio.run(step_threads(None))
+    wanted = int(own) + 1  # a count the step's thread would not have of itself
+    assert asyncio.run(step_threads(wanted)) == float(wanted)

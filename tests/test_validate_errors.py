@@ -227,6 +227,14 @@ class DataCheckReturnsText(DataCheck):
     @classmethod
     def check_data(cls, config, facts):
         return "the data is fine"
+
+class CostShapeDict(DataCheck):
+    @classmethod
+    def check_data(cls, config, facts):
+        return []
+    @classmethod
+    def cost_shape(cls, config):
+        return {"slots": 8}
 '''
 # name -> (overrides or spec edits, where the message points: LINE:COL or the override, words it contains)
 PLUGIN_CASES: dict[str, tuple[list[str], str, str]] = {
@@ -267,6 +275,8 @@ PLUGIN_CASES: dict[str, tuple[list[str], str, str]] = {
                          "this node wants an even batch, not 3"),
     "check_data_returns_text": (["nodes.check.op=broken_plugin:DataCheckReturnsText"], "nodes.check.op",
                                 "its check_data returned str 'the data is fine'; it must return a list"),
+    "cost_shape_dict": (["nodes.check.op=broken_plugin:CostShapeDict"], "nodes.check.op",
+                        "CostShapeDict: its cost_shape() returned dict; it must return flowrl.operator.CostShape"),
     "sample_without_prompt": (["data.source=broken_plugin:NoPrompt"], "data.source",
                               "sample(0, 0) has no prompt (keys: question)"),
     "sample_not_a_dict": (["data.source=broken_plugin:NotADict"], "data.source", "returned str; a sample is a dict"),

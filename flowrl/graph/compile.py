@@ -21,7 +21,7 @@ import networkx as nx
 from flowrl import registry
 from flowrl.graph import rules
 from flowrl.graph.plan import EdgePlan, NodePlan, Plan
-from flowrl.operator import PROMPTS, WEIGHTS, GraphFacts, Knobs, Operator, Resources
+from flowrl.operator import PROMPTS, WEIGHTS, CostShape, GraphFacts, Knobs, MetricRoles, Operator, Resources
 from flowrl.spec.errors import Diagnostic, SpecError, did_you_mean
 from flowrl.spec.load import LoadedSpec, load, validation_diagnostic
 from flowrl.spec.schema import EdgeSpec
@@ -67,6 +67,7 @@ def compile_spec(loaded: LoadedSpec) -> Compiled:
     if not problems:
         rules.check_fan_in(edges, ops, loc, problems)
         rules.check_stop_when(spec, configs, ops, loc, problems)
+        rules.check_metric_roles(configs, ops, loc, problems)
         _check_operators(edges, ops, configs, resources, spec, loc, problems)
     rules.check_references(spec, configs, ops, loc, problems)  # imports the modules named, builds the data source
     if problems:
@@ -89,6 +90,8 @@ def compile_spec(loaded: LoadedSpec) -> Compiled:
         model=msgspec.to_builtins(spec.model), data=msgspec.to_builtins(spec.data),
         run=msgspec.to_builtins(spec.run), cluster=msgspec.to_builtins(spec.cluster),
         phases=msgspec.to_builtins(spec.phases), seed=spec.run.seed, environment=loaded.environment,
+        metric_roles={name: roles for name, op in ops.items()
+                      if op.kind == "train" and (roles := op.metric_roles(configs[name])) is not None},
     )
     return Compiled(plan, graph, loaded)
 
@@ -129,7 +132,8 @@ def _read_nodes(nodes: dict[str, Any], loc, problems: list[Diagnostic]
         except msgspec.ValidationError as e:
             problems.append(validation_diagnostic(e, body, node_path, loc, op.Config))
             continue
-        if (problem := _knobs_problem(op, configs[name])) is not None:
+        problem = _knobs_problem(op, configs[name]) or _declarations_problem(op, configs[name])
+        if problem is not None:
             problems.append(loc.diagnostic((*node_path, "op"), problem))
     return ops, configs, resources
 
@@ -144,6 +148,20 @@ def _knobs_problem(op: type[Operator], config: msgspec.Struct) -> str | None:
         return f"{rules.who(op)}: its knobs() returned {type(knobs).__name__}; it must return flowrl.operator.Knobs"
     if not isinstance(knobs.provides, frozenset | set):
         return f"{rules.who(op)}: its knobs().provides is {knobs.provides!r}; it must be a frozenset of field names"
+    return None
+
+
+def _declarations_problem(op: type[Operator], config: msgspec.Struct) -> str | None:
+    """Why the operator's `cost_shape(config)` or `metric_roles(config)` is unusable, or None: the
+    planner and the health detector read them later, far from the plugin that broke them."""
+    for method, types in (("cost_shape", (CostShape,)), ("metric_roles", (MetricRoles, type(None)))):
+        try:
+            value = getattr(op, method)(config)
+        except Exception as e:  # noqa: BLE001 - the plugin's own bug: say whose
+            return f"{rules.who(op)}: its {method}() failed: {type(e).__name__}: {e}"
+        if not isinstance(value, types):
+            return (f"{rules.who(op)}: its {method}() returned {type(value).__name__}; it must return "
+                    f"{' or '.join('None' if t is type(None) else 'flowrl.operator.' + t.__name__ for t in types)}")
     return None
 
 

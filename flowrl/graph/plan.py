@@ -15,7 +15,7 @@ from typing import Any, Literal
 import msgspec
 
 from flowrl.graph.facts import Facts, derive
-from flowrl.operator import Resources
+from flowrl.operator import MetricRoles, Resources
 
 
 class NodePlan(msgspec.Struct, kw_only=True):
@@ -63,6 +63,10 @@ class Plan(msgspec.Struct, kw_only=True):
     # shown as the interpolation in what is written to disk (`record`).
     environment: list[str] = []
     facts: Facts | None = None  # derived in __post_init__ unless given
+    # What each train node's operator declares its metrics mean (`Operator.metric_roles`; a node that
+    # declares none is absent), for flowrl/health.py. None: a plan built without the compiler, or
+    # recorded before operators declared them; health then reads the built-in train operator's names.
+    metric_roles: dict[str, MetricRoles] | None = None
 
     def __post_init__(self) -> None:
         if self.facts is None:

@@ -68,6 +68,25 @@ def check_stop_when(spec: Any, configs: dict[str, msgspec.Struct], ops: dict[str
                                            f", so the run would never stop on it; known: {listed}", at_key=True))
 
 
+def check_metric_roles(configs: dict[str, msgspec.Struct], ops: dict[str, type[Operator]], loc: Locator,
+                       problems: list[Diagnostic]) -> None:
+    """A train node's health roles (`Operator.metric_roles`) name metrics it reports, where it declares
+    those (`reported_metrics`): a role naming another would never be judged, silently."""
+    for name, op in ops.items():
+        if op.kind != "train" or name not in configs:
+            continue
+        try:
+            roles, reported = op.metric_roles(configs[name]), op.reported_metrics(configs[name])
+        except Exception:  # noqa: BLE001 - a declaration that fails is reported by the compiler's own check
+            continue
+        if roles is None or reported is None:
+            continue
+        for role, metric in roles.names().items():
+            if metric not in reported:
+                problems.append(loc.diagnostic(("nodes", name, "op"), f"{who(op)}: its metric_roles() names "
+                                               f"'{metric}' as {role}, which is not among its reported_metrics()"))
+
+
 def check_fan_in(edges: list[tuple[int, EdgePlan]], ops: dict[str, type[Operator]], loc: Locator,
                  problems: list[Diagnostic]) -> None:
     """A train node learns from one stream of trajectories; a sync node publishes one trainer's policy."""

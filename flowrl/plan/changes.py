@@ -4,27 +4,38 @@
     run.steps=N                          steps to simulate (default: the run's)
     nodes.NODE.resources.replicas=N      replicas of a generate or reward/transform node
     nodes.NODE.group_size=N              trajectories per group of a generate node
+    nodes.NODE.slots=N                   rows a generate node's engine decodes together
     nodes.NODE.partial_rollout=BOOL      weight updates without draining (a generate node)
-    nodes.NODE.engine.max_batch=N        the engine's slots (rows decoded together)
+    nodes.NODE.concurrency=N             calls in flight per replica of a generate or reward/transform node
+    nodes.NODE.KEY=VALUE                 a key (path) of the node's config that changes the cost shape
+                                         its operator declares, e.g. engine.max_batch (a plugin's own too)
     max_staleness=N                      the train node's input edge: 0 sync, N > 0 async with N
     scale=F                              the model's FLOPs and bytes times F (engine, train, sync)
 
-Anything else is refused with the key and the list above: plan does not guess what it cannot model.
+The node fields are those of the cost shape (flowrl.operator.CostShape) plan simulates, set on the
+shape the node's operator declares (flowrl/plan/shapes.py); a config key counts through that
+declaration only. Anything else is refused with the key and the list above: plan does not guess
+what it cannot model.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 import yaml
 
 from flowrl.graph.facts import derive
-from flowrl.graph.plan import Plan
+from flowrl.graph.plan import NodePlan, Plan
+from flowrl.operator import CostShape
+from flowrl.plan.shapes import declared, shapes
 from flowrl.spec.errors import UserError
 
 KEYS = ("data.batch_size", "run.steps", "nodes.NODE.resources.replicas", "nodes.NODE.group_size",
-        "nodes.NODE.partial_rollout", "nodes.NODE.engine.max_batch", "max_staleness", "scale")
+        "nodes.NODE.slots", "nodes.NODE.partial_rollout", "nodes.NODE.concurrency", "nodes.NODE.KEY (a config key "
+        "that changes the node's declared cost shape)", "max_staleness", "scale")
+GENERATE_FIELDS = ("group_size", "slots", "partial_rollout")  # cost-shape fields of generate nodes only
 
 
 @dataclass
@@ -32,6 +43,9 @@ class Scenario:
     plan: Plan
     scale: float = 1.0
     changes: tuple[str, ...] = ()
+    # Each node's cost shape: declared by its operator (shapes.py), with the overrides' fields set.
+    shapes: dict[str, CostShape] = field(default_factory=dict)
+    fields: dict[str, dict[str, Any]] = field(default_factory=dict)  # node -> shape fields set by overrides
 
     @property
     def steps(self) -> int:
@@ -53,6 +67,8 @@ def apply(plan: Plan, overrides: list[str], steps: int) -> Scenario:
             value = text
         _set(scenario, key, value, item)
     copy.facts = derive(copy.nodes, copy.edges, copy.order)
+    scenario.shapes = {name: msgspec.structs.replace(shape, **scenario.fields.get(name, {}))
+                       for name, shape in shapes(copy).items()}
     return scenario
 
 
@@ -67,36 +83,57 @@ def _set(scenario: Scenario, key: str, value: object, item: str) -> None:
     elif key == "max_staleness":
         _staleness(plan, _number(value, item, int, 0))
     elif len(parts) >= 3 and parts[0] == "nodes":
-        _node(plan, parts[1], ".".join(parts[2:]), value, item)
+        _node(scenario, parts[1], ".".join(parts[2:]), value, item)
     else:
         raise UserError(f"override {item!r}: plan cannot simulate '{key}'; it simulates {', '.join(KEYS)}")
 
 
-def _node(plan: Plan, name: str, rest: str, value: object, item: str) -> None:
+def _node(scenario: Scenario, name: str, rest: str, value: object, item: str) -> None:
+    plan = scenario.plan
     node = plan.nodes.get(name)
     if node is None:
         raise UserError(f"override {item!r}: no node '{name}' (nodes: {', '.join(plan.nodes)})")
-    generate_only = {"group_size", "partial_rollout", "engine.max_batch"}
-    if rest in generate_only and node.kind != "generate":
+    if rest in GENERATE_FIELDS and node.kind != "generate":
         raise UserError(f"override {item!r}: '{rest}' is a key of generate nodes; '{name}' is a {node.kind} node")
+    if rest in ("resources.replicas", "concurrency") and node.kind in ("train", "sync"):
+        raise UserError(f"override {item!r}: plan simulates {rest.split('.')[-1]} of generate and "
+                        f"reward/transform nodes; '{name}' is a {node.kind} node")
     if rest == "resources.replicas":
-        if node.kind in ("train", "sync"):
-            raise UserError(f"override {item!r}: plan simulates replicas of generate and reward/transform nodes; "
-                            f"'{name}' is a {node.kind} node")
         node.resources = msgspec.structs.replace(node.resources, replicas=_number(value, item, int, 1))
-    elif rest == "group_size":
-        node.config = {**node.config, "group_size": _number(value, item, int, 1)}
     elif rest == "partial_rollout":
         if not isinstance(value, bool):
             raise UserError(f"override {item!r}: expected true or false")
-        node.config = {**node.config, "partial_rollout": value}
-    elif rest == "engine.max_batch":
-        engine = node.config.get("engine")
-        engine = dict(engine) if isinstance(engine, dict) else {"kind": engine or "embedded"}
-        node.config = {**node.config, "engine": {**engine, "max_batch": _number(value, item, int, 1)}}
+        scenario.fields.setdefault(name, {})[rest] = value
+    elif rest in ("group_size", "slots", "concurrency"):
+        scenario.fields.setdefault(name, {})[rest] = _number(value, item, int, 1)
     else:
-        raise UserError(f"override {item!r}: plan cannot simulate 'nodes.{name}.{rest}'; it simulates "
+        node.config = _config_key(node, rest, value, item)
+
+
+def _config_key(node: NodePlan, rest: str, value: object, item: str) -> dict[str, Any]:
+    """The node's config with the key path `rest` set to `value`, where that changes the cost shape
+    its operator declares; anything else is refused (plan would simulate the run unchanged)."""
+    refused = f"override {item!r}: plan cannot simulate 'nodes.{node.name}.{rest}'"
+    config = msgspec.json.decode(msgspec.json.encode(node.config))
+    target, parts = config, rest.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if target.get(part) is None:
+            target[part] = {}
+        target = target[part]
+        if not isinstance(target, dict):
+            raise UserError(f"{refused}: nodes.{node.name}.{'.'.join(parts[:i + 1])} is {target!r}, not a "
+                            f"mapping; it simulates {', '.join(KEYS)}")
+    target[parts[-1]] = value
+    if config == node.config:
+        return config  # the value the run had: nothing to simulate differently
+    try:
+        before, after = declared(node), declared(msgspec.structs.replace(node, config=config))
+    except ValueError as e:
+        raise UserError(f"{refused}: the node's config refuses it ({e}); it simulates {', '.join(KEYS)}") from None
+    if before == after:
+        raise UserError(f"{refused}: it changes nothing in the cost shape its operator declares; it simulates "
                         f"{', '.join(KEYS)}")
+    return config
 
 
 def _staleness(plan: Plan, limit: int) -> None:

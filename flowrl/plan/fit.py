@@ -1,7 +1,7 @@
 """Cost models of each stage, fitted on a run's spans (`flowrl plan`).
 
-- Generation: the embedded engine decodes one token for every admitted row per iteration, with
-  `max_batch` slots (rows beyond wait, first come first served). An iteration with n rows costs
+- Generation: the engine decodes one token for every admitted row per iteration, with the slots
+  its node declares (`CostShape.slots`, flowrl/plan/shapes.py; rows beyond wait, first come first served). An iteration with n rows costs
   a + b*n seconds. A group's rows need as many iterations as their model tokens (from the rollout
   store). (a, b) are the least-squares fit, both >= 0, of each busy period of each engine replica
   (a stretch with a group in flight) against the iterations and row-iterations the same slot
@@ -24,10 +24,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flowrl.plan.records import WARMUP, Baseline, Span
+from flowrl.plan.shapes import declared, processes, shapes
+from flowrl.plan.shapes import slots as slots_of
 from flowrl.plan.solo import solo_work
 from flowrl.spec.errors import UserError
 
-DEFAULT_SLOTS = 32  # the embedded engine's max_batch default (flowrl_operators EngineConfig)
 FLAT = 0.05  # relative spread of a feature below which its intercept is not identifiable
 
 
@@ -71,7 +72,7 @@ def fit(base: Baseline, cores: float, train_lock: float = 1.0, scatter: bool = F
         elif node.kind != "train":
             process[name] = [work[s] for s in spans if s.name == "process"] or [0.0]
     flush = _mean([work[s] for s in work if s.node == "runtime" and s.name == "flush"])
-    sizes = {n: int(p.config.get("group_size", 1)) for n, p in plan.nodes.items() if p.kind == "generate"}
+    sizes = {n: shape.group_size for n, shape in shapes(plan).items() if plan.nodes[n].kind == "generate"}
     costs = Costs(engines, groups, process, fit_train(base, work, notes, spread), sync_s, flush, sizes, train_lock,
                   notes)
     return (costs, sum(spread)) if scatter else costs
@@ -84,7 +85,6 @@ def _work(base: Baseline, cores: float, train_lock: float) -> dict[Span, float]:
     """The work (solo.py) of each steady span that uses the cores; a generate replica's busy periods
     count once each (one engine), as a span named `period`."""
     from flowrl.plan.cpu import MAIN
-    from flowrl.plan.simulate import processes
 
     begin = base.rows[WARMUP - 1]["time"]
     spans = [s for s in base.spans if s.name in CPU_SPANS and s.start >= begin]
@@ -109,7 +109,7 @@ def group_pool(base: Baseline, node: str, spans: list[Span], notes: list[str]) -
     group_size is multi-turn (one trajectory per turn): its episodes wait between turns on their
     environment, so its wait is its measured span (the engine's work for it runs alongside); a
     single-turn group waits on nothing but the engine (wait 0)."""
-    size = int(base.plan.nodes[node].config.get("group_size", 1))
+    size = declared(base.plan.nodes[node]).group_size
     trained = list(base.rows_of.values())
     if not trained or not spans:
         raise UserError(f"{base.directory}: no groups of node '{node}' after the first {WARMUP} steps in both "
@@ -128,11 +128,6 @@ def group_pool(base: Baseline, node: str, spans: list[Span], notes: list[str]) -
     return pool
 
 
-def slots_of(config: dict) -> int:
-    engine = config.get("engine")
-    return int(engine.get("max_batch", DEFAULT_SLOTS)) if isinstance(engine, dict) else DEFAULT_SLOTS
-
-
 def iterations(groups: list[list[int]], slots: int) -> tuple[int, int]:
     """(iterations, row-iterations) the slot model takes for `groups` queued at once, in order."""
     waiting = [t for rows in groups for t in rows]
@@ -148,7 +143,7 @@ def iterations(groups: list[list[int]], slots: int) -> tuple[int, int]:
 
 def fit_engine(base: Baseline, node: str, work: dict[Span, float], notes: list[str],
                multi_turn: bool = False, spread: list[float] | None = None) -> EngineCost:
-    slots = slots_of(base.plan.nodes[node].config)
+    slots = slots_of(declared(base.plan.nodes[node]))
     update = _mean([work[s] for s in work if s.node == node and s.name == "update_weights"])
     if multi_turn:  # a busy period is mostly waits on the environment: the engine's share cannot be told
         notes.append(f"{node}: the engine's work is inside the groups' measured waits (not fitted apart)")

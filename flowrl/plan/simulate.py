@@ -6,7 +6,7 @@ What is the runtime's own code, and what is a model of it:
   credit, staleness limits), called exactly where the runtime calls it (runtime/samples.py).
 - Modelled after runtime/samples.py, batches.py and stage.py: weights are taken before samples; a
   replica without partial rollout drains its groups before loading them; samples go to the least
-  loaded replica; `max_concurrency` groups per replica; a sync train input takes step t's records
+  loaded replica; the node's declared concurrency (`CostShape`, shapes.py) in groups per replica; a sync train input takes step t's records
   once all have arrived, an async one the first batch_size deliverable records in arrival order,
   dropping those older than the edge's limit (credited to admission as the coordinator does), or
   a short batch when no more may come.
@@ -26,7 +26,8 @@ from typing import Any
 from flowrl.graph.plan import EdgePlan
 from flowrl.plan.changes import Scenario
 from flowrl.plan.cpu import MAIN, Cpu
-from flowrl.plan.fit import Costs, slots_of
+from flowrl.plan.fit import Costs
+from flowrl.plan.shapes import processes, shapes, slots
 from flowrl.runtime.admission import Admission
 from flowrl.runtime.quota import Quota
 from flowrl.spec.errors import UserError
@@ -75,7 +76,8 @@ class Sim:
         self.train = next(n for n, f in self.plan.facts.nodes.items() if f.input is not None)
         self.input = next(e for e in self.plan.edges if e.label == self.plan.facts.nodes[self.train].input)
         self.cpu = Cpu(cores)
-        self.own = processes(self.plan)
+        self.shapes = scenario.shapes or shapes(self.plan)
+        self.own = processes(self.plan, self.shapes)
         self.channels: dict[str, deque[Group]] = {e.label: deque() for e in self.plan.edges if e.kind == "data"}
         self.version, self.training, self.buffer, self.arrived = 0, False, [], 0
         self.weights: dict[str, int] = {}  # generate node -> newest published version
@@ -231,12 +233,12 @@ class Engine:
 
     def __init__(self, sim: Sim, node: str, index: int) -> None:
         self.sim, self.node, self.index = sim, node, index
-        config = sim.plan.nodes[node].config
+        shape = sim.shapes[node]
         self.cost = sim.costs.engines[node]
-        self.slots = slots_of(config)
-        self.partial = bool(config.get("partial_rollout", False))
-        self.concurrency = int(config.get("max_concurrency", 64))
-        self.group_size = int(config.get("group_size", 1))
+        self.slots = slots(shape)
+        self.partial = shape.partial_rollout
+        self.concurrency = shape.concurrency
+        self.group_size = shape.group_size
         self.fitted_size = int(sim.costs.group_size.get(node, self.group_size))
         self.loaded, self.updating, self.iterating = 0, False, False
         self.inflight: dict[str, Group] = {}
@@ -336,7 +338,7 @@ class Transform:
         if len(ins) != 1:
             raise UserError(f"node '{self.node}' has {len(ins)} data inputs: plan simulates nodes with one")
         self.edge: EdgePlan = ins[0]
-        self.concurrency = _concurrency(self.sim.plan.nodes[self.node])
+        self.concurrency = self.sim.shapes[self.node].concurrency
 
     def take(self) -> bool:
         channel = self.sim.channels[self.edge.label]
@@ -354,26 +356,3 @@ class Transform:
         self.running -= 1
         self.sim.busy[(self.node, self.index)].stop(self.sim.now)
         self.sim.emit(self.node, group)
-
-
-def _concurrency(node: Any) -> int:
-    """The node's operator's own concurrency knob (what stage.py reads), 1 if it cannot be read."""
-    try:
-        import msgspec
-
-        from flowrl import registry
-
-        cls = registry.resolve(node.op)
-        return int(cls.knobs(msgspec.convert(node.config, cls.Config)).concurrency)
-    except Exception:  # noqa: BLE001 - an operator that cannot load here: one at a time, as a Knobs() default
-        return int(node.config.get("concurrency", 1))
-
-
-def processes(plan: Any) -> dict[str, float]:
-    """Processes of their own besides the main one: a trainer with own_process (-> its threads)."""
-    out = {}
-    for name, node in plan.nodes.items():
-        own = node.config.get("own_process") if node.kind == "train" else None
-        if own:
-            out[name] = float(own.get("threads", 1) if isinstance(own, dict) else 1)
-    return out

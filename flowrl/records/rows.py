@@ -168,6 +168,8 @@ class Meta(msgspec.Struct, kw_only=True):
     steps: int = 0
     format: int = 2  # 3: checkpoints hold manifest.json
     health: int = 0  # 1: its metrics rows carry the health events
+    # What each train node's metrics mean (`Operator.metric_roles`, as JSON); None: not declared
+    metric_roles: dict[str, dict[str, Any]] | None = None
 
 
 class Launch(msgspec.Struct, kw_only=True):

@@ -45,7 +45,9 @@ Run directory layout (all written by the coordinator or by run()):
     plan.json          the Plan (msgspec JSON); `load_plan(run_dir)` reads it for `--resume`
     meta.json          {"name", "origin" (epoch seconds; trace timestamps count from it),
                         "executor", "steps", "format": 3 (3: checkpoints hold manifest.json),
-                        "health": 1 (its rows carry the health events)}
+                        "health": 1 (its rows carry the health events),
+                        "metric_roles": {train node: what its metrics mean, as it declared
+                        (flowrl.operator.MetricRoles); absent in a run from before declarations}}
     ledger.jsonl       one event per line, see ledger.py; `ledger.check(run_dir)` verifies it
                        (this file, metrics.jsonl, trace.json and tensorboard/ are appended at
                        least every 2 s while the run goes on, and with each train step)

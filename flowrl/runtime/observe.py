@@ -30,8 +30,8 @@ import msgspec
 
 from flowrl import records
 from flowrl.graph.plan import Plan
-from flowrl.health import Health
-from flowrl.operator import POLICY, WEIGHTS
+from flowrl.health import BUILTIN_ROLES, Health
+from flowrl.operator import POLICY, WEIGHTS, MetricRoles
 from flowrl.records import MetricsRow, SampleRow, TraceEvent
 from flowrl.runtime.streams import TraceFile
 from flowrl.runtime.tracking import TIMEOUT_S as TRACKER_TIMEOUT_S
@@ -78,6 +78,7 @@ class Observer:
         # that found them, so metrics.jsonl holds them as soon as that row is flushed.
         self.health: dict[str, Health] = {}
         self.health_events: list[dict[str, Any]] = []
+        self.roles = judged_roles(plan)
         self.trace = TraceFile(run_dir / "trace.json") if run_dir is not None else None
         self.tracking: Tracking | None = None
         if run_dir is not None:
@@ -129,7 +130,7 @@ class Observer:
         self._mark = {"time": now, "busy": dict(self.busy), "dropped": self.dropped,
                       "filtered": counters["filtered"], "oversampled": counters["oversampled"],
                       "weight_bytes": self.weight_bytes}
-        events = self.health.setdefault(node, Health()).update(row)
+        events = self._detector(node).update(row) if node in self.roles else []
         if events:
             row["health"] = [e | {"node": node} for e in events]
             self.health_events += row["health"]
@@ -137,6 +138,11 @@ class Observer:
         self.samples += sample_rows(node, step, trajectories, self.samples_per_step)
         self.last_row = row
         self.events.append(span(self.pids[node], 0, "step", now - dt, now, self.origin, step=step))
+
+    def _detector(self, node: str) -> Health:
+        if node not in self.health:
+            self.health[node] = Health(self.roles[node])
+        return self.health[node]
 
     def crossed(self, ports: dict[str, str], outputs: dict[str, Any]) -> None:
         """Count the weight bytes a stage handed the coordinator (its policy and weights outputs).
@@ -190,7 +196,8 @@ class Observer:
         self.events = []  # the trace already holds its process names
         self.dropped = state["dropped"]
         for node, values in state.get("health", {}).items():  # a checkpoint from before health: afresh
-            self.health.setdefault(node, Health()).restore(values)
+            if node in self.roles:
+                self._detector(node).restore(values)
         self.health_events = list(state.get("health_events", []))
 
 
@@ -198,6 +205,14 @@ def numbers(metrics: dict[str, Any]) -> dict[str, float]:
     """A train step's metrics as the row's floats: an int or bool an operator returned (stage.py lets
     Python numbers through) is written as the float it stands for, so the row reads back as written."""
     return {k: float(v) for k, v in metrics.items()}
+
+
+def judged_roles(plan: Plan) -> dict[str, MetricRoles]:
+    """The train nodes health judges, each with the roles of its metrics: as their operators
+    declared them (`Plan.metric_roles`), or the built-in names for a plan without declarations."""
+    if plan.metric_roles is not None:
+        return dict(plan.metric_roles)
+    return {name: BUILTIN_ROLES for name, node in plan.nodes.items() if node.kind == "train"}
 
 
 def tensor_bytes(value: Any, seen: set[int] | None = None) -> int:

@@ -165,8 +165,10 @@ def _prepare(plan: Plan, run_dir: Path, executor: str, steps: int, resume: bool,
         raise FileExistsError(f"{run_dir} already holds a run; resume it or choose another run directory")
     streams.truncate(run_dir, {})
     (run_dir / "plan.json").write_bytes(plan.record())  # environment values redacted
-    meta = Meta(name=plan.name, origin=started, executor=executor, steps=steps, format=3,
-                health=1)  # its metrics rows carry the health events (flowrl/health.py); format 3: manifests
+    meta = Meta(name=plan.name, origin=started, executor=executor, steps=steps, format=3, health=1,
+                metric_roles=msgspec.to_builtins(plan.metric_roles) if plan.metric_roles is not None else None)
+    # health 1: its metrics rows carry the health events (flowrl/health.py); format 3: manifests;
+    # metric_roles: what the train nodes' metrics mean, for `flowrl inspect`
     (run_dir / "meta.json").write_bytes(msgspec.json.format(encode(meta), indent=1))
     return None, None, started
 

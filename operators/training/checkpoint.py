@@ -186,3 +186,22 @@ def _save_safetensors(model: torch.nn.Module, full: dict[str, torch.Tensor], fol
     }
     tensors = {name: t.contiguous() for name, t in full.items() if name not in tied_away}
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+def max_abs_diff(recorded: Path, replayed: Path) -> float | None:
+    """The largest |difference| of any parameter between two Hugging Face exports of a policy (the
+    recorded run's and its replay's, `Train.export_difference`); None where `recorded` holds none.
+    Raises ValueError where they hold different parameters."""
+    from safetensors.torch import load_file
+
+    files = sorted(recorded.glob("*.safetensors"))
+    if not files:
+        return None
+    worst = 0.0
+    for file in files:
+        mine, theirs = load_file(str(replayed / file.name)), load_file(str(file))
+        if mine.keys() != theirs.keys():
+            raise ValueError(f"{replayed / file.name} and {file} hold different parameters")
+        for name, tensor in theirs.items():
+            worst = max(worst, (mine[name].double() - tensor.double()).abs().max().item())
+    return worst

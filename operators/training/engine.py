@@ -14,6 +14,7 @@ The built-in FSDP2 engine (training/trainer.py) registers as a plugin would (pyp
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cache
@@ -116,3 +117,18 @@ def build(name: str, model_path: str, config: Any, role: Role) -> TrainingEngine
     if problem:
         raise ValueError(problem)
     return _entry(name).build(model_path, config, role)
+
+
+def join_group(rank: int, world_size: int) -> None:
+    """The ranks of a replicated train node form one torch.distributed group (FSDP2 shards over it);
+    the Ray executor sets MASTER_ADDR / MASTER_PORT for the rendezvous."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    if "MASTER_ADDR" not in os.environ:
+        raise RuntimeError(f"a train node with replicas: {world_size} needs run.executor: ray, which gives "
+                           "its ranks a rendezvous; use replicas: 1 with the in-process executor")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size)

@@ -5,12 +5,15 @@ forward/backward (token and sequence counts) and optimizer step (grad norm, lr, 
 gradient alignment), and the train operator (reward means, trajectories, policy KL, tied groups,
 thread count). A loss or training engine a plugin registers may report others: then nothing is
 declared (None), and validate checks nothing. tests/test_reported_metrics.py holds a run's
-reports to this list.
+reports to this list. ROLES says which of them plays which part in the learning health
+(`Train.metric_roles`, flowrl/health.py).
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from flowrl.operator import MetricRoles
 
 LOSS = ("policy_loss", "loss", "kl", "clip_fraction", "entropy", "mismatch_logprob_mean", "mismatch_logprob_max",
         "mismatch_out_of_clip", "behaviour_weight", "masked_by_correction", "entropy_coef")
@@ -18,6 +21,11 @@ TRAINER = ("tokens", "sequences", "skipped", "skipped_steps", "grad_norm", "lr",
 OPERATOR = ("reward_mean", "greedy_reward_mean", "trajectories", "policy_kl", "tied_group_fraction", "torch_threads")
 TRAIN_METRICS = frozenset(LOSS + TRAINER + OPERATOR)
 BUILTIN = "flowrl_operators."
+# Which of them plays which part in the learning health (flowrl/health.py; `Train.metric_roles`).
+# `mismatch_logprob_mean` marks a policy-gradient step: a supervised loss has no behaviour policy.
+ROLES = MetricRoles(entropy="entropy", clip_fraction="clip_fraction", mismatch="mismatch_logprob_mean",
+                    tied_groups="tied_group_fraction", policy_kl="policy_kl", grad_norm="grad_norm",
+                    policy_gradient="mismatch_logprob_mean")
 
 
 def train_metrics(config: Any) -> frozenset[str] | None:
