@@ -34,6 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import heldout  # noqa: E402
+import results_file  # noqa: E402
 from bench_e2e import first_hit, grpo_phase, median_time, read_jsonl, supervise, warmup_policy  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -120,6 +121,7 @@ def main() -> None:
     parser.add_argument("--sync-set", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--heldout", action="store_true",
                         help="measure the committed pipelines on the held-out seeds (tools/heldout.py)")
+    results_file.add_record_flag(parser)
     args = parser.parse_args()
     if args.heldout and (args.async_set or args.sync_set):
         parser.error("--heldout measures the pipelines as committed: no --sync-set / --async-set")
@@ -156,7 +158,7 @@ def main() -> None:
               "protocol": heldout.stamp("bench_longtail", args.heldout, args.seeds), "seeds": args.seeds,
               "by_tail": by_tail}
     heldout.record(result)
-    print(json.dumps(result))
+    results_file.emit(args.record, "bench_longtail", result)
 
 
 if __name__ == "__main__":
