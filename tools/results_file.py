@@ -21,7 +21,7 @@ import datetime
 import json
 import re
 import sys
-from decimal import ROUND_HALF_UP, Decimal
+from decimal import ROUND_HALF_EVEN, ROUND_HALF_UP, Decimal
 from pathlib import Path
 from typing import Any
 
@@ -103,12 +103,14 @@ def lookup(result: Any, key: str) -> Any:
 
 
 def _equal(text: str, value: Any, percent: bool) -> bool:
-    """TEXT, a number as quoted, against VALUE rounded (half up) to TEXT's decimals."""
+    """TEXT, a number as quoted, against VALUE (x 100 for a percentage) rounded to TEXT's decimals; a
+    value exactly halfway may be rounded up or to even (Python's round())."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return False
     quoted = Decimal(text)
     exact = Decimal(repr(value)) * (100 if percent else 1)
-    return exact.quantize(Decimal(1).scaleb(quoted.as_tuple().exponent), ROUND_HALF_UP) == quoted
+    step = Decimal(1).scaleb(quoted.as_tuple().exponent)
+    return quoted in {exact.quantize(step, ROUND_HALF_UP), exact.quantize(step, ROUND_HALF_EVEN)}
 
 
 def compare(text: str, value: Any) -> str | None:
