@@ -86,7 +86,9 @@ def last_json_line(text: str) -> dict:
 # --- reading results and citations ---------------------------------------------------------------
 
 def load_results(root: Path = ROOT) -> dict[str, dict]:
-    return {p.stem: json.loads(p.read_text()) for p in sorted((root / RESULTS).glob("*.json"))}
+    """Every result by name, the held-out ones (the claims) first."""
+    paths = sorted((root / RESULTS).glob("*.json"), key=lambda p: ("heldout" not in p.stem, p.stem))
+    return {p.stem: json.loads(p.read_text()) for p in paths}
 
 
 def lookup(result: Any, key: str) -> Any:
@@ -184,9 +186,12 @@ def render(results: dict[str, dict]) -> str:
     parts = [BEGIN]
     for name, doc in results.items():
         res = doc["result"]
+        commit = doc.get("commit", "unknown")
+        commit = commit[:7] if re.fullmatch(r"[0-9a-f]{40}", commit) else commit
         parts += [f"### {doc.get('title') or name}", "",
-                  f"`results/{name}.json`: commit {doc.get('commit', 'unknown')[:7]}, "
-                  f"{doc.get('date', 'date unknown')}, {doc.get('machine', 'machine unknown')}. Provenance: {doc['provenance']}.", "", f"    {doc['command']}", ""]
+                  f"`results/{name}.json`; commit {commit}; measured {doc.get('date', 'unknown')}; "
+                  f"{doc.get('machine', 'machine unknown')}. Provenance: {doc['provenance']}.", "",
+                  f"    {doc['command']}", ""]
         if doc.get("notes"):
             parts += [doc["notes"], ""]
         if res.get("headline"):
