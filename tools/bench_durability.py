@@ -22,13 +22,14 @@ The last line is one JSON object; `overhead_ratio` is durable / at_end (median o
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+import results_file
 
 from flowrl.records import RunDir, as_dicts
 
@@ -69,6 +70,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--pairs", type=int, default=4)
     parser.add_argument("--every", type=int, default=50)
+    results_file.add_record_flag(parser)
     args = parser.parse_args()
     durable, at_end, direct = [], [], []
     with tempfile.TemporaryDirectory() as tmp:
@@ -88,7 +90,7 @@ def main() -> None:
                "direct_share": round(statistics.median(direct), 4)}
     print(f"durable / at_end per pair: {', '.join(f'{r:.3f}' for r in ratios)}; the durable runs' own "
           f"checkpoint and flush time: {statistics.median(direct):.2%} of their wall time (median)")
-    print(json.dumps(summary))
+    results_file.emit(args.record, "bench_durability", summary)
 
 
 if __name__ == "__main__":

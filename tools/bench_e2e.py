@@ -44,6 +44,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import heldout  # noqa: E402
+import results_file  # noqa: E402
 
 from flowrl.records import RunDir, as_dicts  # noqa: E402
 
@@ -204,6 +205,7 @@ def main() -> None:
                         help="an override of the sync pipeline (repeatable)")
     parser.add_argument("--heldout", action="store_true",
                         help="measure the committed recipe on the held-out seeds (tools/heldout.py)")
+    results_file.add_record_flag(parser)
     args = parser.parse_args()
     names = args.only.split(",")
     args.seeds = heldout.seeds_for("bench_e2e", args.heldout, args.seeds) or [0, 1, 2]
@@ -291,7 +293,7 @@ def report(results: dict[str, list[dict]], names: list[str], args: argparse.Name
                  for t in args.also},
               "seeds": args.seeds, "target": args.target}
     heldout.record(result)
-    print(json.dumps(result))
+    results_file.emit(args.record, "bench_e2e", result)
 
 
 def intervals(results: dict[str, list[dict]]) -> dict:

@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import tempfile
 import time
 from pathlib import Path
 
+import results_file
 import torch
 
 from flowrl_operators.engine.embedded.engine import EmbeddedEngine
@@ -138,6 +138,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=None, help="default: 256 (longtail), 64 (grpo)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=2, help="alternating runs of each side; the fastest counts")
+    results_file.add_record_flag(parser)
     args = parser.parse_args()
     torch.set_num_threads(1)
     grpo = args.workload == "grpo"
@@ -182,12 +183,12 @@ def main() -> None:
           f"hf {min(cpu['hf']):.1f}: {cpu_ratio:.2f}x")
     speedup = engine_tok_s / hf_tok_s
     print(f"speedup: {speedup:.2f}x (target >= 2x)")
-    print(json.dumps({"engine_tok_s": round(engine_tok_s, 1), "hf_tok_s": round(hf_tok_s, 1),
+    results_file.emit(args.record, "bench_engine", {"engine_tok_s": round(engine_tok_s, 1), "hf_tok_s": round(hf_tok_s, 1),
                       "speedup": round(speedup, 3), "cpu_ratio": round(cpu_ratio, 3), "repeats": args.repeats,
                       "engine_s": round(engine_s, 3), "hf_s": round(hf_s, 3),
                       "tokens": engine_tokens, "hf_computed_tokens": hf_computed, "requests": args.requests,
                       "slots": args.slots, "max_new_tokens": args.max_new_tokens, "model": args.model,
-                      "workload": args.workload, "identical_requests": identical, **prefill}))
+                      "workload": args.workload, "identical_requests": identical, **prefill})
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ the difference. Then the detector (flowrl/health.py) on 1,000 rows, and the text
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -25,7 +24,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tools"), str(ROOT / "tests")]
-
+import results_file  # noqa: E402
 from bench_step import MODEL, trajectories  # noqa: E402
 
 from flowrl_operators.config import OptimConfig  # noqa: E402
@@ -84,6 +83,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
+    results_file.add_record_flag(parser)
     args = parser.parse_args()
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
@@ -103,7 +103,7 @@ def main() -> None:
           f"{out['detector_1000_rows_s'] * 1000:.1f} ms per 1,000 rows; inspect of a 1,000-step run: "
           f"{out['inspect_text_lines']} lines in {out['inspect_text_s']} s, html {out['inspect_html_bytes'] / 1e3:.0f} kB "
           f"in {out['inspect_html_s']} s")
-    print(json.dumps(out))
+    results_file.emit(args.record, "bench_health", out)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ target counts as slower (and hungrier) than any that reached it; a median that i
 from __future__ import annotations
 
 import argparse
-import json
 import signal
 import statistics
 import sys
@@ -34,6 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import heldout  # noqa: E402
+import results_file  # noqa: E402
 from bench_e2e import first_hit, grpo_phase, median_time, read_jsonl, supervise, warmup_policy  # noqa: E402
 
 from flowrl.records import RecordError, RunDir  # noqa: E402
@@ -121,6 +121,7 @@ def main() -> None:
     parser.add_argument("--sync-set", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--heldout", action="store_true",
                         help="measure the committed pipelines on the held-out seeds (tools/heldout.py)")
+    results_file.add_record_flag(parser)
     args = parser.parse_args()
     if args.heldout and (args.async_set or args.sync_set):
         parser.error("--heldout measures the pipelines as committed: no --sync-set / --async-set")
@@ -157,7 +158,7 @@ def main() -> None:
               "protocol": heldout.stamp("bench_longtail", args.heldout, args.seeds), "seeds": args.seeds,
               "by_tail": by_tail}
     heldout.record(result)
-    print(json.dumps(result))
+    results_file.emit(args.record, "bench_longtail", result)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import results_file
+
 from flowrl.records import RunDir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -133,6 +135,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--configs", default="full,lora")
     parser.add_argument("--child", choices=sorted(CONFIGS), help=argparse.SUPPRESS)
+    results_file.add_record_flag(parser)
     args = parser.parse_args()
     if args.child:
         child(args)
@@ -160,9 +163,9 @@ def main() -> None:
               f"{json.dumps(CONFIGS[name])}), {figures['steps']} steps of "
               f"{figures['trajectories_per_step']:.0f} trajectories, {figures['model_tokens_per_trajectory']:.1f} "
               f"new tokens each, {figures['seconds']:.0f} s")
-    print(json.dumps({f"{name}_peak_rss_gb": round(r["peak_rss_gb"], 3) for name, r in results.items()}
+    results_file.emit(args.record, "bench_memory", {f"{name}_peak_rss_gb": round(r["peak_rss_gb"], 3) for name, r in results.items()}
                      | {f"{name}_under_target": r["peak_rss_gb"] < TARGETS_GB[name] for name, r in results.items()}
-                     | {"steps": args.steps, "max_new_tokens": args.max_new_tokens, "model": args.model}))
+                     | {"steps": args.steps, "max_new_tokens": args.max_new_tokens, "model": args.model})
 
 
 if __name__ == "__main__":

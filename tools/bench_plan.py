@@ -31,6 +31,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import results_file
+
 ROOT = Path(__file__).resolve().parents[1]
 EDGE = "edges.1=score -> learner"  # the spec's score -> learner edge, sync
 ASYNC = "edges.1={{score -> learner: {{mode: async, max_staleness: {}}}}}"
@@ -118,6 +120,7 @@ def main() -> None:
     parser.add_argument("--longtail-steps", type=int, default=12)
     parser.add_argument("--no-longtail", action="store_true")
     parser.add_argument("--out", help="keep the runs here (default: a temporary directory)")
+    results_file.add_record_flag(parser)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(args.out or tmp)
@@ -132,7 +135,7 @@ def main() -> None:
                "within": all(r["step_time_error"] <= 0.15 and r["idle_error"] <= 0.1 for r in rows),
                "baseline": args.baseline, "repeats": args.repeats, "steps": args.steps, "longtail_steps": None if args.no_longtail else args.longtail_steps,
                "configs": rows}
-    print(json.dumps(summary))
+    results_file.emit(args.record, "bench_plan", summary)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import results_file
 import yaml
 
 from flowrl.records import RunDir
@@ -96,6 +97,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--specs", nargs="+", default=["quickstart", "quickstart_async"])
+    results_file.add_record_flag(parser)
     args = parser.parse_args()
     results = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -107,7 +109,7 @@ def main() -> None:
                   f"{result['direct_cost_ms_per_step']:.3f} ms/step ({result['direct_overhead_pct']:.3f}%); "
                   f"{result['bytes_per_trajectory']:.0f} B/trajectory; replay of {result['replay_steps']} steps "
                   f"in {result['replay_s']:.1f}s, max |diff| {result['max_abs_diff_vs_recorded']}", flush=True)
-    print(json.dumps({"bench": "replay", "results": results}))
+    results_file.emit(args.record, "bench_replay", {"bench": "replay", "results": results})
 
 
 if __name__ == "__main__":

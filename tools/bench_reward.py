@@ -16,11 +16,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
-import json
 import statistics
 import time
 
 import msgspec
+import results_file
 
 from flowrl.data.trajectory import Group, Trajectory, Turn
 from flowrl.operator import OperatorContext
@@ -53,6 +53,7 @@ async def main() -> None:
     p.add_argument("--groups", type=int, default=16)
     p.add_argument("--size", type=int, default=8)
     p.add_argument("--repeats", type=int, default=30)
+    results_file.add_record_flag(p)
     a = p.parse_args()
     node = Reward(msgspec.convert({"fn": FN}, RewardConfig), OperatorContext(node="score"))
     await node.setup()
@@ -85,8 +86,8 @@ async def main() -> None:
     for name, ms in results.items():
         print(f"{name:>13}: {ms:6.2f} ms per step of {calls} calls ({ms * 1e3 / calls:5.1f} us a call)")
     print(f"per_call_hop / node: {results['per_call_hop'] / results['node']:.1f}x")
-    print(json.dumps({f"{k}_ms": round(v, 3) for k, v in results.items()}
-                     | {"calls": calls, "per_call_hop_over_node": round(results["per_call_hop"] / results["node"], 2)}))
+    results_file.emit(a.record, "bench_reward", {f"{k}_ms": round(v, 3) for k, v in results.items()}
+                     | {"calls": calls, "per_call_hop_over_node": round(results["per_call_hop"] / results["node"], 2)})
 
 
 if __name__ == "__main__":

@@ -38,7 +38,6 @@ for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
 import hashlib  # noqa: E402
-import json  # noqa: E402
 import math  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
@@ -48,6 +47,7 @@ from typing import Any, ClassVar  # noqa: E402
 
 import msgspec  # noqa: E402
 import numpy as np  # noqa: E402
+import results_file  # noqa: E402
 
 from flowrl.data.trajectory import Group, Trajectory  # noqa: E402
 from flowrl.graph.plan import EdgePlan, NodePlan, Plan  # noqa: E402
@@ -305,6 +305,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--placement", choices=("pinned", "shared"), default="pinned")
+    results_file.add_record_flag(parser)
     args = parser.parse_args()
     PLACEMENT = args.placement  # the runtime's own thread (this one) stays unpinned: it is host code
     UNITS_PER_MS = calibrate()
@@ -346,7 +347,7 @@ def main() -> None:
         "sleep_overhead_vs_hand_loop": round(sleep_best["sync"] / sleep_best["hand"], 3),
         "placement": PLACEMENT, "load_average": round(os.getloadavg()[0], 2),
     }
-    print(json.dumps(summary))
+    results_file.emit(args.record, "bench_runtime", summary)
 
 
 if __name__ == "__main__":

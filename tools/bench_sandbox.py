@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
+
+import results_file
 
 from flowrl_operators.tools import SandboxService
 from flowrl_operators.tools.pool import percentile
@@ -38,11 +39,12 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--isolation", default="auto", choices=["auto", "bwrap", "rlimits"])
+    results_file.add_record_flag(parser)
     args = parser.parse_args()
     out = asyncio.run(bench(args.calls, args.workers, args.isolation))
     for key in ("start", "run", "burst_queue", "burst_start"):
         print(f"{key:12s} " + "  ".join(f"{k} {v}" for k, v in out[key].items()))
-    print(json.dumps(out))
+    results_file.emit(args.record, "bench_sandbox", out)
 
 
 if __name__ == "__main__":

@@ -44,6 +44,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import results_file
+
 from flowrl.records import RunDir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -125,6 +127,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--pipeline", default="pipelines/quickstart.yaml")
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    results_file.add_record_flag(parser)
     args = parser.parse_args()
     if args.child:
         return child(args.child)
@@ -149,8 +152,8 @@ def main() -> None:
     medians = {f"{k}_s": round(statistics.median(r[k] for r in results), 3)
                for k in (*PARTS, "total", "floor", "over_floor", "cpu", "floor_cpu")}
     print("median: " + ", ".join(f"{k} {v:.2f}" for k, v in medians.items()))
-    print(json.dumps(medians | {"in_run": warm, "total_s_by_repeat": [r["total"] for r in results], "target_s": 3.0,
-                                "pipeline": args.pipeline, "repeats": args.repeats}))
+    results_file.emit(args.record, "bench_setup", medians | {"in_run": warm, "total_s_by_repeat": [r["total"] for r in results], "target_s": 3.0,
+                                "pipeline": args.pipeline, "repeats": args.repeats})
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ tokens each rank computes under each rule.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
 import sys
@@ -34,6 +33,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import results_file  # noqa: E402
 from bench_train import LOSS, compare, default_model, grpo_batch  # noqa: E402
 
 from flowrl_operators.training import head  # noqa: E402
@@ -102,6 +102,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=32)
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2)
+    results_file.add_record_flag(parser)
     args = parser.parse_args()
     args.model = args.model or default_model()
     with tempfile.TemporaryDirectory() as out:
@@ -123,10 +124,10 @@ def main() -> None:
     speedup = step["dealt"] / step["kept"]
     print(f"loss {loss_a:.8f} vs {loss_b:.8f}; gradients agree to {worst:.1e} of their largest entry; "
           f"speedup {speedup:.2f}x")
-    print(json.dumps({"bench": "shard", "rows": args.rows, "ranks": args.ranks, "dealt_s": round(step["dealt"], 4),
+    results_file.emit(args.record, "bench_shard", {"bench": "shard", "rows": args.rows, "ranks": args.ranks, "dealt_s": round(step["dealt"], 4),
                       "kept_s": round(step["kept"], 4), "speedup": round(speedup, 3),
                       "dealt_tokens_per_rank": computed["dealt"], "kept_tokens_per_rank": computed["kept"],
-                      "grad_max_rel_diff": worst}))
+                      "grad_max_rel_diff": worst})
 
 
 if __name__ == "__main__":

@@ -49,6 +49,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import heldout  # noqa: E402
+import results_file  # noqa: E402
 
 from flowrl.records import RunDir, as_dicts  # noqa: E402
 
@@ -285,6 +286,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=Path("runs/bench_smollm2"))
     parser.add_argument("--report-only", action="store_true", help="reprint OUT/seed-S.json (and control-S.json), run nothing")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
+    results_file.add_record_flag(parser)
     return parser.parse_args(argv)
 
 
@@ -314,7 +316,7 @@ def main(argv: list[str] | None = None) -> None:
     final = result(rows, protocol)
     if not args.report_only:  # a reprint is not another measurement
         heldout.record(final)
-    print(json.dumps(final))
+    results_file.emit(args.record, "bench_smollm2", final)
 
 
 if __name__ == "__main__":

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import time
 
+import results_file
 import torch
 
 from flowrl.data.trajectory import Trajectory
@@ -106,6 +106,7 @@ async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=5)
+    results_file.add_record_flag(parser)
     args = parser.parse_args()
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
@@ -133,9 +134,9 @@ async def main() -> None:
     ratios = {part: round(medians[f"flowrl_{part}"] / medians[f"plain_{part}"], 3) for part in ("generate", "train")}
     total = (medians["flowrl_generate"] + medians["flowrl_train"]) / (medians["plain_generate"] + medians["plain_train"])
     print(f"CPU per step, flowrl / plain: generate {ratios['generate']}, train {ratios['train']}, both {total:.3f}")
-    print(json.dumps({f"{k}_cpu_ms": round(v * 1e3, 1) for k, v in medians.items()}
+    results_file.emit(args.record, "bench_step", {f"{k}_cpu_ms": round(v * 1e3, 1) for k, v in medians.items()}
                      | {f"{part}_ratio": r for part, r in ratios.items()} | {"step_ratio": round(total, 3),
-                        "repeats": args.repeats, "steps": args.steps}))
+                        "repeats": args.repeats, "steps": args.steps})
     await engine.close()
 
 

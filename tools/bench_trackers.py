@@ -21,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import results_file
+
 from flowrl.records import RunDir, as_dicts
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,6 +64,7 @@ def main() -> None:
     parser.add_argument("--trackers", nargs="+", default=["tensorboard", "wandb", "mlflow"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--one", nargs=2, help=argparse.SUPPRESS)  # internal: RUN_DIR TRACKER
+    results_file.add_record_flag(parser)
     args = parser.parse_args()
     if args.one:
         run_dir = Path(args.one[0])
@@ -76,7 +79,7 @@ def main() -> None:
                 for _ in range(args.repeats)]
         result[name] = {k: round(statistics.median(r[k] for r in runs), 3) for k in runs[0]}
         print(f"{name:12s} " + "  ".join(f"{k} {v:.3f}" for k, v in result[name].items()))
-    print(json.dumps(result))
+    results_file.emit(args.record, "bench_trackers", result)
 
 
 if __name__ == "__main__":

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 import time
@@ -51,6 +50,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import results_file  # noqa: E402
 from bench_memory import build_model  # noqa: E402
 
 from flowrl.data.trajectory import Trajectory  # noqa: E402
@@ -212,6 +212,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--micro-batch-tokens", type=int, help="split flowrl's batch (default: one micro-batch)")
+    results_file.add_record_flag(parser)
     args = parser.parse_args()
     model = args.model or default_model()
     trainer = Trainer(model, TrainerConfig(lr=1e-5, micro_batch_tokens=args.micro_batch_tokens or 1 << 20))
@@ -269,7 +270,7 @@ def main() -> None:
               + (f", peak memory +{memory[side]:.2f} GB" if side in memory else ""))
     speedup = best["plain"] / best["flowrl"]
     print(f"speedup {speedup:.2f}x")
-    print(json.dumps({"bench": "train", "rows": args.rows, "tokens": tokens, "loss_tokens": loss_tokens,
+    results_file.emit(args.record, "bench_train", {"bench": "train", "rows": args.rows, "tokens": tokens, "loss_tokens": loss_tokens,
                       "padded_tokens": batch.input_ids.numel(), "packed_shape": packed, "computed_tokens": computed,
                       "unshared_s": round(best["unshared"], 4),
                       "sharing_speedup": round(best["unshared"] / best["flowrl"], 3),
@@ -280,7 +281,7 @@ def main() -> None:
                       "micro_batch_tokens": args.micro_batch_tokens,
                       **({"rows_s": round(best["rows"], 4), "rows_over_tokens": round(best["rows"] / best["flowrl"], 3),
                           "one_s": round(best["one"], 4), "one_over_tokens": round(best["one"] / best["flowrl"], 3)}
-                         if "rows" in sides else {})}))
+                         if "rows" in sides else {})})
 
 
 if __name__ == "__main__":

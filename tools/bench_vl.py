@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import shutil
 import tempfile
 import time
 from pathlib import Path
 
+import results_file
 import torch
 from PIL import Image
 
@@ -110,6 +110,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--device", default="cpu")
+    results_file.add_record_flag(parser)
     args = parser.parse_args()
     global DEVICE
     DEVICE = args.device
@@ -128,9 +129,9 @@ def main() -> None:
                    for (ids, refs), r in zip(work, results, strict=True))
         mean, worst = logprob_gap(folder, work[:4:2])
     tokens = sum(len(r.output_ids) for r in results)
-    print(json.dumps({"model": args.model, "requests": len(work), "image_requests": args.requests,
+    results_file.emit(args.record, "bench_vl", {"model": args.model, "requests": len(work), "image_requests": args.requests,
                       "equal_to_hf_generate": f"{same}/{len(work)}", "engine_tok_s": round(tokens / seconds, 1),
-                      "logprob_mean_abs_diff": mean, "logprob_max_abs_diff": worst}))
+                      "logprob_mean_abs_diff": mean, "logprob_max_abs_diff": worst})
 
 
 if __name__ == "__main__":

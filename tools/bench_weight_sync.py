@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import sys
@@ -25,6 +24,7 @@ import tempfile
 import time
 
 import ray
+import results_file
 import torch
 
 from flowrl_operators.config import SyncConfig
@@ -175,6 +175,7 @@ def main() -> None:
                         help="--ray-path: engine actors (on worker b, then on the head)")
     parser.add_argument("--transport", default="auto", choices=("auto", "broadcast"),
                         help="--ray-path: the sync node's transport (auto: the Ray object store)")
+    results_file.add_record_flag(parser)
     args = parser.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -195,7 +196,7 @@ def main() -> None:
                   **run_ray_path(args.layers, args.bucket_mb, args.repeats, total, args.engines, args.transport)}
         print(f"Ray path / raw gloo broadcast: {result['ray_vs_gloo']:.2f} (target >= 0.5); weight bytes through "
               f"the coordinator: {result['coordinator_weight_bytes']} (target 0)")
-        print(json.dumps(result))
+        results_file.emit(args.record, "bench_weight_sync", result)
         return
     ray.init(num_cpus=2, include_dashboard=False, object_store_memory=int(max(1.5 * total, 512 * 2**20)),
              log_to_driver=False)
@@ -278,7 +279,7 @@ def main() -> None:
     print(f"in-process / copy_: {summary['inprocess_vs_copy']:.2f} (target >= 0.5); best cross-process "
           f"({best_cross}) / raw gloo broadcast: {summary['crossprocess_vs_raw_broadcast']:.2f} (target >= 0.5)")
     ray.shutdown()
-    print(json.dumps(summary))
+    results_file.emit(args.record, "bench_weight_sync", summary)
 
 
 if __name__ == "__main__":
