@@ -6,7 +6,9 @@
   store). (a, b) are the least-squares fit, both >= 0, of each busy period of each engine replica
   (a stretch with a group in flight) against the iterations and row-iterations the same slot
   model counts for that period's groups, queued at its start (exact for a sync run, where every
-  group of a step is handed out at once; an approximation where groups arrive spread out).
+  group of a step is handed out at once; an approximation where groups arrive spread out). Where
+  every period's iterations held nearly the same rows (< 5 % relative spread: slots always full)
+  a cannot be told from b and b = 0 (time per iteration, as for the train's c and k below).
 - Groups: the pool of the run's groups (their rows' token counts; a multi-turn group's wait on its
   environment: `group_pool`), resampled by the simulator, so the distribution of lengths and waits
   and its tail are the measured ones.
@@ -158,11 +160,21 @@ def fit_engine(base: Baseline, node: str, work: dict[Span, float], notes: list[s
     if not points:
         raise UserError(f"{base.directory / 'trace.json'}: node '{node}' has no generate spans after the first "
                         f"{WARMUP} steps; plan needs them to fit its engine")
-    a, b = nonneg_fit([(p[1], p[2]) for p in points], [p[0] for p in points])
+    fill = [p[2] / p[1] for p in points]  # rows per iteration of each period
+    told = ""
+    if statistics.pstdev(fill) < FLAT * statistics.mean(fill):
+        # Periods of nearly one fill (slots always full): iterations and row-iterations are nearly
+        # proportional, so a least-squares corner would pick a or b by the spans' timing noise and
+        # a prediction with other slots would flip between runs. The iteration takes the cost: it
+        # decodes all its rows in one pass, whose fixed part is what more slots share.
+        a, b = sum(p[0] for p in points) / max(sum(p[1] for p in points), 1), 0.0
+        told = "; iterations nearly equally full: no per-row part fitted"
+    else:
+        a, b = nonneg_fit([(p[1], p[2]) for p in points], [p[0] for p in points])
     if spread is not None:
         spread.append(relative_scatter([a * p[1] + b * p[2] for p in points], [p[0] for p in points]))
     notes.append(f"{node}: an engine iteration {a * 1e3:.3f} ms + {b * 1e6:.2f} us per row ({slots} slots; "
-                 f"{len(points)} busy periods)")
+                 f"{len(points)} busy periods{told})")
     return EngineCost(slots, a, b, update, len(points))
 
 
