@@ -135,9 +135,9 @@ def cmd_algorithms(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from flowrl import launch
     from flowrl.runtime import StageFailed
-    from flowrl.runtime.checkpoints import DiskSpaceError
-    from flowrl.runtime.ray_local import ClusterError
-    from flowrl.runtime.ray_placement import PlacementError
+    from flowrl.runtime.durability.checkpoints import DiskSpaceError
+    from flowrl.runtime.executors.ray_local import ClusterError
+    from flowrl.runtime.executors.ray_placement import PlacementError
 
     progress = not args.quiet
     if args.resume and (args.file or args.overrides):

@@ -28,7 +28,7 @@ class Resources(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     cpus: Annotated[float, msgspec.Meta(ge=0)] = 0.25
     gpus: Annotated[float, msgspec.Meta(ge=0)] = 0.0
     replicas: Annotated[int, msgspec.Meta(ge=1)] = 1
-    # Ray placement, read by the Ray executor only (flowrl/runtime/ray_placement.py). `custom`:
+    # Ray placement, read by the Ray executor only (flowrl/runtime/executors/ray_placement.py). `custom`:
     # Ray custom resources each replica needs, as Ray's own `resources=` option (a node offers them
     # with `ray start --resources`); `labels`: the node labels a replica's Ray node must carry, as
     # Ray's `label_selector` (`ray start --labels`); `placement`: how the replicas spread over Ray
@@ -279,7 +279,7 @@ class Operator:
 
     async def publish(self) -> TrainResult:
         """The current policy record again, without training: a resumed run sends the restored
-        policy to the engines before anything is generated (flowrl/runtime/snapshot.py)."""
+        policy to the engines before anything is generated (flowrl/runtime/durability/snapshot.py)."""
         raise NotImplementedError(f"{type(self).__name__} does not implement publish() (needed to resume)")
 
     # -- sync kind ----------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """`flowrl replay RUN_DIR [key=value ...] [--run-dir NEW]`: train again on a run's recorded batches.
 
-The recorded run's rollout store (flowrl/runtime/rollouts.py) holds every batch its train node
+The recorded run's rollout store (flowrl/runtime/durability/rollouts.py) holds every batch its train node
 trained on, in order. Replay builds that node's operator from the run's plan (plan.json: the
 config, model and seed the run started with; a phase's model is the previous phase's export),
 changes its config by the overrides (`nodes.<train node>.<key>=value`), and calls its `train()`
@@ -27,7 +27,7 @@ import msgspec
 import yaml
 
 from flowrl.records import MetricsRow, ReplayInfo, RunDir, encode
-from flowrl.runtime import rollouts
+from flowrl.runtime.durability import rollouts
 from flowrl.spec.errors import UserError
 
 

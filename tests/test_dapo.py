@@ -13,7 +13,7 @@ import toy_tasks
 
 from flowrl.graph.compile import compile_spec
 from flowrl.runtime import check
-from flowrl.runtime.ledger import read
+from flowrl.runtime.durability.ledger import read
 from flowrl.runtime.run import run
 from flowrl.spec.load import load
 from flowrl.spec.phases import expand

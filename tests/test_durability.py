@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import runtime_ops as ops
 
-from flowrl.runtime import checkpoints, ledger, rollouts
+from flowrl.runtime.durability import checkpoints, ledger, rollouts
 from flowrl.runtime.run import StageFailed, run
 
 TESTS = str(Path(__file__).parent)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from flowrl.runtime import ledger
+from flowrl.runtime.durability import ledger
 
 ROOT = Path(__file__).resolve().parents[1]
 SHORT = ["run.steps=5", "run.checkpoint_every=2", "data.batch_size=4", "nodes.rollout.group_size=4",

@@ -1,4 +1,4 @@
-"""Both executors meet the Executor protocol that run.py drives (flowrl/runtime/executor.py)."""
+"""Both executors meet the Executor protocol that run.py drives (flowrl/runtime/executors/executor.py)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import inspect
 import pytest
 import runtime_ops as ops
 
-from flowrl.runtime.executor import Executor
-from flowrl.runtime.inprocess import InProcessExecutor
-from flowrl.runtime.ray_executor import RayExecutor
+from flowrl.runtime.executors.executor import Executor
+from flowrl.runtime.executors.inprocess import InProcessExecutor
+from flowrl.runtime.executors.ray_executor import RayExecutor
 
 MEMBERS = [n for n in vars(Executor) if not n.startswith("_")]
 

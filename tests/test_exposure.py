@@ -60,7 +60,7 @@ def listening():
 
 PROBE = LISTENERS + r'''
 import ray  # imported first, as a program using flowrl may have done
-from flowrl.runtime.ray_local import init_ray
+from flowrl.runtime.executors.ray_local import init_ray
 init_ray(include_dashboard=False, num_cpus=1, log_to_driver=False)
 @ray.remote
 def ping():

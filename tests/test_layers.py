@@ -138,3 +138,77 @@ def test_the_cycle_check_finds_a_planted_cycle(tmp_path, monkeypatch):
     (tmp_path / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from flowrl_operators.a import f\n")
     assert list(nx.simple_cycles(operator_graph(_package))) in (
         [["flowrl_operators.a", "flowrl_operators.b"]], [["flowrl_operators.b", "flowrl_operators.a"]])
+
+
+ENGINE = ROOT / "flowrl"
+
+
+def _engine_imports(path: Path) -> list[str]:
+    """The flowrl modules `path` imports, at any depth (function-level imports included: a lazy import
+    is still a dependency), `if TYPE_CHECKING:` blocks left out (annotations only), each as the
+    module itself where an imported name is one (`from flowrl.runtime import run` is flowrl.runtime.run)."""
+    tree = ast.parse(path.read_text(), str(path))
+    typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+                   and ast.unparse(block.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+                   for n in ast.walk(block)}
+    found = []
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 \
+                and (node.module == "flowrl" or node.module.startswith("flowrl.")):
+            for alias in node.names:
+                sub = ENGINE.joinpath(*node.module.split(".")[1:], alias.name)
+                found.append(f"{node.module}.{alias.name}" if sub.with_suffix(".py").is_file() or sub.is_dir()
+                             else node.module)
+        elif isinstance(node, ast.Import):
+            found += [a.name for a in node.names if a.name.startswith("flowrl.")]
+    return found
+
+
+def _subpackage(module: str) -> str:
+    """A subpackage of flowrl (spec, graph, runtime, records, plan, data, trackers, report) or a
+    top-level module (operator, health, cli, ...): the unit of the engine's layers."""
+    return ".".join(module.split(".")[:2])
+
+
+def _room(module: str) -> str:
+    """Inside the runtime, its rooms (durability, executors) and each of its other modules; elsewhere
+    `_subpackage`."""
+    parts = module.split(".")
+    return ".".join(parts[:3]) if parts[:2] == ["flowrl", "runtime"] else _subpackage(module)
+
+
+def engine_graph(unit) -> nx.DiGraph:
+    graph = nx.DiGraph()
+    for path in ENGINE.rglob("*.py"):
+        parts = path.relative_to(ENGINE.parent).with_suffix("").parts
+        source = unit(".".join(parts).removesuffix(".__init__"))
+        for target in map(unit, _engine_imports(path)):
+            if target != source:
+                graph.add_edge(source, target)
+    return graph
+
+
+@pytest.mark.parametrize("unit", [_subpackage, _room], ids=["subpackages", "runtime-rooms"])
+def test_the_engine_has_no_import_cycle_between_its_rooms(unit):
+    """spec never imports runtime, records never imports runtime, the executors never import run.py,
+    ... : each room can be read knowing only the rooms below it."""
+    assert sorted(map(sorted, nx.simple_cycles(engine_graph(unit)))) == []
+
+
+def test_the_engine_cycle_check_finds_a_planted_cycle(tmp_path, monkeypatch):
+    """A function-level import closes a cycle too; one under TYPE_CHECKING does not."""
+    monkeypatch.setattr(f"{__name__}.ENGINE", tmp_path / "flowrl")
+    for room in ("spec", "runtime", "runtime/executors", "records"):
+        (tmp_path / "flowrl" / room).mkdir(parents=True)
+    (tmp_path / "flowrl/spec/schema.py").write_text("def f():\n    from flowrl.runtime.targets import x\n")
+    (tmp_path / "flowrl/runtime/targets.py").write_text("from flowrl.spec import schema\n")
+    (tmp_path / "flowrl/runtime/run.py").write_text("from flowrl.runtime.executors import ray_executor\n")
+    (tmp_path / "flowrl/runtime/executors/ray_executor.py").write_text("from flowrl.runtime.run import StageFailed\n")
+    (tmp_path / "flowrl/records/rundir.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from flowrl.runtime.run import x\n")
+    (tmp_path / "flowrl/runtime/observe.py").write_text("from flowrl.records import rundir\n")
+    assert sorted(map(sorted, nx.simple_cycles(engine_graph(_subpackage)))) == [["flowrl.runtime", "flowrl.spec"]]
+    assert sorted(map(sorted, nx.simple_cycles(engine_graph(_room)))) == [
+        ["flowrl.runtime.executors", "flowrl.runtime.run"], ["flowrl.runtime.targets", "flowrl.spec"]]

@@ -17,8 +17,8 @@ from adam_tolerance import assert_adam_close
 from flowrl.cli import main
 from flowrl.graph.compile import compile_file
 from flowrl.graph.render import resources_label
-from flowrl.runtime import checkpoints, ledger
-from flowrl.runtime.ray_placement import PlacementError
+from flowrl.runtime.durability import checkpoints, ledger
+from flowrl.runtime.executors.ray_placement import PlacementError
 from flowrl.runtime.run import StageFailed, run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -187,7 +187,7 @@ def test_a_lost_machine_moves_the_generate_stage_to_another_node(ray_nodes, tmp_
 
 def test_placement_check_refuses_what_the_alive_nodes_cannot_hold():
     from flowrl.operator import Resources
-    from flowrl.runtime.ray_placement import check
+    from flowrl.runtime.executors.ray_placement import check
 
     # Shaped as ray.nodes() answers; a dead node offers nothing.
     nodes = [{"Alive": True, "NodeManagerAddress": "10.0.0.1", "Resources": {"CPU": 1.0, "box_a": 1.0},

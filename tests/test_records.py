@@ -27,7 +27,7 @@ from flowrl.records import (
     TraceEvent,
     append,
 )
-from flowrl.runtime import ledger
+from flowrl.runtime.durability import ledger
 from flowrl.runtime.run import run
 
 FIXTURE = Path(__file__).parent / "fixtures" / "run_format3"

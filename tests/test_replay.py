@@ -17,7 +17,7 @@ import runtime_ops as ops
 
 from flowrl.cli import main
 from flowrl.data.trajectory import Group, Trajectory
-from flowrl.runtime import rollouts
+from flowrl.runtime.durability import rollouts
 from flowrl.runtime.run import run
 
 ROOT = Path(__file__).resolve().parents[1]

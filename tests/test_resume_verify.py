@@ -1,4 +1,4 @@
-"""`flowrl run --resume` verifies a run directory before trusting it (flowrl/runtime/resume.py).
+"""`flowrl run --resume` verifies a run directory before trusting it (flowrl/runtime/durability/resume.py).
 
 One real run (tiny model, embedded engine, trainer) is killed with kill -9 at its third train step,
 leaving checkpoints step-1 and step-2; each test damages a copy of it and resumes through the CLI.
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from flowrl.runtime import checkpoints, ledger
+from flowrl.runtime.durability import checkpoints, ledger
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = ROOT / "tests/specs/good/base.yaml"

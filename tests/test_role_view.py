@@ -16,13 +16,13 @@ import runtime_ops as ops
 from test_roles import now
 
 import flowrl.runtime.batches as batches_module
+import flowrl.runtime.durability.snapshot as snapshot_module
 import flowrl.runtime.joins as joins_module
 import flowrl.runtime.role as role_module
 import flowrl.runtime.samples as samples_module
-import flowrl.runtime.snapshot as snapshot_module
-from flowrl.runtime import snapshot
 from flowrl.runtime.batches import Batches
 from flowrl.runtime.coordinator import Coordinator
+from flowrl.runtime.durability import snapshot
 from flowrl.runtime.joins import Joins, Policies
 from flowrl.runtime.role import CoordinatorView, Role
 from flowrl.runtime.samples import Samples

@@ -12,9 +12,9 @@ import runtime_ops as ops
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flowrl.runtime import snapshot
 from flowrl.runtime.coordinator import Coordinator
-from flowrl.runtime.executor import task_error
+from flowrl.runtime.durability import snapshot
+from flowrl.runtime.executors.executor import task_error
 
 
 def now(coro):

@@ -10,7 +10,7 @@ import runtime_ops as ops
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from flowrl.runtime import ledger
+from flowrl.runtime.durability import ledger
 from flowrl.runtime.run import StageFailed, run
 
 

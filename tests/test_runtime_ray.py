@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import runtime_ops as ops
 
-from flowrl.runtime import ledger
+from flowrl.runtime.durability import ledger
 from flowrl.runtime.run import StageFailed, latest_checkpoint, run
 
 ray = pytest.importorskip("ray")

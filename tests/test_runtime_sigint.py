@@ -13,7 +13,7 @@ from pathlib import Path
 
 import runtime_ops as ops
 
-from flowrl.runtime import ledger
+from flowrl.runtime.durability import ledger
 from flowrl.runtime.run import run
 
 SCRIPT = """

@@ -7,7 +7,8 @@ import runtime_ops as ops
 from test_runtime import assert_clean
 
 from flowrl.runtime.run import run
-from flowrl.runtime.targets import Targets, check_names
+from flowrl.runtime.targets import Targets
+from flowrl.spec.stop_when import check_names
 
 
 def test_a_train_metric_reaching_its_threshold_ends_the_run_after_that_step(tmp_path):

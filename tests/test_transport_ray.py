@@ -62,7 +62,7 @@ class Publisher:
     async def put_policy(self) -> list:
         """The policy as a Ray train stage hands it to the coordinator: the train node puts its
         Snapshot into the object store (operators/train.py), the stage puts that record (ray_stage)."""
-        from flowrl.runtime.ray_stage import by_reference
+        from flowrl.runtime.executors.ray_stage import by_reference
         from flowrl_operators.transport import Snapshot, StoredSnapshot
 
         return [await by_reference(StoredSnapshot.put(Snapshot(rebucket(self.weights.items(), BUCKET_BYTES))), 0)]

@@ -18,7 +18,7 @@ import pytest
 
 from flowrl.cli import main
 from flowrl.data.images import ImageRef, ImageStore
-from flowrl.runtime import checkpoints, ledger
+from flowrl.runtime.durability import checkpoints, ledger
 
 ROOT = Path(__file__).resolve().parents[1]
 PIPELINE = str(ROOT / "pipelines/vl_agent.yaml")

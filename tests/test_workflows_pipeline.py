@@ -150,7 +150,7 @@ def test_guess_number_graph_trains_with_the_train_node(tmp_path):
 def test_failures_are_isolated_and_counted(tmp_path, monkeypatch):
     """The run finishes although an environment, a reward function and a hanging reward fail."""
     from flowrl.runtime import stage
-    from flowrl.runtime.inprocess import InProcessExecutor
+    from flowrl.runtime.executors.inprocess import InProcessExecutor
 
     monkeypatch.setattr(stage, "REPORT_EVERY_S", 0.0)  # stages report their counters before every wait
 

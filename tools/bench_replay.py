@@ -29,7 +29,7 @@ import results_file
 import yaml
 
 from flowrl.records import RunDir
-from flowrl.runtime import rollouts
+from flowrl.runtime.durability import rollouts
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -54,7 +54,7 @@ class TrainEnd:
     async def publish(self) -> list:
         import asyncio
 
-        from flowrl.runtime.ray_stage import by_reference
+        from flowrl.runtime.executors.ray_stage import by_reference
         from flowrl_operators.transport import StoredSnapshot
 
         start = time.perf_counter()

@@ -315,7 +315,7 @@ def _check_resources(spec, resources: dict[str, Resources], loc, problems) -> No
     cluster = spec.cluster
     total_cpus = total_gpus = 0.0
     for name, r in resources.items():
-        for key, amount in r.custom.items():  # Ray placement keys (flowrl/runtime/ray_placement.py)
+        for key, amount in r.custom.items():  # Ray placement keys (flowrl/runtime/executors/ray_placement.py)
             if (problem := custom_problem(key, amount)) is not None:
                 problems.append(loc.diagnostic(("nodes", name, "resources", "custom", key), problem, at_key=True))
         for key, value in r.labels.items():

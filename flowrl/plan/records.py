@@ -118,7 +118,7 @@ def _spans(run: RunDir) -> list[Span]:
 def _group_rows(directory: Path, node: str) -> tuple[dict[str, list[int]], dict[int, list[str]]]:
     """Per sample id (a group), the model tokens of each trajectory (what its engine decoded); per
     train step, the sample ids of its batch."""
-    from flowrl.runtime import rollouts
+    from flowrl.runtime.durability import rollouts
 
     steps = rollouts.load(directory, node, "plan reads each group's token counts from the rollout store "
                           "(run.record_rollouts: false turns it off)")

@@ -4,6 +4,7 @@
              flowrl/launch.py, flowrl/replay.py) encode these, so reader and writer share them
 - lines.py   JSON lines and files: decoded into rows, a torn last line skipped, damage located
 - rundir.py  RunDir(path): is it a run, its phases, and a typed reader for each file
+- rollouts.py the rollout store's format (RolloutStep records) and its reader
 """
 
 from flowrl.records.lines import RecordError, append, encode

@@ -120,7 +120,7 @@ class Trace(msgspec.Struct):
 
 
 class LedgerEntry(Row):
-    """ledger.jsonl: a record produced, consumed, dropped, ... (flowrl/runtime/ledger.py)."""
+    """ledger.jsonl: a record produced, consumed, dropped, ... (flowrl/runtime/durability/ledger.py)."""
     event: str  # produce | consume | drop | pending | issue | reissue | admit | end | resume
     edge: str
     id: str

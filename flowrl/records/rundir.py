@@ -33,7 +33,7 @@ from flowrl.spec.errors import UserError
 
 if TYPE_CHECKING:
     from flowrl.graph.plan import Plan
-    from flowrl.runtime.rollouts import RolloutStep
+    from flowrl.records.rollouts import RolloutStep
 
 MARKERS = ("plan.json", "meta.json")  # written together when a run starts (flowrl/runtime/run.py)
 
@@ -154,15 +154,15 @@ class RunDir:
         return path.read_text(errors="replace").strip() if path.is_file() else None
 
     def rollouts(self, node: str) -> Iterator[RolloutStep]:
-        """The rollout store of train node `node` (flowrl/runtime/rollouts.py; StoreError names damage)."""
-        from flowrl.runtime import rollouts
+        """The rollout store of train node `node` (flowrl/records/rollouts.py; StoreError names damage)."""
+        from flowrl.records import rollouts
 
         return rollouts.read(rollouts.path(self.path, node))
 
 
 def _trace_lines(path: Path, whole: RecordError) -> list[TraceEvent]:
     """The events of a trace.json whose closing tail is missing: the writer puts one event on each
-    line (flowrl/runtime/streams.py), so the events up to a torn last line are read line by line."""
+    line (flowrl/runtime/durability/streams.py), so the events up to a torn last line are read line by line."""
     with open(path, "rb") as f:
         text = f.read().split(b"\n")
     if not text or b'"traceEvents"' not in text[0]:

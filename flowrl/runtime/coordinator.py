@@ -39,12 +39,12 @@ from typing import Any
 from flowrl.data.source import batch_size
 from flowrl.graph.plan import EdgePlan, Plan
 from flowrl.records import TraceEvent
-from flowrl.runtime import rollouts, snapshot
 from flowrl.runtime.batches import Batches
 from flowrl.runtime.channel import Channel, Record, Work
-from flowrl.runtime.checkpoints import Pacing
+from flowrl.runtime.durability import rollouts, snapshot
+from flowrl.runtime.durability.checkpoints import Pacing
+from flowrl.runtime.durability.ledger import Ledger
 from flowrl.runtime.joins import Joins, Policies
-from flowrl.runtime.ledger import Ledger
 from flowrl.runtime.observe import Observer
 from flowrl.runtime.role import Role
 from flowrl.runtime.samples import Samples

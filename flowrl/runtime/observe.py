@@ -1,7 +1,7 @@
 """Trace and metrics: where time went, per stage and per step.
 
 `trace.json` is Chrome trace-event JSON (`{"traceEvents": [...]}`, opens in Perfetto and
-chrome://tracing), appended during the run and valid after every append (flowrl/runtime/streams.py). One process row (`pid`) per node, named by a metadata event; `tid` is
+chrome://tracing), appended during the run and valid after every append (flowrl/runtime/durability/streams.py). One process row (`pid`) per node, named by a metadata event; `tid` is
 `replica * 100` for the stage's own loop (waits, weight updates, train steps) and
 `replica * 100 + slot` (slot >= 1) for work running concurrently on that replica. Events:
 `ph: "X"` spans named `wait` (blocked on input or admission), `generate` / `process` / `train` /
@@ -33,7 +33,7 @@ from flowrl.graph.plan import Plan
 from flowrl.health import BUILTIN_ROLES, Health
 from flowrl.operator import POLICY, WEIGHTS, MetricRoles
 from flowrl.records import MetricsRow, SampleRow, TraceEvent
-from flowrl.runtime.streams import TraceFile
+from flowrl.runtime.durability.streams import TraceFile
 from flowrl.runtime.tracking import TIMEOUT_S as TRACKER_TIMEOUT_S
 from flowrl.runtime.tracking import Tracking, sample_rows
 
@@ -182,8 +182,8 @@ class Observer:
             self.tracking.close()
 
     def offsets(self) -> dict[str, Any]:
-        """Every stream's size now, for a checkpoint (flowrl/runtime/streams.py)."""
-        from flowrl.runtime.streams import offsets
+        """Every stream's size now, for a checkpoint (flowrl/runtime/durability/streams.py)."""
+        from flowrl.runtime.durability.streams import offsets
 
         self.flush()
         return offsets(self.run_dir, self.trace, self.run_dir / "tensorboard") if self.run_dir else {}

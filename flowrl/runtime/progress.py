@@ -14,7 +14,7 @@ from rich.text import Text
 
 from flowrl.graph.plan import Plan
 from flowrl.health import active
-from flowrl.runtime.executor import Executor
+from flowrl.runtime.executors.executor import Executor
 from flowrl.runtime.waits import warning
 
 REFRESH_S = 0.5

@@ -17,7 +17,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from flowrl.graph.plan import EdgePlan, Plan
 from flowrl.runtime.channel import Channel, Record, Work
-from flowrl.runtime.ledger import Ledger
+from flowrl.runtime.durability.ledger import Ledger
 
 
 @runtime_checkable

@@ -15,22 +15,14 @@ import msgspec
 from flowrl.blame import UserCodeFailed
 from flowrl.graph.plan import Plan
 from flowrl.records import Meta, RunDir, encode
-from flowrl.runtime import checkpoints, streams
-from flowrl.runtime.executor import Executor
+from flowrl.runtime.durability import checkpoints, streams
+from flowrl.runtime.executors.executor import Executor
+from flowrl.runtime.failures import StageFailed, TrainerLost
 
 # How long stages may take to return once stopped: a train step in progress is allowed to finish.
 JOIN_TIMEOUT_S = {"done": 10.0, "error": 5.0, "interrupt": 600.0, "time": 600.0, "target": 600.0}
 FINISHED = {"done": "steps", "time": "max_seconds", "target": "stop_when"}  # reason -> stopped_by
 FLUSH_EVERY_S = 2.0  # record streams reach the disk at least this often
-
-
-class StageFailed(RuntimeError):
-    """A stage's operator raised; the message names the node and carries the original traceback."""
-
-
-class TrainerLost(StageFailed):
-    """Under Ray, a train actor's process died while its machine stayed up (killed, out of memory):
-    `run()` restarts the run from its last checkpoint, up to `run.max_restarts` times."""
 
 
 @dataclass
@@ -156,7 +148,7 @@ def _prepare(plan: Plan, run_dir: Path, executor: str, steps: int, resume: bool,
     checkpoints.clean_partial(run_dir)
     checkpoints.check_space(run_dir, checkpoints.MARGIN_BYTES)
     if resume:
-        from flowrl.runtime import resume as resuming
+        from flowrl.runtime.durability import resume as resuming
 
         found = resuming.prepare(plan, run_dir)
         if found is not None:
@@ -179,11 +171,11 @@ def _keep(plan: Plan) -> int:
 
 def _executor(name: str, plan: Plan, run_dir: Path | None, origin: float) -> Executor:
     if name == "inprocess":
-        from flowrl.runtime.inprocess import InProcessExecutor
+        from flowrl.runtime.executors.inprocess import InProcessExecutor
 
         return InProcessExecutor(plan, run_dir, origin)
     if name == "ray":
-        from flowrl.runtime.ray_executor import RayExecutor
+        from flowrl.runtime.executors.ray_executor import RayExecutor
 
         return RayExecutor(plan, run_dir, origin)
     raise ValueError(f"unknown executor '{name}'; use inprocess or ray")

@@ -21,8 +21,9 @@ from flowrl.data import images
 from flowrl.graph.plan import Plan
 from flowrl.operator import ConfigError, Operator, OperatorContext, TrainResult
 from flowrl.records import TraceEvent
-from flowrl.runtime import faults, ports
+from flowrl.runtime import ports
 from flowrl.runtime.channel import Work
+from flowrl.runtime.durability import faults
 from flowrl.runtime.observe import node_pids, span
 from flowrl.spec.phases import UNBOUNDED_STEPS
 
@@ -89,7 +90,7 @@ class Stage:
     def _restore(self, path: Path) -> None:
         """Load the operator's checkpoint. Its files matched their checksums (resume.py), so a failure
         here is a checkpoint this operator cannot read: said with the folder, not as a flowrl bug."""
-        from flowrl.runtime.resume import ResumeError
+        from flowrl.runtime.durability.resume import ResumeError
 
         try:
             self.op.load(path)
@@ -104,7 +105,7 @@ class Stage:
                               f"{type(e).__name__}: {why}; resume from an older checkpoint (write its name into "
                               f"{path.parents[2] / 'latest'}) or start a new run") from None
         # self.version stays 0: an engine is rebuilt from model.path, whatever it held before;
-        # the coordinator has it load the restored policy before any work (runtime/snapshot.py).
+        # the coordinator has it load the restored policy before any work (runtime/durability/snapshot.py).
 
     def context(self) -> OperatorContext:
         """What the operator learns about its place in the run."""
@@ -218,7 +219,7 @@ class Stage:
             work = await self._take()
             if work is None:
                 return
-            if work.kind == "publish":  # resumed: send the restored policy again (runtime/snapshot.py)
+            if work.kind == "publish":  # resumed: send the restored policy again (runtime/durability/snapshot.py)
                 result = await self.op.publish()
             else:
                 groups = [next(iter(item.values())) for item in work.value]

@@ -16,7 +16,8 @@ written, status "done", stopped_by "stop_when", `flowrl run` exits 0. Metric nam
 
 A metric that should fall (a loss) is not a stop_when target: thresholds are lower bounds.
 A `train.<key>` that no train node declares (`Operator.reported_metrics`) is refused by `flowrl
-validate`, naming the keys they report (flowrl/graph/rules.py); one a node that declares nothing
+validate`, naming the keys they report (flowrl/graph/rules.py); the names it knows are checked as the spec loads
+(flowrl/spec/stop_when.py). One a node that declares nothing
 (a plugin) does not report at its first trained step fails the run there, naming those it does.
 """
 
@@ -24,19 +25,9 @@ from __future__ import annotations
 
 from typing import Any
 
-ROW_KEYS = ("reward", "samples_per_s", "trajectories_per_s", "step_seconds", "groups", "dropped",
-            "dropped_total", "stale_kept_total", "rejected_total", "filtered_total")
-EVAL = "eval_reward"
+from flowrl.spec.stop_when import EVAL, ROW_KEYS
+
 EVAL_METRIC = "eval/reward"  # what the generate operator reports (flowrl_operators/generate.py)
-
-
-def check_names(stop_when: dict[str, float]) -> None:
-    """Raise ValueError naming the first metric that stop_when cannot read."""
-    for name in stop_when:
-        if name == EVAL or name in ROW_KEYS or (name.startswith("train.") and len(name) > len("train.")):
-            continue
-        raise ValueError(f"stop_when: unknown metric {name!r}; use {EVAL}, one of "
-                         f"{', '.join(ROW_KEYS)}, or train.<key> (a train node metric)")
 
 
 class Targets:

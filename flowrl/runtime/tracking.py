@@ -12,7 +12,7 @@ that the resumed run computes again (metrics.jsonl holds the resumed run's). A c
 tracker's `log` and the rewrite of trackers.json can repeat that one flush's steps in it; one
 before a tracker's own files hold what it was sent (wandb: within 0.5 s) loses them in it. A
 tracker whose files are cut back with the streams (`rewound = True`: TensorBoard's event files,
-flowrl/runtime/streams.py) is sent everything after the checkpoint again.
+flowrl/runtime/durability/streams.py) is sent everything after the checkpoint again.
 
 A tracker that raises, or whose call does not return within `run.tracker_timeout_s` (a hung
 `log`, a wandb or mlflow server that does not answer), is warned about and dropped for the rest of

@@ -105,9 +105,9 @@ class RunSpec(Strict):
     max_seconds: Annotated[float, Meta(gt=0)] | None = None
     # End the run cleanly (checkpoint, export, exit 0) once a metric reaches a value (>=); with
     # several, when any one does. Names: eval_reward (data.eval), a number of the metrics row
-    # (reward, ...), or train.<key> (the train node's metrics). See flowrl/runtime/targets.py.
+    # (reward, ...), or train.<key> (the train node's metrics). See flowrl/spec/stop_when.py, flowrl/runtime/targets.py.
     stop_when: dict[str, float] = {}
-    # Periodic checkpoints while the run goes on (flowrl/runtime/checkpoints.py): every N policy
+    # Periodic checkpoints while the run goes on (flowrl/runtime/durability/checkpoints.py): every N policy
     # versions and/or every S seconds (neither set: every 1800 s); the newest `keep_checkpoints` stay.
     checkpoint_every: PositiveInt | None = None
     checkpoint_seconds: Annotated[float, Meta(gt=0)] | None = None
@@ -121,7 +121,7 @@ class RunSpec(Strict):
     # rejected, filtered, invalid or dropped), showing the first errors (flowrl/runtime/untrained.py); 0: never.
     max_empty_steps: NonNegativeInt = 3
     # Append every batch a train node trains on to rollouts/<node>.bin, for `flowrl replay`
-    # (flowrl/runtime/rollouts.py, docs/runs.md "Replay").
+    # (flowrl/runtime/durability/rollouts.py, docs/runs.md "Replay").
     record_rollouts: bool = True
     # executor: ray attaches to this running cluster ("host:port" of its head, "auto", or
     # "ray://host:port") instead of starting one; RAY_ADDRESS does the same. flowrl never stops it.
@@ -131,7 +131,7 @@ class RunSpec(Strict):
     tracker_timeout_s: Annotated[float, Meta(gt=0)] = 30.0
 
     def __post_init__(self) -> None:
-        from flowrl.runtime.targets import check_names
+        from flowrl.spec.stop_when import check_names
 
         check_names(self.stop_when)
         if self.ray_address is not None and self.executor != "ray":

@@ -3,7 +3,7 @@
 The scalars of `flowrl.trackers.scalars`, the staleness of each step as a histogram
 (`runtime/staleness`), and the sample rows as one markdown table per step (text `samples`).
 A checkpoint records each event file's size and a resume cuts them back to it
-(flowrl/runtime/streams.py), so this tracker never holds a step twice.
+(flowrl/runtime/durability/streams.py), so this tracker never holds a step twice.
 """
 
 from __future__ import annotations

@@ -151,7 +151,7 @@ def launch_servers(model_path: str, engines: int, server_args: dict[str, Any] | 
         gpus = float(args.get("tp_size", args.get("tp", 1)))
     bundle = {"CPU": 1.0, **({"GPU": gpus} if gpus else {})}
     if not ray.is_initialized():  # e.g. the in-process executor: a local Ray for the server actors
-        from flowrl.runtime.ray_local import init_ray
+        from flowrl.runtime.executors.ray_local import init_ray
 
         init_ray(include_dashboard=False)
     have = ray.cluster_resources().get("GPU", 0.0)

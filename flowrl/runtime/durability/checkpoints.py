@@ -6,7 +6,7 @@ written as `step-<version>.tmp/` and renamed, then `checkpoints/latest` is repla
 a run killed at any moment has either the previous complete checkpoint or the new one, and
 `clean_partial` removes what a kill left half-written. Each holds `manifest.json`: the size and
 SHA-256 of every other file in it, taken at save and checked before a resume trusts it
-(flowrl/runtime/resume.py). Rotation removes only checkpoints older than the one just written:
+(flowrl/runtime/durability/resume.py). Rotation removes only checkpoints older than the one just written:
 one a resumed run has not reached yet (it resumed from an older one) stays. Periodic checkpoints (`run.checkpoint_every`
 versions, `run.checkpoint_seconds`) are taken while the run goes on: train nodes wait (their state
 must stay at the checkpoint's version), the other stages keep working.
@@ -21,10 +21,12 @@ import shutil
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from flowrl.runtime import faults
-from flowrl.runtime.executor import Executor
+from flowrl.runtime.durability import faults
+
+if TYPE_CHECKING:  # an annotation only: the executors' room imports this one, not the reverse
+    from flowrl.runtime.executors.executor import Executor
 
 MARGIN_BYTES = 64 * 2**20  # room for the record streams between checkpoints
 DEFAULT_KEEP = 2

@@ -30,7 +30,7 @@ import msgspec
 
 from flowrl.graph.plan import Plan
 from flowrl.records import Meta, RunDir
-from flowrl.runtime import checkpoints, streams
+from flowrl.runtime.durability import checkpoints, streams
 from flowrl.spec.errors import UserError
 
 T = TypeVar("T")

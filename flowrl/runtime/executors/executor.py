@@ -20,7 +20,7 @@ def task_error(task: asyncio.Task) -> str | None:
 @runtime_checkable
 class Executor(Protocol):
     # A train stage whose process died while its machine stayed up, as (node, replica): the run
-    # ends resumably (run.py's TrainerLost) instead of failing. None where no such loss is seen.
+    # ends resumably (TrainerLost, failures.py) instead of failing. None where no such loss is seen.
     lost_train: tuple[str, int] | None
 
     async def start(self, steps: int, stop_at: int | None, state: bytes | None, checkpoint: Path | None) -> None:

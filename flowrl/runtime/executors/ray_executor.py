@@ -34,12 +34,12 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 
 from flowrl.blame import UserCodeFailed
 from flowrl.graph.plan import Plan
-from flowrl.runtime import ray_placement as placement
 from flowrl.runtime.coordinator import Coordinator
-from flowrl.runtime.executor import task_error
-from flowrl.runtime.ray_local import init_ray
-from flowrl.runtime.ray_stage import StageActor
-from flowrl.runtime.run import StageFailed
+from flowrl.runtime.executors import ray_placement as placement
+from flowrl.runtime.executors.executor import task_error
+from flowrl.runtime.executors.ray_local import init_ray
+from flowrl.runtime.executors.ray_stage import StageActor
+from flowrl.runtime.failures import StageFailed
 from flowrl.spec.errors import UserError
 
 

@@ -1,6 +1,6 @@
 """`flowrl inspect RUN_DIR`: what a run did — reward and learning curves, where the time went, the
 health findings (flowrl/health.py), the timeline of every stage, the staleness histogram — as a
-screenful of text, a self-contained html page (SVG; flowrl/report_html.py), json, or png (the html
+screenful of text, a self-contained html page (SVG; flowrl/report/html.py), json, or png (the html
 screenshotted by headless Chromium).
 
 A run directory is either one run (metrics.jsonl, trace.json, ...) or a phased run whose phases
@@ -88,7 +88,7 @@ def render_run(run_dir: Path, fmt: str = "text") -> str | bytes:
                                          "samples": p.samples} for p in phases],
                           indent=1) + "\n"
     if fmt in ("html", "png"):
-        from flowrl.report_html import render_html
+        from flowrl.report.html import render_html
 
         return render_html(phases) if fmt == "html" else render_png(render_html(phases))
     if fmt == "text":

@@ -13,7 +13,7 @@ from typing import Any
 
 from flowrl.graph.plan import Plan
 from flowrl.runtime.coordinator import Coordinator
-from flowrl.runtime.executor import task_error
+from flowrl.runtime.executors.executor import task_error
 from flowrl.runtime.stage import Stage
 
 
