@@ -207,6 +207,34 @@ def pack(trajectories: Sequence[Trajectory], require_reward: bool = True) -> Bat
     """Pad trajectories into a Batch. Every trajectory needs at least one response token."""
     if not trajectories:
         raise ValueError("pack() needs at least one trajectory")
+    groups, lengths = _checked_rows(trajectories, require_reward)
+    width = max(lengths)
+    fields = _padded_rows(trajectories, width)
+    long = {"input_ids", "attention_mask", "position_ids", "versions", "top_k"}
+    tensors = {name: torch.tensor(v, dtype=torch.long if name in long else torch.float32)
+               for name, v in (fields | _sampling_fields(trajectories, width)).items() if v}
+    input_ids, attention_mask = tensors.pop("input_ids"), tensors.pop("attention_mask")
+    position_ids, versions = tensors.pop("position_ids"), tensors.pop("versions")
+    reference, values = tensors.pop("reference_logprobs", None), tensors.pop("values", None)
+    token = tensors  # loss_mask, behaviour_logprobs, rewards, reward_mask, and sampling fields if any
+    baseline = [1.0 if t.metadata.get(GREEDY_BASELINE) else 0.0 for t in trajectories]
+    return Batch(
+        **_top_fields(trajectories, width),
+        baseline=torch.tensor(baseline) if any(baseline) else None,
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        versions=versions,
+        group_index=torch.tensor([groups[t.group_id] for t in trajectories]),
+        lengths=torch.tensor(lengths),
+        reference_logprobs=reference,
+        values=values, images=_images(trajectories),
+        **token,
+    )
+
+
+def _checked_rows(trajectories: Sequence[Trajectory], require_reward: bool) -> tuple[dict[str, int], list[int]]:
+    """Each trajectory checked for training (pack's rules), and its group's index and its length."""
     groups: dict[str, int] = {}
     lengths = []
     for traj in trajectories:
@@ -217,7 +245,11 @@ def pack(trajectories: Sequence[Trajectory], require_reward: bool = True) -> Bat
             raise ValueError(f"trajectory {traj.id} has no reward: put a reward node before the trainer")
         groups.setdefault(traj.group_id, len(groups))
         lengths.append(len(traj.prompt_ids) + len(traj.response_ids))
-    width = max(lengths)
+    return groups, lengths
+
+
+def _padded_rows(trajectories: Sequence[Trajectory], width: int) -> dict[str, list[list[float]]]:
+    """pack's per-token fields as padded Python lists, `width` columns a row."""
     has_reference = all(t.reference_logprobs is not None for t in trajectories)
     has_values = all(t.values is not None for t in trajectories)
     # Rows are built as padded Python lists and converted once per field: a tensor per row and
@@ -243,27 +275,7 @@ def pack(trajectories: Sequence[Trajectory], require_reward: bool = True) -> Bat
             fields["reference_logprobs"].append(head + list(traj.reference_logprobs) + [0] * pad)
         if has_values:
             fields["values"].append(head + list(traj.values) + [0] * pad)
-    long = {"input_ids", "attention_mask", "position_ids", "versions", "top_k"}
-    tensors = {name: torch.tensor(v, dtype=torch.long if name in long else torch.float32)
-               for name, v in (fields | _sampling_fields(trajectories, width)).items() if v}
-    input_ids, attention_mask = tensors.pop("input_ids"), tensors.pop("attention_mask")
-    position_ids, versions = tensors.pop("position_ids"), tensors.pop("versions")
-    reference, values = tensors.pop("reference_logprobs", None), tensors.pop("values", None)
-    token = tensors  # loss_mask, behaviour_logprobs, rewards, reward_mask, and sampling fields if any
-    baseline = [1.0 if t.metadata.get(GREEDY_BASELINE) else 0.0 for t in trajectories]
-    return Batch(
-        **_top_fields(trajectories, width),
-        baseline=torch.tensor(baseline) if any(baseline) else None,
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        versions=versions,
-        group_index=torch.tensor([groups[t.group_id] for t in trajectories]),
-        lengths=torch.tensor(lengths),
-        reference_logprobs=reference,
-        values=values, images=_images(trajectories),
-        **token,
-    )
+    return fields
 
 
 def _top_fields(trajectories: Sequence[Trajectory], width: int) -> dict[str, torch.Tensor]:

@@ -19,6 +19,7 @@ depend on how the batch was split.
 
 `Reference` (frozen initial policy, `compute_logprobs` only) and `Critic` (value head on the same
 backbone family, `compute_values`, trained with `value_loss`) are the same class with another head.
+Its configuration and learning-rate schedule: trainer_config.py; how its model is loaded: model_load.py.
 """
 
 from __future__ import annotations
@@ -28,13 +29,11 @@ import math
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
-import msgspec
 import torch
 import torch.distributed as dist
 
-from flowrl_operators.models import is_vl
 from flowrl_operators.training import checkpoint, tuning
 from flowrl_operators.training.alignment import GradientAlignment
 from flowrl_operators.training.batch import (
@@ -47,101 +46,9 @@ from flowrl_operators.training.batch import (
 from flowrl_operators.training.engine import EngineEntry
 from flowrl_operators.training.head import loss_token_logprobs, packing_supported, shares_prefixes
 from flowrl_operators.training.losses import LossFn
-from flowrl_operators.training.vl_inputs import shard_units, vl_inputs, vl_value_model
-
-
-class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """The train node's `optim` keys plus `micro_batch_tokens` and `max_nonfinite_steps` (same names
-    as flowrl_operators.config); `total_steps` comes from the run length for a decaying schedule."""
-
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    warmup_steps: int = 0  # linear warm-up from lr / warmup_steps to lr
-    schedule: Literal["constant", "linear", "cosine"] = "constant"
-    total_steps: int | None = None  # the decay horizon of linear / cosine
-    min_lr_ratio: float = 0.0
-    grad_clip: float | None = 1.0
-    gac_max_cos: float | None = None  # gradient alignment control (training/alignment.py); None: off
-    # Tokens per micro-batch: packed rows (the policy's forward on llama / qwen2) count their tokens
-    # and are balanced by them; padded rows count rows x the longest (a longer row runs alone).
-    micro_batch_tokens: int = 8192
-    max_nonfinite_steps: int = 3  # consecutive skipped (non-finite) steps before the run stops
-    mixed_precision: bool = True  # bf16 compute on GPU; CPU always runs fp32
-    gradient_checkpointing: bool = False
-    freeze: list[str] = []  # fnmatch patterns of parameters that do not train (training/tuning.py)
-    lora: Any = None  # a flowrl_operators.config.LoraSpec: train peft adapters instead
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.schedule != "constant" and not self.total_steps:
-            raise ValueError(f"schedule {self.schedule!r} needs total_steps")
-        if self.lr <= 0 or self.micro_batch_tokens <= 0 or self.max_nonfinite_steps < 1:
-            raise ValueError("trainer lr and micro_batch_tokens must be > 0 and max_nonfinite_steps >= 1")
-
-
-class NonFiniteError(RuntimeError):
-    """Too many consecutive steps had a non-finite loss or gradient."""
-
-
-def lr_factor(step: int, config: TrainerConfig) -> float:
-    """Multiplier of the base lr at optimizer step `step` (0-based)."""
-    if step < config.warmup_steps:
-        return (step + 1) / config.warmup_steps
-    if config.schedule == "constant":
-        return 1.0
-    progress = min(1.0, (step - config.warmup_steps) / max(1, config.total_steps - config.warmup_steps))
-    shape = 1 - progress if config.schedule == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
-    return config.min_lr_ratio + (1 - config.min_lr_ratio) * shape
-
-
-def _own_storage(model: torch.nn.Module) -> None:
-    """Each parameter in its own fresh allocation. Loaded from a folder, the weights lie wherever the
-    loader put them, at an alignment that changes from one process to the next, and MKL's float
-    sums follow the alignment: two runs of a phase that starts from an export (the quickstart's
-    GRPO phase) differed by ~1e-6, and `flowrl replay` could not reproduce them. With this they are
-    equal bit for bit (the allocator aligns every block)."""
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.data = parameter.data.clone()
-
-
-def _load_model(path: Path, head: str):
-    from transformers import AutoModelForTokenClassification
-
-    from flowrl_operators.models import auto_class
-    from flowrl_operators.tokenizer import silence_hf
-
-    silence_hf()
-    if head == "value" and is_vl(path):
-        return vl_value_model(path)
-    if head == "value":
-        # verl's critic shape: the backbone with a 1-output token head (initialised from the seed).
-        return AutoModelForTokenClassification.from_pretrained(
-            str(path), num_labels=1, local_files_only=True, dtype=torch.float32
-        )
-    # AutoModelForCausalLM, or a vision-language policy's AutoModelForImageTextToText
-    return auto_class(path).from_pretrained(str(path), local_files_only=True, dtype=torch.float32)
-
-
-def _disable_dropout(model: torch.nn.Module) -> None:
-    """RL needs the trainer's logprobs and values to be the engine's function of the weights; dropout
-    (e.g. the 0.1 before a token-classification head) would make them random."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-    if hasattr(model.config, "attention_dropout"):
-        model.config.attention_dropout = 0.0
-
-
-def _checkpoint_layers(model: torch.nn.Module) -> None:
-    """Recompute each decoder layer in backward (transformers 5 renamed the method)."""
-    kwargs = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+from flowrl_operators.training.model_load import checkpoint_layers, disable_dropout, load_model, own_storage
+from flowrl_operators.training.trainer_config import NonFiniteError, TrainerConfig, lr_factor
+from flowrl_operators.training.vl_inputs import shard_units, vl_inputs
 
 
 class Trainer:
@@ -168,14 +75,14 @@ class Trainer:
         self.bf16 = self.device.type == "cuda" and self.config.mixed_precision
         with BUILD_LOCK, torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.config.seed)  # the same fresh heads on every rank
-            self.model = _load_model(self.model_path, self.head).to(self.device)
+            self.model = load_model(self.model_path, self.head).to(self.device)
             if self.device.type == "cpu":
-                _own_storage(self.model)
+                own_storage(self.model)
         # Large blocks as their own mappings: freed memory leaves the process (memory.py; not for a small model).
         configure(sum(p.numel() * p.element_size() for p in self.model.parameters()))
-        _disable_dropout(self.model)
+        disable_dropout(self.model)
         if self.config.gradient_checkpointing:  # non-reentrant: also right when the inputs need no grad
-            _checkpoint_layers(self.model)
+            checkpoint_layers(self.model)
         if self.trainable:
             self.model = tuning.prepare(self.model, self.config.freeze, self.config.lora)
         # Whether the forward packs sequences (training/head.py): micro-batches are then balanced by tokens.
