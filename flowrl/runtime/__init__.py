@@ -9,6 +9,7 @@ Pieces (each file is short; read them in this order):
                   its docstring
 - stage.py        one replica of one node: take work, call the operator, complete it (both executors)
 - run.py          run(): run directory, resume, SIGINT/SIGTERM, max_seconds
+- failures.py     StageFailed, TrainerLost: how a run fails (run.py and the executors raise them)
 - targets.py      run.stop_when: the metrics that end a run once they reach a value
 - observe.py      trace.json, metrics.jsonl, samples.jsonl;  progress.py  the live view
 - tracking.py     run.trackers (TensorBoard, wandb, mlflow, plugins: flowrl/trackers/) and the sample rows
