@@ -23,7 +23,7 @@ from flowrl_operators.config import GenerateConfig  # noqa: E402
 from flowrl_operators.generate import Generate  # noqa: E402
 from flowrl_operators.inference import SamplingParams  # noqa: E402
 from flowrl_operators.tasks import code_arith  # noqa: E402
-from flowrl_operators.tasks.code_arith import anywhere, code_block  # noqa: E402
+from flowrl_operators.tasks.code_arith import code_block, exact  # noqa: E402
 from flowrl_operators.workflows.proxy import Call, assemble, drift_tokens  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -166,18 +166,18 @@ def test_the_task_draws_disjoint_splits_and_scores_the_printed_answer():
     held = {code_arith().eval_sample(i)["question"] for i in range(300)}
     assert not held & {s["question"] for s in train}
     assert {s["kind"] for s in train} == set(KINDS)
-    for sample in train[:50]:  # the value is the problem's: recomputed from the numbers in its text
-        numbers = [int(x) for x in re.findall(r"\d+", sample["question"])]
-        a, b, c = numbers[1:] + numbers[:1] if sample["kind"] == "packs" else numbers  # packs: "c ... a packs of b"
-        assert sample["answer"] == str(KINDS[sample["kind"]][1](a, b, c)) and sample["question"] in sample["prompt"]
+    for sample in train[:50]:  # the value is the question's: recomputed from the numbers in its text
+        a, b, c = (int(x) for x in re.findall(r"\d+", sample["question"]))
+        assert sample["answer"] == str(a * b + c if sample["kind"] == "plus" else a * b - c)
+        assert sample["prompt"].startswith(sample["question"])
     sample = train[0]
     value = sample["answer"]
-    assert code_arith.reward(_answered(sample, value)) == 1.0
-    assert code_arith.reward(_answered(sample, f"The result is {value}")) == 0.0  # not the number alone
-    assert anywhere(_answered(sample, f"The result is {value}")) == 1.0
-    assert anywhere(_answered(sample, f"1{value}")) == 0.0 and code_arith.reward(_answered(sample, "")) == 0.0
+    assert code_arith.reward(_answered(sample, value)) == exact(_answered(sample, value)) == 1.0
+    assert code_arith.reward(_answered(sample, f"The result is {value}")) == 1.0  # the computation counts
+    assert exact(_answered(sample, f"The result is {value}")) == 0.0  # not the value alone
+    assert code_arith.reward(_answered(sample, f"1{value}")) == 0.0 and code_arith.reward(_answered(sample, "")) == 0.0
     # A one-reply trajectory (the validate probe's) is scored on its text.
-    assert code_arith.reward(_answered(sample, None)) == 0.0 and anywhere(_answered(sample, None)) == 1.0
+    assert code_arith.reward(_answered(sample, None)) == 1.0 and exact(_answered(sample, None)) == 0.0
     with pytest.raises(ValueError, match="low <= high"):
         code_arith(low=50, high=10)
 
@@ -201,4 +201,4 @@ def test_the_pipeline_runs_the_agent_through_proxy_and_sandbox(tmp_path):
     assert generate["generate/chain_breaks"] == 0  # every call extended its episode's conversation
     assert "generate/drift_tokens" in generate and "generate/tool_calls" in generate
     evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
-    assert [e["version"] for e in evals] == [0, 2] and all("anywhere" in e["scores"] for e in evals)
+    assert [e["version"] for e in evals] == [0, 2] and all("exact" in e["scores"] for e in evals)

@@ -1,23 +1,28 @@
-"""Arithmetic through a code tool (pipelines/smollm2_code.yaml): products a small model cannot work
-out in its head, which it can write as Python and run in the sandbox service.
+"""Arithmetic through a code tool (pipelines/smollm2_code.yaml): products of two-digit numbers,
+asked in words, which a small model cannot work out in its head but can write as Python and run in
+the sandbox service.
 
 An episode, played by `agent` (an `openai`-client agent, through the generate node's proxy) in the
 code-interpreter style, where the answer is what the code prints:
-1. the user asks "What is 47 * 38 + 12? Answer with a Python code block that prints it.";
+1. the user asks "What is 47 times 38 plus 12? Answer with a Python code block that prints it.";
 2. a ```python block in the reply runs in the sandbox service (`tools: {sandbox: ...}`, reached at
    the proxy's `/tools/sandbox`); if it prints something, that output is the answer and the episode
    ends;
 3. otherwise (an error, no output, no code block) the model reads what happened (the traceback's
    end, "[no output]", ...) and tries again, for up to `max_turns` replies.
 
-Why this form, measured on SmolLM2-135M-Instruct before training: asked in its head it answers none
-of 24 right; asked for code it writes the right program for 5 of 12 greedily (about 1 in 10 sampled
-at temperature 0.7), but after reading the output it restates the number for none of 32 sampled
-episodes (it writes the code again). A task whose reward needs that restatement gives GRPO no
-signal; this one does, and its repair turns follow the model's own errors.
+Why this form: measured on SmolLM2-135M-Instruct before training (greedy, one reply, 12 problems
+each unless said): in its head it answers none of 24 right. After reading a printed result it
+restates it for none of 32 sampled episodes (it writes the code again), so a reward on a restated
+answer gives GRPO nothing. "What is 47 * 38 + 12?" it copies into `print(...)`: 0.78 of 32 right
+through the pipeline, too little left to learn. Word problems ("buys 47 boxes with 38 apples in
+each...") it turns into code that prints nothing: 0 of 32. In words ("47 times 38 plus 12") its
+code prints the exact value alone for 2 of 12, and often prints it inside a sentence: between the
+two, with room to learn.
 
-The reward reads the final printed output: exactly the value (`reward`), or the value anywhere in
-it as a whole number (`anywhere`, the evaluation's second score: "The result is 1798" counts).
+The reward reads the final printed output: the value written in it as a whole number (`reward`:
+"The result is 1798" counts, so the computation is scored, not the wording), or the value alone
+(`exact`, the evaluation's second score).
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from flowrl.data.trajectory import Trajectory
 from flowrl_operators.tasks.common import Split, TaskSource, draw, response_text, sample_of
 from flowrl_operators.tools.client import ToolResult, observation
 
-FIRST = "{question} Answer with a Python code block that prints the number."
+FIRST = "{question} Answer with a Python code block that prints it."
 RETRY = "The code did not print an answer:\n{output}\nWrite a corrected Python code block that prints the number."
 NO_CODE = "Answer with a Python code block that prints the number."
 _CODE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)(?:```|$)", re.S)
@@ -82,22 +87,16 @@ def _final(trajectory: Trajectory) -> str:
     return (final if isinstance(final, str) else response_text(trajectory)).replace(",", "")
 
 
-NAMES = ["Sam", "Mia", "Leo", "Ava", "Noah", "Zoe", "Omar", "Lena", "Ravi", "Ines"]
-THINGS = ["apples", "marbles", "stickers", "books", "coins", "pencils", "cards", "shells"]
-# Word problems whose sums need a product of two-digit numbers: the model must set up the
-# expression; the tool does the arithmetic. (text, value) from a, b, c.
+# Products of two-digit numbers written in words, which the model must turn into code: (question,
+# value) from a, b, c.
 KINDS = {
-    "boxes_plus": (lambda n, t, a, b, c: f"{n} buys {a} boxes with {b} {t} in each box and finds {c} more {t}. "
-                   f"How many {t} does {n} have?", lambda a, b, c: a * b + c),
-    "boxes_minus": (lambda n, t, a, b, c: f"{n} buys {a} boxes with {b} {t} in each box, then gives away {c} {t}. "
-                    f"How many {t} are left?", lambda a, b, c: a * b - c),
-    "packs": (lambda n, t, a, b, c: f"{n} has {c} {t} and buys {a} packs of {b} {t}. How many {t} does {n} have now?",
-              lambda a, b, c: c + a * b),
+    "plus": (lambda a, b, c: f"What is {a} times {b} plus {c}?", lambda a, b, c: a * b + c),
+    "minus": (lambda a, b, c: f"What is {a} times {b} minus {c}?", lambda a, b, c: a * b - c),
 }
 
 
 class code_arith(TaskSource):  # noqa: N801 - the name users write: builtin:code_arith
-    """Word problems over two-digit products, answered with code (module docs)."""
+    """Two-digit products in words ("47 times 38 plus 12"), answered with code (module docs)."""
 
     name = "code_arith"
 
@@ -108,14 +107,13 @@ class code_arith(TaskSource):  # noqa: N801 - the name users write: builtin:code
         self.low, self.high = low, high
 
     def make(self, rng: random.Random, split: str) -> dict[str, Any]:
-        def problem(r: random.Random) -> tuple[str, str, int, int, int, str, str]:
-            kind = r.choice(sorted(KINDS))
-            a, b, c = r.randint(self.low, self.high), r.randint(self.low, self.high), r.randint(10, 99)
-            return kind, r.choice(NAMES), a, b, c, r.choice(THINGS), ""
+        def problem(r: random.Random) -> tuple[str, int, int, int]:
+            return r.choice(sorted(KINDS)), r.randint(self.low, self.high), r.randint(self.low, self.high), \
+                r.randint(10, 99)
 
-        kind, name, a, b, c, thing, _ = draw(problem, rng, split, lambda p: f"{p[0]}:{p[2]}:{p[3]}:{p[4]}")
+        kind, a, b, c = draw(problem, rng, split, lambda p: ":".join(map(str, p)))
         text, value = KINDS[kind]
-        question = text(name, thing, a, b, c)
+        question = text(a, b, c)
         return {"question": question, "answer": str(value(a, b, c)), "kind": kind,
                 "prompt": FIRST.format(question=question)}
 
@@ -126,11 +124,12 @@ class code_arith(TaskSource):  # noqa: N801 - the name users write: builtin:code
 
     @staticmethod
     def reward(trajectory: Trajectory) -> float:
-        """1.0 when the answer is exactly the value (thousands separators aside), else 0.0."""
-        return 1.0 if _final(trajectory).strip() == sample_of(trajectory)["answer"] else 0.0
+        """1.0 when the value appears in the answer as a whole number ("The result is 1798" counts;
+        "11798" does not), else 0.0: the computation is scored, not the format of what is printed."""
+        answer = re.escape(sample_of(trajectory)["answer"])
+        return 1.0 if re.search(rf"(?<![\d.-]){answer}(?!\d|\.\d)", _final(trajectory)) else 0.0
 
 
-def anywhere(trajectory: Trajectory) -> float:
-    """1.0 when the value appears in the answer as a whole number, wherever it is written."""
-    answer = re.escape(sample_of(trajectory)["answer"])
-    return 1.0 if re.search(rf"(?<![\d.-]){answer}(?!\d|\.\d)", _final(trajectory)) else 0.0
+def exact(trajectory: Trajectory) -> float:
+    """1.0 when the answer is the value alone (the evaluation's second score: the format too)."""
+    return 1.0 if _final(trajectory).strip() == sample_of(trajectory)["answer"] else 0.0
