@@ -146,7 +146,8 @@ class Generate(Operator):
             from flowrl_operators.workflows.proxy import Proxy
 
             proxy = Proxy(self.engine, self.tokenizer, self.sampling, host=self.config.proxy_host,
-                          allow_remote=self.config.proxy_allow_remote)
+                          allow_remote=self.config.proxy_allow_remote,
+                          tools={k: v for k, v in self.services.items() if k != "proxy"})
             url = await proxy.start()
             self.services["proxy"] = proxy
             if self.context.run_dir is not None:
@@ -289,6 +290,11 @@ class Generate(Operator):
         t.validate()
         self.counts["model_tokens"] += sum(t.loss_mask)
         self.counts["turns"] += len(t.turns)
+        # The agent proxy's prefix checks and tool calls (workflows/proxy.py): per trajectory, and per
+        # episode where `part` is its first trajectory.
+        for key in ("drift_tokens",) + (("chain_breaks", "tool_calls", "tool_s") if part in (None, 0) else ()):
+            if isinstance(t.metadata.get(key), int | float):
+                self.counts[key] = self.counts.get(key, 0) + t.metadata[key]
 
     async def update_weights(self, weights: Any, version: int) -> None:
         """Apply a weights record from a sync node (flowrl_operators.transport), or plain buckets

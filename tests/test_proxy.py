@@ -90,14 +90,14 @@ def test_openai_agent_episode_is_recorded_with_engine_ids(loop):
     op = make(loop, agent="test_proxy:guess_agent", side_question=True)
     proxy = op.services["proxy"]
     recorded: list[Call] = []
-    close = proxy.close_session
+    end = proxy.end_session
 
     def keep(session_id):  # observe the calls the proxy hands to the workflow
-        calls = close(session_id)
-        recorded.extend(calls)
-        return calls
+        session = end(session_id)
+        recorded.extend(session.calls)
+        return session
 
-    proxy.close_session = keep
+    proxy.end_session = keep
     produced = tap(op.engine)
     try:
         SEEN.clear()

@@ -6,6 +6,10 @@ through the proxy; its recorded calls become the episode's trajectories.
         ...                      # any number of chat.completions.create calls
         return reward            # or None to leave scoring to a reward node
 
+An agent may instead return a dict: its `reward` (float or None) as above, and any other keys with
+plain JSON values (text, numbers, booleans) into each trajectory's `metadata["info"]`, where reward
+functions read them (e.g. the final answer's text, without parsing the whole conversation).
+
 Sync agents (with `openai.OpenAI`) run in a thread. `agent_args` are passed as keyword arguments.
 """
 
@@ -44,9 +48,9 @@ class AgentWorkflow:
             with ctx.awaiting("agent"):  # the proxy marks its engine calls inside
                 outcome = await run_agent(functools.partial(self.agent, **self.agent_args), base_url, sample)
         finally:
-            calls = proxy.close_session(session)
-        trajectories = assemble(calls, ctx.version)
-        reward = outcome.get("reward") if isinstance(outcome, dict) else outcome
+            ended = proxy.end_session(session)
+        trajectories = assemble(ended.calls, ctx.version, ended.tool_calls)
+        reward, info = (outcome.get("reward"), _plain(outcome)) if isinstance(outcome, dict) else (outcome, {})
         if reward is not None:  # None leaves scoring to a reward node
             try:
                 reward = as_reward(reward, "the agent's reward")
@@ -55,4 +59,11 @@ class AgentWorkflow:
         for t in trajectories:
             t.reward = reward
             t.metadata["sample"] = sample
+            if info:
+                t.metadata["info"] = info
         return trajectories
+
+
+def _plain(outcome: dict[str, Any]) -> dict[str, Any]:
+    """The JSON-able keys of an agent's dict outcome other than `reward`."""
+    return {k: v for k, v in outcome.items() if k != "reward" and (isinstance(v, str | int | float | bool) or v is None)}

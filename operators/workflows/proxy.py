@@ -11,7 +11,17 @@ a new trajectory. The model's tokens are always the engine's ids, never the re-r
 an agent sends back a reply the proxy gave it (the same text content and tool calls), the prompt
 is built with that reply's original ids spliced in (see `Proxy.render`), so multi-turn
 conversations chain even when decoding is lossy, and a tool-call turn is the model's own tokens,
-not the template's rendering of the calls.
+not the template's rendering of the calls. Each call also records how many prompt tokens a plain
+re-rendering of the messages would have changed (`drift_tokens`: what a proxy that re-tokenises
+each turn would have trained on in place of the sampled ids), and `assemble` counts the calls that
+did not extend an earlier call (`chain_breaks`): both land in the trajectory's metadata and the
+generate node's metrics, so a template or client that breaks the prefix shows as a number.
+
+Tools: `POST /sessions/<id>/v1/tools/<name>` with `{"code", "timeout_s"}` runs the code in the
+generate node's tool service of that name (`tools: {sandbox: ...}`: flowrl_operators.tools) and
+answers its `ToolResult` as JSON; the call is recorded in the session (its round trip and the
+service's queue / start / run split) and marks the episode as awaiting `tool`. An agent thus needs
+one base URL for both the model and its tools.
 
 Requests are read by chat/request.py, as the engine server's chat route reads them:
 every key honoured or a 400 naming it (unknown keys, penalties, forced tool choices, ...), `tools`
@@ -76,6 +86,15 @@ class Call:
     finish_reason: str
     sampling: SamplingParams  # as sent to the engine (its seed makes the call replayable)
     images: list[ImageRef] = field(default_factory=list)  # those whose placeholders prompt_ids hold
+    drift_tokens: int = 0  # prompt tokens a plain re-rendering of the messages changes (module docs)
+
+
+@dataclass
+class ToolCall:
+    tool: str
+    seconds: float  # the round trip through the proxy
+    ok: bool
+    timing: dict[str, float]  # the service's own split: queue_s, start_s, run_s
 
 
 @dataclass
@@ -84,6 +103,7 @@ class Session:
     sampling: SamplingParams
     seed: int
     calls: list[Call] = field(default_factory=list)
+    tool_calls: list[ToolCall] = field(default_factory=list)
     replies: dict[str, list[int]] = field(default_factory=dict)  # reply_key(answer) -> the engine's ids
     open: bool = True
     wait: EpisodeWait | None = None  # the episode's, marked during engine calls (flowrl_operators.waits)
@@ -156,7 +176,7 @@ class Proxy:
 
     def __init__(self, engine: InferenceEngine, tokenizer: Any, sampling: SamplingParams | None = None,
                  host: str = "127.0.0.1", port: int = 0, model_name: str = "flowrl-policy",
-                 allow_remote: bool = False) -> None:
+                 allow_remote: bool = False, tools: dict[str, Any] | None = None) -> None:
         if not allow_remote and not is_loopback(host):
             raise ValueError(f"proxy host {host!r}: the OpenAI proxy binds loopback addresses only (127.0.0.1); "
                              "set proxy_allow_remote: true to serve agents on other machines")
@@ -164,6 +184,7 @@ class Proxy:
         self.sampling = sampling or SamplingParams()
         self.host, self.port, self.model_name = host, port, model_name
         self.sessions: dict[str, Session] = {}
+        self.tools = dict(tools or {})  # name -> a client with `async run(code, timeout_s) -> ToolResult`
         self.stop_ids = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>",)
                          if t in tokenizer.get_vocab()]
         self._runner: web.AppRunner | None = None
@@ -174,6 +195,7 @@ class Proxy:
         app.router.add_post("/sessions/{session}/v1/chat/completions", self._chat)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get("/sessions/{session}/v1/models", self._models)
+        app.router.add_post("/sessions/{session}/v1/tools/{tool}", self._tool)
         app.router.add_get("/v1/models", self._models)
         # A client that disconnects cancels its handler and so its engine request (engine/server.py).
         self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
@@ -200,9 +222,13 @@ class Proxy:
 
     def close_session(self, session_id: str) -> list[Call]:
         """Stop recording (later calls get 404) and return the calls in the order they were made."""
+        return self.end_session(session_id).calls
+
+    def end_session(self, session_id: str) -> Session:
+        """Stop recording; the session, with its calls and tool calls."""
         session = self.sessions.pop(session_id)
         session.open = False
-        return session.calls
+        return session
 
     # --- HTTP ---------------------------------------------------------------------------------------
 
@@ -215,6 +241,25 @@ class Proxy:
             session = self._session(request.match_info.get("session"))
             body = await json_body(request, BODY_LIMIT, BadRequest)
             return web.json_response(await self.complete(body, session))
+        except ProxyError as e:
+            return web.json_response({"error": {"message": str(e), "type": "invalid_request_error"}},
+                                     status=e.status)
+
+    async def _tool(self, request: web.Request) -> web.Response:
+        try:
+            session = self._session(request.match_info["session"])
+            name = request.match_info["tool"]
+            if name not in self.tools:
+                raise ProxyError(404, f"no tool {name!r}: this generate node serves "
+                                      f"{', '.join(sorted(self.tools)) or 'no tools'} (its `tools:` key)")
+            code, timeout_s = _tool_body(await json_body(request, BODY_LIMIT, BadRequest))
+            marked = session.wait.on("tool") if session.wait else contextlib.nullcontext()
+            began = time.monotonic()
+            with marked:
+                result = await self.tools[name].run(code, timeout_s=timeout_s)
+            session.tool_calls.append(ToolCall(name, time.monotonic() - began, result.ok,
+                                               msgspec.structs.asdict(result.timing)))
+            return web.json_response(msgspec.to_builtins(result))
         except ProxyError as e:
             return web.json_response({"error": {"message": str(e), "type": "invalid_request_error"}},
                                      status=e.status)
@@ -243,6 +288,7 @@ class Proxy:
         except ImageContentError as e:
             raise BadRequest(str(e)) from None
         prompt_ids = await rules.off_loop(self.render, messages, tools, session, images)
+        drift = await rules.off_loop(self.drift, messages, tools, prompt_ids) if session and not images else 0
         calls = len(session.calls) if session else 0
         request_id = f"{session.id if session else 'open'}/{calls}/{uuid.uuid4().hex[:8]}"
         marked = session.wait.on("engine") if session and session.wait else contextlib.nullcontext()
@@ -256,7 +302,7 @@ class Proxy:
             if not session.open:
                 raise ProxyError(404, f"session {session.id!r} ended while the call was running")
             session.calls.append(Call(prompt_ids, list(result.output_ids), list(result.logprobs),
-                                      list(result.versions), result.finish_reason, sampling, images))
+                                      list(result.versions), result.finish_reason, sampling, images, drift))
             session.remember(answer["message"], result.output_ids)
         completion = len(result.output_ids)
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
@@ -287,6 +333,12 @@ class Proxy:
             return self._spliced_ids(messages, rendered, spliced, tools, images or [])
         except TemplateError as e:
             raise rules.template_error(e, BadRequest) from None
+
+    def drift(self, messages: list[dict[str, Any]], tools: list[dict] | None, prompt_ids: list[int]) -> int:
+        """How many of `prompt_ids` (spliced) a plain rendering and tokenisation of `messages` changes:
+        the tokens from the first difference to the end of the longer of the two."""
+        plain = chat_ids(self.tokenizer, messages, add_generation_prompt=True, tools=tools)
+        return drift_tokens(prompt_ids, plain)
 
     def _spliced_ids(self, messages: list[dict[str, Any]], rendered: list[dict[str, Any]],
                      spliced: list[list[int]], tools: list[dict] | None, images: list[ImageRef]) -> list[int]:
@@ -332,9 +384,31 @@ class Proxy:
         return sampling
 
 
-def assemble(calls: list[Call], version: int) -> list[Trajectory]:
-    """One trajectory per chain of calls that extend each other (see the module docs)."""
+def drift_tokens(ids: list[int], other: list[int]) -> int:
+    """Tokens from the first position where the two differ to the end of the longer one."""
+    same = next((i for i, (a, b) in enumerate(zip(ids, other, strict=False)) if a != b), min(len(ids), len(other)))
+    return max(len(ids), len(other)) - same
+
+
+def _tool_body(body: Any) -> tuple[str, float | None]:
+    if not isinstance(body, dict) or not isinstance(body.get("code"), str):
+        raise BadRequest('a tool call\'s body is {"code": "<python>", "timeout_s": <seconds, optional>}')
+    unknown = sorted(set(body) - {"code", "timeout_s"})
+    if unknown:
+        raise BadRequest(f"unknown key(s) {', '.join(unknown)} in a tool call; it takes code and timeout_s")
+    timeout_s = body.get("timeout_s")
+    if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float)
+                                  or not timeout_s > 0):
+        raise BadRequest(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    return body["code"], timeout_s
+
+
+def assemble(calls: list[Call], version: int, tool_calls: list[ToolCall] | None = None) -> list[Trajectory]:
+    """One trajectory per chain of calls that extend each other (see the module docs). Each records
+    its calls, their `drift_tokens`, `chain_breaks` (calls of the episode after the first that began a
+    chain of their own) and the episode's tool calls (count and seconds)."""
     chains: list[TrajectoryBuilder] = []
+    drift: dict[int, int] = {}
     for call in calls:
         for builder in reversed(chains):
             context, seen = builder.context_ids, builder.images
@@ -344,10 +418,13 @@ def assemble(calls: list[Call], version: int) -> list[Trajectory]:
         else:
             builder = TrajectoryBuilder(call.prompt_ids, call.images)
             chains.append(builder)
+        drift[id(builder)] = drift.get(id(builder), 0) + call.drift_tokens
         builder.add_model(GenerateResult(request_id="", output_ids=call.output_ids, logprobs=call.logprobs,
                                          versions=call.versions, finish_reason=call.finish_reason,
                                          sampling=call.sampling))
-    return [b.build(metadata={"calls": len(b.turns)}) for b in chains]
+    tools = {"tool_calls": len(tool_calls or []), "tool_s": round(sum(t.seconds for t in tool_calls or []), 4)}
+    return [b.build(metadata={"calls": len(b.turns), "drift_tokens": drift[id(b)], "chain_breaks": len(chains) - 1,
+                              **tools}) for b in chains]
 
 
 async def run_agent(agent: Any, base_url: str, sample: dict[str, Any]) -> Any:
