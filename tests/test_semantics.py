@@ -173,7 +173,7 @@ def test_probe_process_exits_1_without_traceback(tmp_path: Path) -> None:
     assert f"{file}:" in proc.stderr and "data.source.eval_file: 1 of 1 held-out rows" in proc.stderr
 
 
-BUILT_MODELS = {"smollm2_math": "models/smollm2-135m-instruct", "smollm2_sums": "models/smollm2-135m-instruct"}
+BUILT_MODELS = {name: "models/smollm2-135m-instruct" for name in ("smollm2_math", "smollm2_sums", "smollm2_code")}
 
 
 @pytest.mark.parametrize("file", PIPELINES, ids=lambda f: f.stem)

@@ -54,7 +54,7 @@ def test_validate_process_exits_1_without_traceback(name: str) -> None:
 
 
 # Pipelines whose model folder the user builds first (README, "A real model"): validated with a tiny local model there.
-BUILT_MODELS = {"smollm2_math": "models/smollm2-135m-instruct", "smollm2_sums": "models/smollm2-135m-instruct"}
+BUILT_MODELS = {name: "models/smollm2-135m-instruct" for name in ("smollm2_math", "smollm2_sums", "smollm2_code")}
 
 
 @pytest.mark.parametrize("file", PIPELINES, ids=lambda f: f.stem)
