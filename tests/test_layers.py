@@ -82,43 +82,45 @@ def test_every_builtin_task_and_model_is_registered():
 OPERATORS = ROOT / "operators"
 
 
-def _name(path: Path) -> str:
-    parts = path.relative_to(OPERATORS).with_suffix("").parts
-    return ".".join(("flowrl_operators", *parts)).removesuffix(".__init__")
-
-
-def _runtime_imports(path: Path) -> list[str]:
-    """The flowrl_operators modules `path` imports when it runs (`if TYPE_CHECKING:` blocks left out),
-    each as the module itself where an imported name is one (`from pkg import module`)."""
+def _imports(path: Path, package: str, root: Path) -> list[str]:
+    """The modules of `package` (its source in `root`) that `path` imports, at any depth
+    (function-level imports included: a lazy import is still a dependency), `if TYPE_CHECKING:` blocks
+    left out (annotations only), each as the module itself where an imported name is one
+    (`from flowrl.runtime import run` is flowrl.runtime.run)."""
     tree = ast.parse(path.read_text(), str(path))
     typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
                    and ast.unparse(block.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
                    for n in ast.walk(block)}
+    ours = lambda module: module == package or module.startswith(package + ".")  # noqa: E731
     found = []
     for node in ast.walk(tree):
         if id(node) in typing_only:
             continue
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 \
-                and node.module.startswith("flowrl_operators"):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and ours(node.module):
             for alias in node.names:
-                sub = OPERATORS.joinpath(*node.module.split(".")[1:], alias.name)
+                sub = root.joinpath(*node.module.split(".")[1:], alias.name)
                 found.append(f"{node.module}.{alias.name}" if sub.with_suffix(".py").is_file() or sub.is_dir()
                              else node.module)
         elif isinstance(node, ast.Import):
-            found += [a.name for a in node.names if a.name.startswith("flowrl_operators")]
+            found += [a.name for a in node.names if ours(a.name)]
     return found
 
 
-def operator_graph(unit) -> nx.DiGraph:
+def import_graph(package: str, root: Path, unit) -> nx.DiGraph:
+    """`package`'s modules (source in `root`) as `unit`s, an edge where one imports another."""
     import networkx as nx
 
     graph = nx.DiGraph()
-    for path in OPERATORS.rglob("*.py"):
-        source = unit(_name(path))
-        for target in map(unit, _runtime_imports(path)):
+    for path in root.rglob("*.py"):
+        source = unit(".".join((package, *path.relative_to(root).with_suffix("").parts)).removesuffix(".__init__"))
+        for target in map(unit, _imports(path, package, root)):
             if target != source:
                 graph.add_edge(source, target)
     return graph
+
+
+def operator_graph(unit) -> nx.DiGraph:
+    return import_graph("flowrl_operators", OPERATORS, unit)
 
 
 def _package(module: str) -> str:
@@ -143,29 +145,6 @@ def test_the_cycle_check_finds_a_planted_cycle(tmp_path, monkeypatch):
 ENGINE = ROOT / "flowrl"
 
 
-def _engine_imports(path: Path) -> list[str]:
-    """The flowrl modules `path` imports, at any depth (function-level imports included: a lazy import
-    is still a dependency), `if TYPE_CHECKING:` blocks left out (annotations only), each as the
-    module itself where an imported name is one (`from flowrl.runtime import run` is flowrl.runtime.run)."""
-    tree = ast.parse(path.read_text(), str(path))
-    typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
-                   and ast.unparse(block.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
-                   for n in ast.walk(block)}
-    found = []
-    for node in ast.walk(tree):
-        if id(node) in typing_only:
-            continue
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 \
-                and (node.module == "flowrl" or node.module.startswith("flowrl.")):
-            for alias in node.names:
-                sub = ENGINE.joinpath(*node.module.split(".")[1:], alias.name)
-                found.append(f"{node.module}.{alias.name}" if sub.with_suffix(".py").is_file() or sub.is_dir()
-                             else node.module)
-        elif isinstance(node, ast.Import):
-            found += [a.name for a in node.names if a.name.startswith("flowrl.")]
-    return found
-
-
 def _subpackage(module: str) -> str:
     """A subpackage of flowrl (spec, graph, runtime, records, plan, data, trackers, report) or a
     top-level module (operator, health, cli, ...): the unit of the engine's layers."""
@@ -180,14 +159,7 @@ def _room(module: str) -> str:
 
 
 def engine_graph(unit) -> nx.DiGraph:
-    graph = nx.DiGraph()
-    for path in ENGINE.rglob("*.py"):
-        parts = path.relative_to(ENGINE.parent).with_suffix("").parts
-        source = unit(".".join(parts).removesuffix(".__init__"))
-        for target in map(unit, _engine_imports(path)):
-            if target != source:
-                graph.add_edge(source, target)
-    return graph
+    return import_graph("flowrl", ENGINE, unit)
 
 
 @pytest.mark.parametrize("unit", [_subpackage, _room], ids=["subpackages", "runtime-rooms"])
