@@ -288,7 +288,9 @@ class Proxy:
         except ImageContentError as e:
             raise BadRequest(str(e)) from None
         prompt_ids = await rules.off_loop(self.render, messages, tools, session, images)
-        drift = await rules.off_loop(self.drift, messages, tools, prompt_ids) if session and not images else 0
+        # Only a prompt with a spliced reply can differ from the plain rendering (render's other path is it).
+        spliced = session is not None and not images and bool(session.replies)
+        drift = await rules.off_loop(self.drift, messages, tools, prompt_ids) if spliced else 0
         calls = len(session.calls) if session else 0
         request_id = f"{session.id if session else 'open'}/{calls}/{uuid.uuid4().hex[:8]}"
         marked = session.wait.on("engine") if session and session.wait else contextlib.nullcontext()
