@@ -193,3 +193,37 @@ class ReplayInfo(msgspec.Struct, kw_only=True):
     overrides: list[str]
     steps: int
     ids_sha256: str
+
+
+class StreamSizes(msgspec.Struct, kw_only=True, rename={"ledger": "ledger.jsonl", "metrics": "metrics.jsonl",
+                                                        "samples": "samples.jsonl", "errors": "errors.jsonl",
+                                                        "trace": "trace.json"}):
+    """A checkpoint's streams.json: how long each record stream was when it was taken
+    (flowrl/runtime/durability/streams.py), so a resume cuts them back to it. Keyed by file name;
+    tensorboard/ and rollouts/ by the names of their files."""
+    ledger: int = 0
+    metrics: int = 0
+    samples: int = 0
+    errors: int = 0
+    trace: int = 0
+    tensorboard: dict[str, int] = {}
+    rollouts: dict[str, int] = {}
+
+    def of(self, file: str) -> int:
+        """The size recorded for the stream named `file` (e.g. "metrics.jsonl"); 0 if none."""
+        return msgspec.to_builtins(self).get(file, 0)
+
+    def folder(self, name: str) -> dict[str, int]:
+        """{file name: size} for the folder `name` ("tensorboard" or "rollouts")."""
+        return msgspec.to_builtins(self).get(name, {})
+
+
+# A checkpoint's manifest.json: {path relative to the checkpoint: [size in bytes, sha256 hex]}.
+Manifest = dict[str, tuple[int, str]]
+
+
+class TrackerEntry(Row):
+    """One tracker in trackers.json (flowrl/runtime/tracking.py): the state its `open` returned (a
+    run id, say) and, per train node, the last step it was sent."""
+    state: dict[str, Any] = {}
+    steps: dict[str, int] = {}

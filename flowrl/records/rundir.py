@@ -27,6 +27,7 @@ from flowrl.records.rows import (
     SampleRow,
     Trace,
     TraceEvent,
+    TrackerEntry,
     WaitRow,
 )
 from flowrl.spec.errors import UserError
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
     from flowrl.graph.plan import Plan
     from flowrl.records.rollouts import RolloutStep
 
+TRACKERS = "trackers.json"
 MARKERS = ("plan.json", "meta.json")  # written together when a run starts (flowrl/runtime/run.py)
 
 
@@ -116,6 +118,11 @@ class RunDir:
         """A JSON-lines file's rows; none when the run did not write it."""
         path = self.path / name
         return lines(path, kind) if path.exists() else iter(())
+
+    def trackers(self) -> dict[str, TrackerEntry]:
+        """trackers.json: what each tracker was sent (flowrl/runtime/tracking.py); {} before the first."""
+        path = self.path / TRACKERS
+        return document(path, dict[str, TrackerEntry]) if path.exists() else {}
 
     def trace(self) -> list[TraceEvent]:
         """trace.json's events; none without one. A trace cut by a kill mid-append reads up to the cut."""

@@ -32,7 +32,7 @@ from flowrl import records
 from flowrl.graph.plan import Plan
 from flowrl.health import BUILTIN_ROLES, Health
 from flowrl.operator import POLICY, WEIGHTS, MetricRoles
-from flowrl.records import MetricsRow, SampleRow, TraceEvent
+from flowrl.records import MetricsRow, SampleRow, StreamSizes, TraceEvent
 from flowrl.runtime.durability.streams import TraceFile
 from flowrl.runtime.tracking import TIMEOUT_S as TRACKER_TIMEOUT_S
 from flowrl.runtime.tracking import Tracking, sample_rows
@@ -181,12 +181,12 @@ class Observer:
         if self.tracking is not None:
             self.tracking.close()
 
-    def offsets(self) -> dict[str, Any]:
+    def offsets(self) -> StreamSizes:
         """Every stream's size now, for a checkpoint (flowrl/runtime/durability/streams.py)."""
         from flowrl.runtime.durability.streams import offsets
 
         self.flush()
-        return offsets(self.run_dir, self.trace, self.run_dir / "tensorboard") if self.run_dir else {}
+        return offsets(self.run_dir, self.trace, self.run_dir / "tensorboard") if self.run_dir else StreamSizes()
 
     def state(self) -> dict[str, Any]:
         return {"dropped": self.dropped, "health": {n: h.state() for n, h in self.health.items()},

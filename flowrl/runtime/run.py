@@ -14,7 +14,7 @@ import msgspec
 
 from flowrl.blame import UserCodeFailed
 from flowrl.graph.plan import Plan
-from flowrl.records import Meta, RunDir, encode
+from flowrl.records import Meta, RunDir, StreamSizes, encode
 from flowrl.runtime.durability import checkpoints, streams
 from flowrl.runtime.executors.executor import Executor
 from flowrl.runtime.failures import StageFailed, TrainerLost
@@ -155,7 +155,7 @@ def _prepare(plan: Plan, run_dir: Path, executor: str, steps: int, resume: bool,
             return found
     elif (run_dir / "ledger.jsonl").exists():
         raise FileExistsError(f"{run_dir} already holds a run; resume it or choose another run directory")
-    streams.truncate(run_dir, {})
+    streams.truncate(run_dir, StreamSizes())  # a new run: every stream from nothing
     (run_dir / "plan.json").write_bytes(plan.record())  # environment values redacted
     meta = Meta(name=plan.name, origin=started, executor=executor, steps=steps, format=3, health=1,
                 metric_roles=msgspec.to_builtins(plan.metric_roles) if plan.metric_roles is not None else None)

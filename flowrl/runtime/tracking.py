@@ -31,10 +31,11 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
+from flowrl.records import RunDir, TrackerEntry, encode
+from flowrl.records.rundir import TRACKERS
 from flowrl.trackers import Tracker, TrackerContext, resolve
-
-STATE_FILE = "trackers.json"
-
 
 TIMEOUT_S = 30.0  # run.tracker_timeout_s
 
@@ -46,8 +47,7 @@ class Tracking:
         self.timeout = timeout
         self.run_dir, self.name, self.origin, self.config = run_dir, name, origin, config
         self.open: dict[str, Tracker] | None = None  # None until the first flush with rows
-        path = run_dir / STATE_FILE
-        self.saved: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
+        self.saved = RunDir(run_dir).trackers()
 
     def log(self, rows: list[dict[str, Any]], samples: list[dict[str, Any]]) -> None:
         if not rows or not self.names:
@@ -57,7 +57,7 @@ class Tracking:
             for name in self.names:
                 self._call(name, self._open, name)
         for name, tracker in list(self.open.items()):
-            sent = self.saved[name]["steps"]
+            sent = self.saved[name].steps
             new = [r for r in rows if r["step"] > sent.get(r["node"], -1)]
             if new and self._call(name, tracker.log, new, [s for s in samples if s["step"] > sent.get(s["node"], -1)]):
                 for r in new:
@@ -72,12 +72,12 @@ class Tracking:
     def _open(self, name: str) -> None:
         cls = resolve(name)
         tracker = cls()
-        entry = self.saved.get(name, {})
+        entry = self.saved.get(name) or TrackerEntry()
         phased = self.run_dir.parent.name == "phases"  # runs/<run>/phases/<i>-<phase> (flowrl/spec/phases.py)
         group = self.run_dir.parent.parent.name if phased else None
         label = f"{group}/{self.run_dir.name}" if phased else self.run_dir.name
         state = tracker.open(TrackerContext(self.run_dir, self.name, label, group, self.origin, self.config,
-                                            entry.get("state", {}), self.timeout))
+                                            entry.state, self.timeout))
         state = state or {}
         try:  # trackers.json must keep it: state that JSON cannot hold drops the tracker, not the run
             if not isinstance(state, dict):
@@ -91,8 +91,8 @@ class Tracking:
         assert self.open is not None
         self.open[name] = tracker
         # A rewound tracker's files were cut back to the checkpoint: it gets the later steps again.
-        steps = {} if getattr(cls, "rewound", False) else entry.get("steps", {})
-        self.saved[name] = {"state": state, "steps": steps}
+        steps = {} if getattr(cls, "rewound", False) else entry.steps
+        self.saved[name] = TrackerEntry(state=state, steps=steps)
 
     def _call(self, name: str, fn: Any, *args: Any) -> bool:
         problem = bounded(fn, args, self.timeout)
@@ -105,9 +105,9 @@ class Tracking:
         return False
 
     def _write(self) -> None:
-        path = self.run_dir / STATE_FILE
+        path = self.run_dir / TRACKERS
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.saved, indent=1))
+        tmp.write_bytes(msgspec.json.format(encode(self.saved), indent=1))
         os.replace(tmp, path)
 
 

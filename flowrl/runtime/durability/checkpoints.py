@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import shutil
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from flowrl.records import Checkpoint, Manifest, RecordError
+from flowrl.records.checkpoint import MANIFEST
 from flowrl.runtime.durability import faults
 
 if TYPE_CHECKING:  # an annotation only: the executors' room imports this one, not the reverse
@@ -31,7 +32,6 @@ if TYPE_CHECKING:  # an annotation only: the executors' room imports this one, n
 MARGIN_BYTES = 64 * 2**20  # room for the record streams between checkpoints
 DEFAULT_KEEP = 2
 DEFAULT_SECONDS = 1800.0  # a run with neither key still checkpoints every half hour
-MANIFEST = "manifest.json"
 
 
 class DiskSpaceError(OSError):
@@ -75,14 +75,12 @@ async def write(ex: Executor, run_dir: Path, version: int, keep: int,
     try:
         taken = await ex.call("snapshot")
         (tmp / "coordinator.pkl").write_bytes(taken["state"])
-        (tmp / "streams.json").write_text(json.dumps(taken["streams"]))
+        Checkpoint(tmp).write_streams(taken["streams"])
         await ex.save(tmp)
         if saved is not None:
             await saved()
         # Hashed off the event loop: the stages go on meanwhile.
-        manifest = await asyncio.to_thread(files, tmp)
-        (tmp / MANIFEST).write_text("{\n" + ",\n".join(f"{json.dumps(k)}: {json.dumps(v)}"
-                                                        for k, v in manifest.items()) + "\n}\n")
+        Checkpoint(tmp).write_manifest(await asyncio.to_thread(files, tmp))
     except BaseException:  # e.g. the disk filled up: leave no partial folder behind
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -115,13 +113,13 @@ def steps(run_dir: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name[5:]), reverse=True)
 
 
-def files(folder: Path) -> dict[str, list]:
-    """{relative path: [size, sha256]} of every file under `folder` but the manifest itself."""
-    out: dict[str, list] = {}
+def files(folder: Path) -> Manifest:
+    """{relative path: (size, sha256)} of every file under `folder` but the manifest itself."""
+    out: Manifest = {}
     for path in sorted(folder.rglob("*")):
         rel = path.relative_to(folder).as_posix()
         if path.is_file() and rel != MANIFEST:
-            out[rel] = [path.stat().st_size, _sha256(path)]
+            out[rel] = (path.stat().st_size, _sha256(path))
     return out
 
 
@@ -129,12 +127,12 @@ def damage(folder: Path) -> str | None:
     """Why checkpoint `folder` cannot be trusted (a file missing, cut or changed since it was
     saved, or no readable manifest), or None when every file matches its manifest."""
     try:
-        manifest = json.loads((folder / MANIFEST).read_text())
-        if not isinstance(manifest, dict):
-            raise ValueError("not a JSON object")
+        manifest = Checkpoint(folder).manifest()
     except FileNotFoundError:
         return f"{folder / MANIFEST} is missing"
-    except (OSError, ValueError) as e:
+    except RecordError as e:  # names the file and what is wrong in it
+        return f"cannot read {e}"
+    except OSError as e:
         return f"{folder / MANIFEST} cannot be read: {e}"
     for rel, entry in manifest.items():
         path = folder / rel

@@ -29,7 +29,8 @@ from typing import Any, TypeVar
 import msgspec
 
 from flowrl.graph.plan import Plan
-from flowrl.records import Meta, RunDir
+from flowrl.records import Checkpoint, Meta, RunDir
+from flowrl.records.checkpoint import STREAMS
 from flowrl.runtime.durability import checkpoints, streams
 from flowrl.spec.errors import UserError
 
@@ -59,7 +60,7 @@ def prepare(plan: Plan, run_dir: Path) -> tuple[bytes, Path, float] | None:
     if checkpoint is None:
         _start_again(run_dir)
         return None
-    sizes = _read_json(checkpoint / "streams.json")
+    sizes = _record(checkpoint / STREAMS, Checkpoint(checkpoint).streams)
     short = streams.shortfall(run_dir, sizes)
     if short:
         raise ResumeError(f"cannot resume {run_dir} from {checkpoint.name}: {short}; records written before the "
@@ -103,8 +104,8 @@ def choose(run_dir: Path, fmt: int = MANIFEST_FORMAT) -> tuple[Path | None, str 
 
 
 def _damage(folder: Path, fmt: int) -> str | None:
-    if not (folder / "coordinator.pkl").is_file() or not (folder / "streams.json").is_file():
-        return f"{folder} lacks {'coordinator.pkl' if not (folder / 'coordinator.pkl').is_file() else 'streams.json'}"
+    if not (folder / "coordinator.pkl").is_file() or not (folder / STREAMS).is_file():
+        return f"{folder} lacks {'coordinator.pkl' if not (folder / 'coordinator.pkl').is_file() else STREAMS}"
     return checkpoints.damage(folder) if fmt >= MANIFEST_FORMAT else None  # older runs wrote no manifest
 
 
@@ -128,34 +129,22 @@ def _instead(run_dir: Path, bad: Path, fmt: int = MANIFEST_FORMAT) -> str:
 
 
 def _meta(run_dir: Path) -> Meta:
-    return _record(run_dir, "meta.json", RunDir.meta)
+    return _record(run_dir / "meta.json", RunDir(run_dir).meta)
 
 
-def _record(run_dir: Path, name: str, read: Callable[[RunDir], T]) -> T:
-    """A run record read by RunDir, its absence or damage a ResumeError saying what to do."""
-    if not (run_dir / name).exists():
-        raise ResumeError(f"{run_dir / name} is missing: the run directory is incomplete; " + NEW_RUN)
+def _record(path: Path, read: Callable[[], T]) -> T:
+    """A record of the run (`path`, read by `read`), its absence or damage a ResumeError saying what to do."""
+    if not path.exists():
+        raise ResumeError(f"{path} is missing: the run directory is incomplete; " + NEW_RUN)
     try:
-        return read(RunDir(run_dir))
+        return read()
     except (OSError, ValueError) as e:  # a RecordError names the file, line and key
         raise ResumeError(f"cannot read {e}; the file is damaged: " + NEW_RUN) from None
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        value = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ResumeError(f"{path} is missing: the run directory is incomplete; " + NEW_RUN) from None
-    except (OSError, ValueError) as e:
-        raise ResumeError(f"cannot read {path}: {e}; the file is damaged: " + NEW_RUN) from None
-    if not isinstance(value, dict):
-        raise ResumeError(f"{path} is not a JSON object; the file is damaged: " + NEW_RUN)
-    return value
-
-
 def _same_plan(plan: Plan, run_dir: Path) -> None:
     """Refuse a plan that differs from the one the run started with, naming what changed."""
-    then = _record(run_dir, "plan.json", RunDir.plan_record)
+    then = _record(run_dir / "plan.json", RunDir(run_dir).plan_record)
     now = msgspec.json.decode(plan.record())
     for record in (then, now):
         record["run"] = {k: v for k, v in (record.get("run") or {}).items() if k not in ADJUSTABLE}

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
 
-from flowrl.records import TraceEvent, encode
+import msgspec
+
+from flowrl.records import StreamSizes, TraceEvent, encode
 
 TRACE_HEAD = b'{"displayTimeUnit": "ms", "traceEvents": [\n'
 TRACE_TAIL = b"\n]}\n"
@@ -61,23 +62,23 @@ class TraceFile:
         return self.size
 
 
-def offsets(run_dir: Path, trace: TraceFile, tensorboard: Path) -> dict[str, Any]:
+def offsets(run_dir: Path, trace: TraceFile, tensorboard: Path) -> StreamSizes:
     """Sizes of every stream now (call after flushing them)."""
-    sizes: dict[str, Any] = {name: _size(run_dir / name) for name in STREAMS}
+    sizes = {name: _size(run_dir / name) for name in STREAMS}
     sizes["trace.json"] = trace.offset()
     sizes["tensorboard"] = {p.name: p.stat().st_size for p in sorted(tensorboard.glob("events.*"))} \
         if tensorboard.exists() else {}
     store = run_dir / ROLLOUTS
     sizes[ROLLOUTS] = {p.name: p.stat().st_size for p in sorted(store.glob("*.bin"))} if store.exists() else {}
-    return sizes
+    return msgspec.convert(sizes, StreamSizes)
 
 
-def shortfall(run_dir: Path, sizes: dict[str, Any]) -> str | None:
+def shortfall(run_dir: Path, sizes: StreamSizes) -> str | None:
     """Why the streams cannot be cut back to `sizes` (from `offsets`): one is shorter than the
     checkpoint recorded (cutting would pad it with NUL bytes), or does not end a line there."""
-    wanted = [(run_dir / name, sizes.get(name, 0)) for name in STREAMS]  # not trace.json: see truncate
+    wanted = [(run_dir / name, sizes.of(name)) for name in STREAMS]  # not trace.json: see truncate
     for folder in ("tensorboard", ROLLOUTS):
-        wanted += [(run_dir / folder / name, size) for name, size in (sizes.get(folder) or {}).items()]
+        wanted += [(run_dir / folder / name, size) for name, size in sizes.folder(folder).items()]
     for path, size in wanted:
         have = _size(path)
         if have < size:
@@ -90,11 +91,11 @@ def shortfall(run_dir: Path, sizes: dict[str, Any]) -> str | None:
     return None
 
 
-def truncate(run_dir: Path, sizes: dict[str, Any]) -> None:
+def truncate(run_dir: Path, sizes: StreamSizes) -> None:
     """Cut every stream back to `sizes` (from `offsets`); files the checkpoint did not know go."""
     for name in STREAMS:
-        _cut(run_dir / name, sizes.get(name, 0))
-    trace, recorded = run_dir / "trace.json", sizes.get("trace.json", 0)
+        _cut(run_dir / name, sizes.of(name))
+    trace, recorded = run_dir / "trace.json", sizes.trace
     if recorded > len(TRACE_HEAD) and _size(trace) >= recorded:
         _cut(trace, recorded)
         with open(trace, "ab") as f:
@@ -103,7 +104,7 @@ def truncate(run_dir: Path, sizes: dict[str, Any]) -> None:
         trace.unlink()
     for folder, pattern in (("tensorboard", "events.*"), (ROLLOUTS, "*.bin")):
         if (run_dir / folder).exists():
-            known = sizes.get(folder) or {}
+            known = sizes.folder(folder)
             for path in (run_dir / folder).glob(pattern):
                 if path.name in known:
                     _cut(path, known[path.name])
