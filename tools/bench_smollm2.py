@@ -105,8 +105,7 @@ def summary(run_dir: Path) -> dict:
     first, last = evals[0], evals[-1]
     spread = math.hypot(se(first[MAIN], first["samples"]), se(last[MAIN], last["samples"]))
     gain = last[MAIN] - first[MAIN]
-    metrics = run_dir / "metrics.jsonl"
-    steps = len(metrics.read_text().splitlines()) if metrics.exists() else 0
+    steps = sum(1 for _ in RunDir(run_dir).metrics())
 
     def value(row: dict, name: str) -> float | None:
         return row[MAIN] if name == MAIN else (row.get("scores") or {}).get(name)
