@@ -6,7 +6,8 @@
 #
 #   tools/gpu_check.sh --fetch-wheels   # on a machine with PyPI: the missing packages into tools/gpu_wheels/
 #   tools/gpu_check.sh                  # on the GPU machine (the wheels travel with the working tree)
-#   PARTS=pipelines tools/gpu_check.sh  # only some parts: any of contract,train,pipelines
+#   PARTS=pipelines tools/gpu_check.sh  # only some parts: any of contract,train,pipelines,code
+#   PARTS=code tools/gpu_check.sh       # screen pipelines/smollm2_code.yaml recipes (not in the default)
 #
 # Parts: (1) install the carried wheels, (2) the engine contract tests on CUDA with the embedded engine
 # (in-process, and through flowrl's SGLang-compatible server and the SGLang adapter), (3) tools/gpu_check.py:
@@ -63,6 +64,7 @@ part() { [[ ",$PARTS," == *",$1,"* ]]; }
 CONTRACT=skipped
 GRPO=skipped
 PIPELINES=skipped
+CODE=skipped
 if [[ $CUDA == 1 ]] && ! part contract; then
   say "2. not asked for (PARTS=$PARTS)"
 elif [[ $CUDA == 1 ]]; then
@@ -76,7 +78,7 @@ if [[ $CUDA == 1 ]] && part train; then
   timeout 240 $PY tools/gpu_check.py --budget-s 190
   rc=$?
   GRPO=$([[ $rc == 0 ]] && echo passed || echo "failed (rc $rc)")
-elif [[ $CUDA == 0 ]]; then
+elif [[ $CUDA == 0 ]] && part train; then
   say "2. SKIPPED (no CUDA): engine contract tests on CUDA (on CPU they are tests/test_engine_contract.py)"
   say "3. SKIPPED (no CUDA): FSDP2/sync/GRPO on qwen2-0.5b-shape; dry run of the same code on CPU, tiny model"
   timeout 280 $PY tools/gpu_check.py --model builtin:tiny-qwen2 --device cpu --steps 2 --prompts 4 --group 4 --lr 1e-3
@@ -105,6 +107,45 @@ SUMMARY
   done
   say "4. pipelines: $PIPELINES"
 fi
-say "done in $(elapsed) s: contract $CONTRACT, gpu_check.py $GRPO, pipelines $PIPELINES"
-echo "{\"cuda\": $CUDA, \"contract\": \"$CONTRACT\", \"gpu_check\": \"$GRPO\", \"pipelines\": \"$PIPELINES\", \"seconds\": $(elapsed)}"
+if part code; then
+  # (5) Screening, not a claim: pipelines/smollm2_code.yaml (SmolLM2 with the sandboxed code tool) under
+  # several recipes at once on screening seeds, each run its own process under CODE_S seconds, to find
+  # which recipe learns in a few steps before a held-out run on the CPU. Needs the model folder
+  # (tools/get_smollm2.py). CODE_GRID: one run per line, "NAME KEY=VALUE ...".
+  say "5. smollm2_code screening runs at once, each under ${CODE_S:=420} s"
+  RUNS=${CODE_RUNS_DIR:-$(mktemp -d)}
+  GRID=${CODE_GRID:-"base run.seed=0
+base-control run.seed=0 nodes.score.control=random"}
+  while read -r name overrides; do
+    [[ -n $name ]] || continue
+    # shellcheck disable=SC2086
+    timeout "$CODE_S" $PY -m flowrl.cli run pipelines/smollm2_code.yaml $overrides --run-dir "$RUNS/$name" --quiet \
+      > "$RUNS/$name.log" 2>&1 &
+  done <<< "$GRID"
+  wait
+  CODE=done
+  $PY - "$RUNS" <<'SUMMARY'
+import json, statistics, sys
+from pathlib import Path
+from flowrl.records import RunDir, as_dicts
+for run in sorted(p for p in Path(sys.argv[1]).iterdir() if p.is_dir()):
+    try:
+        records = RunDir(run)
+        evals, rows = as_dicts(records.evals()), as_dicts(records.metrics())
+    except Exception as error:  # a run that never started: say so, the others still print
+        print(f"  {run.name}: unreadable ({error}); log tail: {(run.parent / (run.name + '.log')).read_text()[-600:]}")
+        continue
+    curve = [(e.get("version"), e.get("eval_reward"), (e.get("scores") or {}).get("exact")) for e in evals]
+    rewards = [round(r.get("reward", 0.0), 3) for r in rows]
+    step = statistics.median(r["step_seconds"] for r in rows) if rows else None
+    print(f"  {run.name}: {len(rows)} steps, median {step} s a step; eval (version, reward, exact) {curve}")
+    print(f"    train reward by step {rewards}")
+    print(json.dumps({"run": run.name, "steps": len(rows), "step_s": step, "eval": curve, "reward": rewards}))
+SUMMARY
+  if [[ -n ${OUT:-} ]]; then
+    tar -czf "$OUT/code-runs.tar.gz" -C "$RUNS" --exclude=checkpoints --exclude=export --exclude=rollouts . 2>/dev/null
+  fi
+fi
+say "done in $(elapsed) s: contract $CONTRACT, gpu_check.py $GRPO, pipelines $PIPELINES, code $CODE"
+echo "{\"cuda\": $CUDA, \"contract\": \"$CONTRACT\", \"gpu_check\": \"$GRPO\", \"pipelines\": \"$PIPELINES\", \"code\": \"$CODE\", \"seconds\": $(elapsed)}"
 [[ $GRPO != failed* && $CONTRACT != failed* && $PIPELINES != failed* ]]
