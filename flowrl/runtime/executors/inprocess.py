@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,16 +22,21 @@ from flowrl.runtime.executors.executor import task_error
 from flowrl.runtime.failures import StageFailed
 from flowrl.runtime.stage import Build, Stage
 
+Connect = Callable[[Coordinator, str], Any]  # (the coordinator, a node) -> what that node's stages call
+
 
 class InProcessExecutor:
     def __init__(self, plan: Plan, run_dir: Path | None, origin: float, clock: Clock = WALL,
-                 build: Build | None = None) -> None:
-        """`build`: makes each stage's operator from its context (stage.py); None: the nodes' own."""
+                 build: Build | None = None, connect: Connect | None = None) -> None:
+        """`build`: makes each stage's operator from its context (stage.py); None: the nodes' own.
+        `connect`: what the stages of a node call, given the coordinator and the node; None: the
+        coordinator itself (flowrl plan adds the cost of the run's own work there)."""
         self.plan = plan
         self.run_dir = run_dir
         self.origin = origin
         self.clock = clock
         self.build = build
+        self.connect = connect or (lambda coord, node: coord)
         self.coord: Coordinator | None = None
         self.stages: list[Stage] = []
         self.tasks: dict[asyncio.Task, Stage] = {}
@@ -41,8 +47,8 @@ class InProcessExecutor:
                                  self.origin, state, self.clock)
         run_dir = str(self.run_dir) if self.run_dir else None
         names = self.plan.order + [n for n in self.plan.nodes if n not in self.plan.order]
-        self.stages = [Stage(self.plan, name, replica, self.coord, run_dir, self.origin, "inprocess", self.clock,
-                             self.build)
+        self.stages = [Stage(self.plan, name, replica, self.connect(self.coord, name), run_dir, self.origin,
+                             "inprocess", self.clock, self.build)
                        for name in names for replica in range(self.plan.nodes[name].resources.replicas)]
         # Set up together: a trainer's child process imports torch and builds its model while the
         # engine loads here (measured: ~6 s of each async quickstart phase). shutdown() closes
@@ -100,12 +106,13 @@ class InProcessExecutor:
 STALL_S = 86_400.0  # virtual seconds without a train step after which a simulated run is stuck, not slow
 
 
-def simulate(plan: Plan, build: Build | None = None, clock: VirtualClock | None = None) -> InProcessExecutor:
+def simulate(plan: Plan, build: Build | None = None, clock: VirtualClock | None = None,
+             connect: Connect | None = None) -> InProcessExecutor:
     """Run `plan` (its `run.steps`) in process on a virtual clock, without a run directory; returns
     the executor once its stages have ended: the coordinator's records are in `coord.observe.kept`.
     Raises StageFailed as run() does, and Stalled where the run would hang."""
     clock = clock or VirtualClock()
-    ex = InProcessExecutor(plan, None, clock.now(), clock, build)
+    ex = InProcessExecutor(plan, None, clock.now(), clock, build, connect)
     clock.run(_drive(ex, int(plan.run.get("steps", 10))))
     return ex
 
