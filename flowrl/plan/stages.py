@@ -84,11 +84,9 @@ class StandIns:
         self.own = processes(scenario.plan, self.shapes)
         self.rng = random.Random(seed)
         self.tokens: dict[str, int] = {}  # group id -> its model tokens (what a train step costs)
-        self.machine: Machine | None = None
+        self.machine: Machine | None = None  # made on the simulation's event loop, at its first job
 
     def __call__(self, context: OperatorContext) -> Operator:
-        if self.machine is None:  # stages are built on the simulation's event loop
-            self.machine = Machine(self.cores)
         kind = self.scenario.plan.nodes[context.node].kind
         made = {"generate": Generate, "train": Train, "sync": Sync}.get(kind, Transform)
         return made(self.shapes[context.node], context, self)
@@ -98,7 +96,9 @@ class StandIns:
         return Flushing(coord, self) if self.scenario.plan.nodes[node].kind == "train" else coord
 
     async def work(self, seconds: float, process: str = MAIN, lock: float = 1.0) -> None:
-        assert self.machine is not None
+        """`seconds` of work alone, in `process`, holding its interpreter lock `lock` of the time."""
+        if self.machine is None:
+            self.machine = Machine(self.cores)
         await self.machine.run(process, lock, seconds)
 
 
@@ -127,7 +127,7 @@ class StandIn(Operator):
         self.node = context.node
 
     @classmethod
-    def knobs(cls, config: CostShape) -> Knobs:  # type: ignore[override]
+    def knobs(cls, config: CostShape) -> Knobs:
         return Knobs(concurrency=config.concurrency, partial_rollout=config.partial_rollout)
 
 
@@ -136,15 +136,16 @@ class Generate(StandIn):
         super().__init__(config, context, sim)
         self.cost: EngineCost = sim.costs.engines[self.node]
         self.engine = Engine(sim, self.cost, slots(config))
+        self.group_size = config.group_size
         self.fitted_size = int(sim.costs.group_size.get(self.node, config.group_size))
 
     async def generate(self, sample: dict[str, Any], *, step: int, sample_id: str) -> Group:
         rows, wait = self.draw()
-        until = self.sim.machine.loop.time() + wait  # type: ignore[union-attr]
+        loop = asyncio.get_running_loop()
+        until = loop.time() + wait  # a multi-turn group: its environment's turns take this at least
         await self.engine.decode(rows)
-        left = until - self.sim.machine.loop.time()  # type: ignore[union-attr]
-        if left > 0:
-            await asyncio.sleep(left)
+        if until > loop.time():
+            await asyncio.sleep(until - loop.time())
         self.sim.tokens[sample_id] = sum(rows)
         return Group(id=sample_id, step=step, trajectories=[])
 
@@ -153,7 +154,7 @@ class Generate(StandIn):
         groups' rows (a multi-turn group: as many rows per episode as the drawn group had)."""
         rng, pool = self.sim.rng, self.sim.costs.groups[self.node]
         rows, wait = rng.choice(pool)
-        size = self.config.group_size
+        size = self.group_size
         count = size if len(rows) == self.fitted_size else max(1, round(len(rows) * size / self.fitted_size))
         if count == len(rows):
             return list(rows), wait
