@@ -58,6 +58,7 @@ async def log_setup(context: Any, delay: float) -> None:
 
 class GenConfig(msgspec.Struct, forbid_unknown_fields=True):
     delay: float = 0.0  # seconds, scaled by a per-sample hash
+    replica_delay: list[float] = []  # seconds each sample takes on replica i (instead of delay)
     group_size: int = 2
     slow_on: str = ""  # sample id that takes slow_delay seconds (a long tail)
     slow_delay: float = 0.0
@@ -101,7 +102,8 @@ class ToyGenerate(Operator):
         start_version = self.version
         self.in_flight += 1
         try:
-            await asyncio.sleep(c.slow_delay if sample_id == c.slow_on else c.delay * unit(sample_id))
+            await asyncio.sleep(c.slow_delay if sample_id == c.slow_on else
+                                c.replica_delay[self.context.rank] if c.replica_delay else c.delay * unit(sample_id))
         finally:
             self.in_flight -= 1
         index = int(sample_id.split(":")[1])
@@ -218,11 +220,13 @@ class ToyTrain(Operator):
             raise RuntimeError("toy train cannot set up")
         self.checksum = ""
         self.version = 0
+        self.batches: list[list[tuple[str, int]]] = []  # per step: (group id, its oldest version)
 
     async def train(self, groups: list[Group], *, step: int) -> TrainResult:
         if step == self.config.fail_at_step:
             raise RuntimeError(f"toy train failed at step {step}")
         await asyncio.sleep(self.config.delay)
+        self.batches.append([(g.id, g.oldest_version) for g in groups])
         batch = [msgspec.to_builtins(g) for g in sorted(groups, key=lambda g: g.id)]
         self.checksum = hashlib.sha256((self.checksum + json.dumps(batch, sort_keys=True)).encode()).hexdigest()
         if self.context.run_dir is not None:

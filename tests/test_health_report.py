@@ -24,18 +24,11 @@ from flowrl.data.trajectory import Group, Trajectory
 from flowrl.graph.compile import compile_file
 from flowrl.runtime import observe
 from flowrl.runtime.channel import Work
+from flowrl.runtime.clock import VirtualClock
 from flowrl.runtime.run import _prepare
 
 ROOT = Path(__file__).resolve().parents[1]
 GROUPS, STEP_S = 16, 0.25
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_000_000.0
-
-    def time(self) -> float:
-        return self.now
 
 
 def grpo_metrics(step: int) -> dict[str, float]:
@@ -50,18 +43,17 @@ def reward(step: int, supervised: bool) -> float:
     return 1.0 if supervised else 0.2 + 0.6 * min(1.0, step / 400) + 0.01 * math.sin(step)
 
 
-def write_phase(directory: Path, steps: int, supervised: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+def write_phase(directory: Path, steps: int, supervised: bool) -> None:
     plan = compile_file(str(ROOT / "pipelines/grpo_sync.yaml"), ["run.trackers=[]"]).plan
-    clock = Clock()
-    monkeypatch.setattr(observe, "time", clock)
-    _prepare(plan, directory, "inprocess", steps, False, clock.now)
-    writer = observe.Observer(plan, directory, clock.now)
+    clock = VirtualClock(1_000_000.0)  # set by hand below: no loop runs
+    _prepare(plan, directory, "inprocess", steps, False, clock.now())
+    writer = observe.Observer(plan, directory, clock.now(), clock)
     pid = writer.pids
     # A group's two samples score 0.4 apart (real ones differ): its best is above the batch mean, so a
     # run stuck at 0.8 is not "solved" (flowrl/health.py SOLVED_SHARE).
     spread = (0.0, 0.0) if supervised else (-0.2, 0.2)
     for step in range(steps):
-        start = clock.now
+        start = clock.now()
         groups = [Group(id=f"{step}:{g}", step=step, trajectories=[Trajectory(
             id=f"{step}:{g}:{i}", group_id=f"{step}:{g}", sample_id=f"{step}:{g}", prompt_ids=[1, 2], response_ids=[3],
             loss_mask=[1], behaviour_logprobs=[-0.1], versions=[step], reward=reward(step, supervised) + spread[i],
@@ -73,7 +65,7 @@ def write_phase(directory: Path, steps: int, supervised: bool, monkeypatch: pyte
         writer.events.append(observe.span(pid["learner"], 0, "train", start + 0.11, start + 0.22, writer.origin))
         writer.events.append(observe.span(pid["publish"], 0, "sync", start + 0.22, start + 0.23, writer.origin))
         writer.events.append(observe.span(pid["rollout"], 0, "update_weights", start + 0.23, start + 0.25, writer.origin))
-        clock.now = start + STEP_S
+        clock.time = start + STEP_S
         metrics = {"entropy": 2.0 / (1 + step), "loss": 1.0} if supervised else grpo_metrics(step)
         work = Work(id=f"b{step}", kind="batch", step=step, version=step,
                     value=[{"trajectories": g} for g in groups], lags=[0] * GROUPS)
@@ -86,9 +78,8 @@ def write_phase(directory: Path, steps: int, supervised: bool, monkeypatch: pyte
 @pytest.fixture(scope="module")
 def long_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     run_dir = tmp_path_factory.mktemp("long") / "run"
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        write_phase(run_dir / "phases/0-warmup", 650, True, monkeypatch)
-        write_phase(run_dir / "phases/1-grpo", 1000, False, monkeypatch)
+    write_phase(run_dir / "phases/0-warmup", 650, True)
+    write_phase(run_dir / "phases/1-grpo", 1000, False)
     return run_dir
 
 

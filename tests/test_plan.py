@@ -1,5 +1,6 @@
-"""`flowrl plan`: cost models fitted on a real tiny run, the simulator against that run, the
-direction of each change, search and JSON output, and located errors through the CLI."""
+"""`flowrl plan`: cost models fitted on a real tiny run, the simulation (the real runtime on a
+virtual clock) against that run, the direction of each change, a runtime rule changed under it,
+search and JSON output, and located errors through the CLI."""
 
 from __future__ import annotations
 
@@ -95,6 +96,25 @@ def test_each_change_moves_the_prediction_its_way(grpo_run):
     assert set(stale["staleness"]) <= {1, 2} and stale["idle"]["learner"] < simulated["idle"]["learner"]
     bigger = predicted("nodes.rollout.group_size=16")  # twice the rows per group: more engine time
     assert bigger["step_seconds"] > 1.3 * simulated["step_seconds"]
+
+
+def test_plan_follows_the_runtimes_rules_and_keeps_none_of_its_own(grpo_run, monkeypatch):
+    """The simulation runs the runtime's own coordinator: change a rule there and the prediction follows."""
+    from flowrl.runtime.admission import Admission
+    from flowrl.runtime.channel import Channel
+
+    before = plan_run(grpo_run, ["max_staleness=2"])
+    assert list(before["simulated"]["staleness"]) == [0] and 2 in before["predicted"]["staleness"]
+    admitted = Admission.admitted  # admission one step further ahead: the sync run generates step t+1 meanwhile
+    monkeypatch.setattr(Admission, "admitted", lambda self, version: admitted(self, version + 1))
+    ahead = plan_run(grpo_run, [])["simulated"]
+    assert 1 in ahead["staleness"] and ahead["step_seconds"] < 0.97 * before["simulated"]["step_seconds"]
+    monkeypatch.undo()
+    # A staleness rule that drops every record not of the trainer's own version: only fresh ones train.
+    monkeypatch.setattr(Channel, "stale", lambda self, record, version: self.limit is not None and
+                        record.version < version)
+    dropped = plan_run(grpo_run, ["max_staleness=2"])["predicted"]
+    assert set(dropped["staleness"]) <= {0} and dropped["samples_per_s"] < 0.8 * before["predicted"]["samples_per_s"]
 
 
 def test_an_async_run_predicts_its_sync_configuration(async_run):

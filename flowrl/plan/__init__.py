@@ -2,8 +2,9 @@
 idle per stage and staleness under changes, from one run's records (docs/plan.md).
 
 records.py reads the run, fit.py fits each stage's cost, changes.py applies the overrides,
-simulate.py (with cpu.py, the machine-share model) replays the graph under the runtime's rules,
-search.py tries a small space, report.py prints text or JSON.
+simulate.py runs the graph on the real runtime on a virtual clock with stand-in operators
+(stages.py, their time from the fits and cpu.py, the machine-share model), search.py tries a
+small space, report.py prints text or JSON.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 
 from flowrl.plan.changes import Scenario
 from flowrl.plan.fit import Costs
-from flowrl.plan.records import WARMUP, figures
+from flowrl.plan.records import WARMUP
 from flowrl.spec.errors import UserError
 
 MIN_STEPS = 40  # steps simulated at least, over repeats: resampled tails need a few to average
@@ -29,16 +30,12 @@ def predict(scenario: Scenario, costs: Costs, machine_cores: float) -> dict[str,
     """The simulated figures of `scenario`: records.figures of its steady steps, averaged over
     enough repeats (seeds) to cover MIN_STEPS steps. Each repeat runs the scenario's own number of
     steps, so the end of a run (its last, possibly short batches) weighs as it does in a real run."""
-    from flowrl.plan.simulate import Sim
+    from flowrl.plan.simulate import run
 
     if scenario.steps < WARMUP + 2:
         raise UserError(f"simulate at least {WARMUP + 2} steps (run.steps): the first {WARMUP} are warm-up")
     repeats = -(-MIN_STEPS // scenario.steps)
-    runs = []
-    for seed in range(repeats):
-        rows = Sim(scenario, costs, machine_cores, seed).run()
-        runs.append(figures(rows[WARMUP:], rows[WARMUP - 1]["time"]))
-    return average(runs)
+    return average([run(scenario, costs, machine_cores, seed) for seed in range(repeats)])
 
 
 def average(runs: list[dict[str, Any]]) -> dict[str, Any]:

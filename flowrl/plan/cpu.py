@@ -1,7 +1,7 @@
 """The machine-share model of `flowrl plan`: processes, an interpreter lock in each, and cores.
 
-Every piece of stage work the simulator runs (an engine iteration, a train step, a reward call, a
-weight sync) is a job with an amount of work: the seconds it takes alone. A job runs in a process
+Every piece of stage work the stand-ins do (stages.py: an engine iteration, a train step, a reward
+call, a weight sync) is a job with an amount of work: the seconds it takes alone. A job runs in a process
 and holds that process's interpreter lock for a fraction `lock` of its work (Python code), the rest
 running in native code that releases it (torch kernels). Jobs of one process run at one common
 rate r, the largest with: the lock busy at most all the time (r x the sum of their lock fractions

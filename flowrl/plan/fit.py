@@ -10,8 +10,8 @@
   every period's iterations held nearly the same rows (< 5 % relative spread: slots always full)
   a cannot be told from b and b = 0 (time per iteration, as for the train's c and k below).
 - Groups: the pool of the run's groups (their rows' token counts; a multi-turn group's wait on its
-  environment: `group_pool`), resampled by the simulator, so the distribution of lengths and waits
-  and its tail are the measured ones.
+  environment: `group_pool`), resampled by the stand-ins (stages.py), so the distribution of
+  lengths and waits and its tail are the measured ones.
 - Train: seconds = c + k * tokens of the batch, least squares, both >= 0; where the batches' token
   counts hardly vary (< 5 % relative spread) c cannot be told from k and c = 0 (time proportional
   to tokens).

@@ -14,7 +14,7 @@ from typing import Any
 import msgspec
 
 from flowrl.graph.plan import Plan
-from flowrl.records import RunDir, as_dicts
+from flowrl.records import RunDir, TraceEvent, as_dicts
 from flowrl.report import union
 from flowrl.spec.errors import UserError
 
@@ -44,9 +44,6 @@ class Baseline:
     spans: list[Span]
     rows_of: dict[str, list[int]]  # sample id -> tokens of each of its trajectories (the rollout store)
     batches: dict[int, list[str]]  # train step -> the sample ids it trained on
-
-    def steady(self) -> list[dict[str, Any]]:
-        return [r for r in self.rows if r["step"] >= WARMUP]
 
     def spans_named(self, node: str, name: str) -> list[Span]:
         return [s for s in self.spans if s.node == node and s.name == name]
@@ -92,7 +89,7 @@ def unsupported(plan: Plan, directory: Path, train: str) -> None:
 
 
 def _rows(run: RunDir) -> list[dict[str, Any]]:
-    """metrics.jsonl's rows as mappings: figures() takes the simulator's rows too (simulate.py)."""
+    """metrics.jsonl's rows as mappings, as a simulated run keeps them (simulate.py)."""
     file = run.file("metrics.jsonl")
     if not file.exists():
         raise UserError(f"{file} is missing: plan fits its models on a run's metrics, trace and rollouts")
@@ -103,16 +100,20 @@ def _spans(run: RunDir) -> list[Span]:
     file = run.file("trace.json")
     if not file.exists():
         raise UserError(f"{file} is missing: plan fits its models on the spans of every stage")
-    events = run.trace()
+    return spans(run.trace())
+
+
+def spans(events: list[TraceEvent]) -> list[Span]:
+    """The spans of trace events (a run's trace.json, or a simulated run's kept events), by start."""
     names = {e.pid: e.args["name"] for e in events if e.ph == "M"}
-    spans = []
+    out = []
     for e in events:
         if e.ph != "X" or e.pid not in names:
             continue
         start = e.start_us / 1e6
-        spans.append(Span(names[e.pid], e.tid // 100, e.name, start, start + e.dur_us / 1e6,
-                          e.args.get("step"), e.args.get("id")))
-    return sorted(spans, key=lambda s: s.start)
+        out.append(Span(names[e.pid], e.tid // 100, e.name, start, start + e.dur_us / 1e6,
+                        e.args.get("step"), e.args.get("id")))
+    return sorted(out, key=lambda s: s.start)
 
 
 def _group_rows(directory: Path, node: str) -> tuple[dict[str, list[int]], dict[int, list[str]]]:
@@ -137,14 +138,20 @@ TIMED = {"generate", "process", "train", "sync"}  # the spans a stage's busy tim
 
 
 def measured(base: Baseline) -> dict[str, Any]:
-    """The run's own figures over its steady steps, in the form the simulator reports. Idle is
-    computed from the trace's spans: metrics.jsonl's `idle` credits a stage's busy time only when
-    its last piece of work in flight ends, so a stage that is never empty shows idle 1.0 and 0.0
-    in turn (and the excess over a step is clipped); the spans give each step its own share."""
-    rows = base.steady()
-    before = base.rows[WARMUP - 1]["time"]
-    out = figures(rows, before)
-    out["idle"] = trace_idle(base.plan, base.spans, [before] + [r["time"] for r in rows])
+    """The run's own figures over its steady steps (`steady`)."""
+    return steady(base.plan, base.rows, base.spans)
+
+
+def steady(plan: Plan, rows: list[dict[str, Any]], spans: list[Span]) -> dict[str, Any]:
+    """The figures of a run's steps after the first WARMUP, from its metrics rows and trace spans: a
+    real run's and a simulated one's alike. Idle is computed from the spans: metrics.jsonl's `idle`
+    credits a stage's busy time only when its last piece of work in flight ends, so a stage that is
+    never empty shows idle 1.0 and 0.0 in turn (and the excess over a step is clipped); the spans
+    give each step its own share."""
+    before = rows[WARMUP - 1]["time"]
+    after = [r for r in rows if r["step"] >= WARMUP]
+    out = figures(after, before)
+    out["idle"] = trace_idle(plan, spans, [before] + [r["time"] for r in after])
     return out
 
 

@@ -1,7 +1,7 @@
 """What a span of the fitted run would have taken alone, under the machine-share model (cpu.py).
 
 A span's wall time includes the time other work held the interpreter lock or the cores. Its work,
-the amount the simulator schedules, is the integral of the rate the model gave it while it ran:
+the amount a stand-in does (stages.py), is the integral of the rate the model gave it while it ran:
 two lock-bound jobs of one process ran at 1/2 each. A sweep over the span boundaries computes it
 for every span at once.
 """

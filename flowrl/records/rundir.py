@@ -188,6 +188,6 @@ def _trace_lines(path: Path, whole: RecordError) -> list[TraceEvent]:
 
 
 def as_dicts(rows: Iterable[msgspec.Struct]) -> list[dict[str, Any]]:
-    """Rows as plain mappings, for code that also takes rows not read from a file (health, the
-    simulator's rows, trackers)."""
+    """Rows as plain mappings, for code that also takes rows not read from a file (health, a
+    simulated run's rows, trackers)."""
     return [msgspec.to_builtins(r) for r in rows]

@@ -8,13 +8,16 @@ Pieces (each file is short; read them in this order):
 - coordinator.py  channels, version clock, admission control, staleness, ledger; the rules are in
                   its docstring
 - stage.py        one replica of one node: take work, call the operator, complete it (both executors)
+- clock.py        what time it is and the loop waits run on: the wall clock, or a virtual one that
+                  jumps to the next timer (flowrl plan, the simulation tests)
 - run.py          run(): run directory, resume, SIGINT/SIGTERM, max_seconds
 - failures.py     StageFailed, TrainerLost: how a run fails (run.py and the executors raise them)
 - targets.py      run.stop_when: the metrics that end a run once they reach a value
 - observe.py      trace.json, metrics.jsonl, samples.jsonl;  progress.py  the live view
 - tracking.py     run.trackers (TensorBoard, wandb, mlflow, plugins: flowrl/trackers/) and the sample rows
 - executors/      what runs the stages (its __init__ lists them):
-    inprocess.py      every stage an asyncio task in this process (debugging, tests)
+    inprocess.py      every stage an asyncio task in this process (debugging, tests); `simulate`:
+                      a plan on a virtual clock, without a run directory
     ray_executor.py   every stage replica a Ray actor, the coordinator an async actor
     ray_stage.py      the stage actor, and the coordinator proxy that passes policies as object refs
     ray_placement.py  a placement group per node (custom resources, labels, strategy); placement.json

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import time
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +40,7 @@ from flowrl.graph.plan import EdgePlan, Plan
 from flowrl.records import TraceEvent
 from flowrl.runtime.batches import Batches
 from flowrl.runtime.channel import Channel, Record, Work
+from flowrl.runtime.clock import WALL, Clock
 from flowrl.runtime.durability import rollouts, snapshot
 from flowrl.runtime.durability.checkpoints import Pacing
 from flowrl.runtime.durability.ledger import Ledger
@@ -55,13 +55,14 @@ from flowrl.runtime.waits import Waits
 
 class Coordinator:
     def __init__(self, plan: Plan, run_dir: str | None, steps: int, stop_at: int | None = None,
-                 origin: float | None = None, state: bytes | None = None) -> None:
+                 origin: float | None = None, state: bytes | None = None, clock: Clock = WALL) -> None:
         self.plan = plan
         self.steps = steps
         self.stop_at = stop_at if stop_at is not None else steps
         self.batch_size = batch_size(plan.data)
         self.run_dir = Path(run_dir) if run_dir else None
-        self.origin = origin or time.time()
+        self.time = clock  # what time it is (clock.py); `clock` below is the version clock
+        self.origin = origin if origin is not None else clock.now()
         self.ins = {n: [e for e in plan.edges if e.dst == n and e.kind == "data"] for n in plan.nodes}
         self.outs = {n: [e for e in plan.edges if e.src == n] for n in plan.nodes}
         self.channels = {e.label: Channel(e, plan.facts.limits[e.label]) for e in plan.edges if e.kind == "data"}
@@ -72,7 +73,7 @@ class Coordinator:
         self.counters = {"dropped": 0, "stale_kept": 0, "rejected": 0, "filtered": 0, "oversampled": 0}
         self.resumes = 0
         self.record_rollouts = self.run_dir is not None and bool(plan.run.get("record_rollouts", True))
-        self.pacing = Pacing(plan.run.get("checkpoint_every"), plan.run.get("checkpoint_seconds"))
+        self.pacing = Pacing(plan.run.get("checkpoint_every"), plan.run.get("checkpoint_seconds"), clock.now())
         # Transient state.
         self.held: dict[str, dict[str, tuple[int, Work]]] = {n: {} for n in plan.nodes}
         self.stopping: str | None = None  # done | time (max_seconds) | target (stop_when) | interrupt | error
@@ -81,10 +82,10 @@ class Coordinator:
         self._event: asyncio.Event | None = None
         self._dropped = False  # a take dropped a record: that may have finished a step
         self.ledger = Ledger(self.run_dir / "ledger.jsonl" if self.run_dir else None)
-        self.observe = Observer(plan, self.run_dir, self.origin)
+        self.observe = Observer(plan, self.run_dir, self.origin, clock)
         self.untrained = Untrained(self.run_dir, int(plan.run.get("max_empty_steps", DEFAULT_MAX_EMPTY)), steps,
-                                   self.origin)
-        self.waits = Waits(self.run_dir, self.origin)
+                                   self.origin, clock)
+        self.waits = Waits(self.run_dir, self.origin, clock)
         self.samples, joins = Samples(self), Joins(self)
         self.batches = Batches(self, self.samples)
         table = {"generate": self.samples, "train": self.batches, "sync": Policies(self)}  # the one dispatch on kind
@@ -229,7 +230,7 @@ class Coordinator:
 
     def checkpoint_done(self) -> None:
         self.observe.runtime("checkpoint", self.pacing.since, version=self.pacing.due)
-        self.pacing.done()
+        self.pacing.done(self.time.now())
         self.notify()
 
     async def _until(self, condition: Any) -> None:
@@ -334,8 +335,8 @@ class Coordinator:
             self.stop("error")
         if version >= self.stop_at and version < self.steps:
             self.stop("interrupt")
-        elif self.clock < self.steps:
-            self.pacing.step(self.clock)
+        elif self.clock < self.steps and self.run_dir is not None:  # without a directory no checkpoint is written
+            self.pacing.step(self.clock, self.time.now())
 
     def end(self, node: str, step: int) -> None:
         """`node` has finished `step`; so has each of its data output edges."""

@@ -22,7 +22,7 @@ seconds and at checkpoints, so memory stays bounded in a long run.
 
 from __future__ import annotations
 
-import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,7 @@ from flowrl.graph.plan import Plan
 from flowrl.health import BUILTIN_ROLES, Health
 from flowrl.operator import POLICY, WEIGHTS, MetricRoles
 from flowrl.records import MetricsRow, SampleRow, StreamSizes, TraceEvent
+from flowrl.runtime.clock import WALL, Clock
 from flowrl.runtime.durability.streams import TraceFile
 from flowrl.runtime.tracking import TIMEOUT_S as TRACKER_TIMEOUT_S
 from flowrl.runtime.tracking import Tracking, sample_rows
@@ -54,11 +55,22 @@ def node_pids(plan: Plan) -> dict[str, int]:
     return {n: i + 1 for i, n in enumerate(order)}
 
 
+@dataclass
+class Kept:
+    """What a run without a run directory would have written to metrics.jsonl and trace.json, kept
+    in memory: the runtime's simulation tests and `flowrl plan` read it."""
+
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    events: list[TraceEvent] = field(default_factory=list)
+
+
 class Observer:
-    def __init__(self, plan: Plan, run_dir: Path | None, origin: float) -> None:
+    def __init__(self, plan: Plan, run_dir: Path | None, origin: float, clock: Clock = WALL) -> None:
         self.plan = plan
         self.run_dir = run_dir
         self.origin = origin
+        self.clock = clock
+        self.kept = Kept() if run_dir is None else None
         self.pids = node_pids(plan)
         self.events: list[TraceEvent] = [
             TraceEvent(name="process_name", ph="M", pid=pid, args={"name": node})
@@ -71,7 +83,7 @@ class Observer:
         self.weight_bytes = 0  # tensor bytes handed to the coordinator on policy / weights ports
         self.last_row: dict[str, Any] | None = None
         self.rows: list[dict[str, Any]] = []
-        self._mark = {"time": time.time(), "busy": {}, "dropped": 0}
+        self._mark = {"time": clock.now(), "busy": {}, "dropped": 0}
         self.samples: list[dict[str, Any]] = []
         self.samples_per_step = int(plan.run.get("samples_per_step", SAMPLES_PER_STEP))
         # Learning health per train node (flowrl/health.py): its events go into the row of the step
@@ -88,15 +100,15 @@ class Observer:
 
     def runtime(self, name: str, start: float, **args: Any) -> None:
         """A span of the run's own work (a checkpoint, a flush) from `start` until now."""
-        self.events.append(span(RUNTIME_PID, 0, name, start, time.time(), self.origin, **args))
+        self.events.append(span(RUNTIME_PID, 0, name, start, self.clock.now(), self.origin, **args))
 
     def instant(self, node: str, replica: int, name: str) -> None:
-        self.events.append(TraceEvent(name=name, ph="i", s="p", ts=round((time.time() - self.origin) * 1e6, 1),
+        self.events.append(TraceEvent(name=name, ph="i", s="p", ts=round((self.clock.now() - self.origin) * 1e6, 1),
                                       pid=self.pids[node], tid=replica * 100))
 
     def train_step(self, node: str, step: int, version: int, work: Any, metrics: dict[str, Any],
                    queues: dict[str, int], counters: dict[str, int]) -> None:
-        now = time.time()
+        now = self.clock.now()
         dt = max(now - self._mark["time"], 1e-9)
         values = [v for item in work.value for v in item.values()]
         trajectories = [t for v in values for t in getattr(v, "trajectories", [])]
@@ -165,9 +177,11 @@ class Observer:
         rows to the run's trackers (TensorBoard's event files among them, by default)."""
         rows, samples, events = self.rows, self.samples, self.events
         self.rows, self.samples, self.events = [], [], []
-        if self.run_dir is None:
+        if self.kept is not None:
+            self.kept.rows += rows
+            self.kept.events += events
             return
-        start = time.time()
+        start = self.clock.now()
         self.trace.append(events)
         # Typed on the way out: a row the reader (flowrl/records) would refuse fails here, at its writer.
         records.append(self.run_dir / "metrics.jsonl", [msgspec.convert(row, MetricsRow) for row in rows])

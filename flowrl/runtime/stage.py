@@ -8,8 +8,8 @@ from __future__ import annotations
 import asyncio
 import gc
 import pickle
-import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ from flowrl.operator import ConfigError, Operator, OperatorContext, TrainResult
 from flowrl.records import TraceEvent
 from flowrl.runtime import ports
 from flowrl.runtime.channel import Work
+from flowrl.runtime.clock import WALL, Clock
 from flowrl.runtime.durability import faults
 from flowrl.runtime.observe import node_pids, span
 from flowrl.spec.phases import UNBOUNDED_STEPS
@@ -33,10 +34,16 @@ REPORT_EVERY_S = 1.0
 HEARTBEAT_S = 1.0
 
 
+Build = Callable[[OperatorContext], Operator]  # a stage's operator made from its context
+
+
 class Stage:
     def __init__(self, plan: Plan, node: str, replica: int, coord: Any, run_dir: str | None,
-                 origin: float, executor: str = "inprocess") -> None:
+                 origin: float, executor: str = "inprocess", clock: Clock = WALL, build: Build | None = None) -> None:
+        """`build`: makes the operator (flowrl plan's stand-ins); None: the node's `op` with its config."""
         self.plan = plan
+        self.clock = clock
+        self.build = build
         self.executor = executor
         self.node = plan.nodes[node]
         self.replica = replica
@@ -55,26 +62,30 @@ class Stage:
         self._busy_since: float | None = None
         self._in_flight = 0
         self._failure: str | None = None
-        self._reported = time.time()
+        self._reported = clock.now()
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
     async def start(self, checkpoint: str | None = None) -> None:
         """Build and set up the operator; restore it from a checkpoint directory if given."""
-        start = time.time()
-        cls = registry.resolve(self.node.op)
-        config = msgspec.convert(self.node.config, cls.Config)
-        self.op = cls(config, self.context())
+        start = self.clock.now()
+        self.op = self.build(self.context()) if self.build is not None else self._operator()
         await self._setup()
         if checkpoint is not None:
             self._restore(Path(checkpoint))
-        # What setup built (models, tokenizers, libraries' modules) lives for the whole run: move it
-        # out of the collector's reach, or each full collection walks it again (measured: periodic
-        # pauses of 0.3-0.5 s every ~17 quickstart steps).
-        gc.freeze()
-        self.events.append(span(self.pid, self.replica * 100, "setup", start, time.time(), self.origin))
+        if self.build is None:
+            # What setup built (models, tokenizers, libraries' modules) lives for the whole run: move it
+            # out of the collector's reach, or each full collection walks it again (measured: periodic
+            # pauses of 0.3-0.5 s every ~17 quickstart steps). Not a built one: a planner runs many
+            # short runs in one process, each left to the collector.
+            gc.freeze()
+        self.events.append(span(self.pid, self.replica * 100, "setup", start, self.clock.now(), self.origin))
         await self.coord.attach(self.node.name, self.replica, self.version)
         await self._report()  # what setup measured (e.g. the first evaluation), before any work
+
+    def _operator(self) -> Operator:
+        cls = registry.resolve(self.node.op)
+        return cls(msgspec.convert(self.node.config, cls.Config), self.context())
 
     async def _setup(self) -> None:
         """The operator's setup(); a failure is reported naming the node and the user's frames (a
@@ -171,20 +182,20 @@ class Stage:
 
     async def _update_weights(self, work: Work, partial: bool) -> None:
         if partial:
-            start = time.time()
+            start = self.clock.now()
             await self.op.pause()
             await self.op.update_weights(work.value, work.version)
             await self.op.resume()
         else:
             if self.tasks:  # finish the in-flight generations under the weights they started with
-                start = time.time()
+                start = self.clock.now()
                 await asyncio.wait(set(self.tasks))
-                self.events.append(span(self.pid, self.replica * 100, "drain", start, time.time(), self.origin))
+                self.events.append(span(self.pid, self.replica * 100, "drain", start, self.clock.now(), self.origin))
                 self._raise_failure()
-            start = time.time()
+            start = self.clock.now()
             await self.op.update_weights(work.value, work.version)
         self.version = work.version
-        self.events.append(span(self.pid, self.replica * 100, "update_weights", start, time.time(), self.origin,
+        self.events.append(span(self.pid, self.replica * 100, "update_weights", start, self.clock.now(), self.origin,
                                 version=work.version, partial=partial))
         await self.coord.loaded_weights(self.node.name, self.replica, work.version)
         await self._report()  # now: an evaluation of this version may end the run (run.stop_when)
@@ -255,11 +266,11 @@ class Stage:
 
     async def _take(self) -> Work | None:
         self._raise_failure()
-        if time.time() - self._reported > REPORT_EVERY_S:  # before waiting: counters are current
+        if self.clock.now() - self._reported > REPORT_EVERY_S:  # before waiting: counters are current
             await self._report()
-        start = time.time()
+        start = self.clock.now()
         work = await self.coord.take(self.node.name, self.replica)
-        end = time.time()
+        end = self.clock.now()
         if end - start > 1e-3:  # waits shorter than a millisecond only clutter the trace
             self.events.append(span(self.pid, self.replica * 100, "wait", start, end, self.origin))
         self._raise_failure()
@@ -290,9 +301,9 @@ class Stage:
         slot = 0 if tid == 0 else min(set(range(1, len(self.slots) + 2)) - self.slots)
         self.slots.add(slot)
         if self._in_flight == 0:
-            self._busy_since = time.time()
+            self._busy_since = self.clock.now()
         self._in_flight += 1
-        start = time.time()
+        start = self.clock.now()
         try:
             return await coro
         except UserCodeFailed:
@@ -302,7 +313,7 @@ class Stage:
                 raise
             raise UserCodeFailed(f"{type(self.op).__name__}.{name}() on sample {work.id}: {describe(exc)}") from None
         finally:
-            end = time.time()
+            end = self.clock.now()
             self._in_flight -= 1
             if self._in_flight == 0:
                 self.busy += end - self._busy_since
@@ -317,8 +328,8 @@ class Stage:
         answers), the operator's waits still reach the run record and the live view."""
         while True:
             # Wake when the silence reaches HEARTBEAT_S, not a fixed period later (that could be twice it).
-            await asyncio.sleep(max(0.05, self._reported + HEARTBEAT_S - time.time()))
-            if time.time() - self._reported >= HEARTBEAT_S:
+            await self.clock.sleep(max(0.05, self._reported + HEARTBEAT_S - self.clock.now()))
+            if self.clock.now() - self._reported >= HEARTBEAT_S:
                 try:
                     await self._report()
                 except Exception:  # noqa: BLE001 - a lost report; the next one, or the loop, says more
@@ -326,8 +337,8 @@ class Stage:
 
     async def _report(self) -> None:
         events, self.events = self.events, []
-        self._reported = time.time()
-        busy = self.busy + (time.time() - self._busy_since if self._in_flight else 0.0)
+        self._reported = self.clock.now()
+        busy = self.busy + (self.clock.now() - self._busy_since if self._in_flight else 0.0)
         op = getattr(self, "op", None)
         metrics = op.metrics() if op is not None else {}
         errors = op.errors() if op is not None else []

@@ -15,13 +15,13 @@ shorter than that fails when every one of its steps was empty. 0 turns the check
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
 from flowrl import records
 from flowrl.data.trajectory import INVALID
 from flowrl.records import ErrorRow
+from flowrl.runtime.clock import WALL, Clock
 
 DEFAULT_MAX_EMPTY = 3
 KEPT = 20  # errors written to errors.jsonl per node; the rest are only counted
@@ -29,8 +29,9 @@ SHOWN = 3  # errors shown in the failure message
 
 
 class Untrained:
-    def __init__(self, run_dir: Path | None, limit: int, steps: int, origin: float) -> None:
+    def __init__(self, run_dir: Path | None, limit: int, steps: int, origin: float, clock: Clock = WALL) -> None:
         self.path = run_dir / "errors.jsonl" if run_dir is not None else None
+        self.clock = clock
         self.configured = limit
         self.limit = min(limit, steps)
         self.origin = origin
@@ -49,7 +50,7 @@ class Untrained:
                 self.first.append((node, text))
             if self.kept.get(node, 0) < KEPT:
                 self.kept[node] = self.kept.get(node, 0) + 1
-                self.lines.append(ErrorRow(node=node, replica=replica, time=round(time.time() - self.origin, 3),
+                self.lines.append(ErrorRow(node=node, replica=replica, time=round(self.clock.now() - self.origin, 3),
                                            error=text))
 
     def step(self, node: str, step: int, batch: list[dict[str, Any]], counters: dict[str, int]) -> str | None:

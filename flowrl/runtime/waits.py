@@ -11,7 +11,6 @@ observation of wall time, like `trace.json`: a resumed run appends to it and doe
 
 from __future__ import annotations
 
-import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -20,14 +19,16 @@ import msgspec
 
 from flowrl import records
 from flowrl.records import WaitRow
+from flowrl.runtime.clock import WALL, Clock
 
 NAMES = ("sample_id", "episode", "turn", "awaits")  # what makes a wait the same one across reports
 
 
 class Waits:
-    def __init__(self, run_dir: Path | None, origin: float) -> None:
+    def __init__(self, run_dir: Path | None, origin: float, clock: Clock = WALL) -> None:
         self.path = run_dir / "waits.jsonl" if run_dir is not None else None
         self.origin = origin
+        self.clock = clock
         self.now: dict[tuple[str, int], list[dict[str, Any]]] = {}
 
     def report(self, node: str, replica: int, waits: list[dict[str, Any]]) -> None:
@@ -43,7 +44,7 @@ class Waits:
             records.append(self.path, [r for r in rows if r is not None])
 
     def _row(self, event: str, node: str, replica: int, wait: dict[str, Any]) -> WaitRow | None:
-        row = {"event": event, "node": node, "replica": replica, "time": round(time.time() - self.origin, 3)}
+        row = {"event": event, "node": node, "replica": replica, "time": round(self.clock.now() - self.origin, 3)}
         try:  # typed as the reader will read it (flowrl/records); keys of the operator's own are not kept
             return msgspec.convert(row | wait, WaitRow)
         except msgspec.ValidationError as e:  # an operator's report of the wrong shape: the run goes on
