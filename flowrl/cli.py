@@ -195,7 +195,22 @@ def cmd_plan(args: argparse.Namespace) -> int:
     target = Path(args.run_dir)
     if not target.is_dir():
         raise UserError(f"{target} is not a directory: give a run directory (runs/<name>-<time>)")
+    if args.target is None and (args.price is not None or args.paired is not None):
+        raise UserError(f"{'--price' if args.price is not None else '--paired'} is for a time to target: add "
+                        "--target METRIC=VALUE")
+    if args.target is not None:
+        from flowrl.plan.target import parse
+
+        parse(args.target)  # a mistake in it is said before the run is fitted
+    if args.paired is not None and not Path(args.paired).is_dir():
+        raise UserError(f"--paired {args.paired}: not a directory; give the run directory of the same task at "
+                        "another staleness")
     result = plan_run(target, args.overrides, args.search, args.budget, args.max_replicas, args.max_staleness)
+    if args.target is not None:
+        from flowrl.plan.target import time_to_target
+
+        result["target"] = time_to_target(target, args.target, result, args.price,
+                                          Path(args.paired) if args.paired else None)
     sys.stdout.write(json.dumps(result) + "\n" if args.format == "json" else text(result))
     return 0
 
@@ -296,6 +311,12 @@ def _parser() -> argparse.ArgumentParser:
                    "default: the cluster's)")
     p.add_argument("--max-replicas", type=int, default=4, help="search engine replicas 1..N (default 4)")
     p.add_argument("--max-staleness", type=int, default=4, help="search max_staleness 0..N (default 4)")
+    p.add_argument("--target", metavar="METRIC=VALUE", help="predict each configuration's wall time, samples and "
+                   "device-hours to reach it, e.g. eval_reward=0.9 (docs/plan.md#time-to-target)")
+    p.add_argument("--price", type=float, metavar="USD", help="price per device-hour (GPU, or CPU core on a CPU "
+                   "pipeline): adds the cost to target")
+    p.add_argument("--paired", metavar="RUN_DIR", help="a run of the same task at another staleness (sync for an "
+                   "async run, or the reverse): measures the staleness cost")
     p.add_argument("--format", default="text", choices=("text", "json"))
     p.set_defaults(fn=cmd_plan)
     return parser
