@@ -11,6 +11,7 @@ import argparse
 import sys
 import traceback
 from pathlib import Path
+from typing import Any
 
 from flowrl.spec.errors import SpecError, UserError
 
@@ -43,6 +44,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             text = render_run(target, args.format)
         except (OSError, ValueError) as e:  # not a run directory, or a record that does not parse
             raise UserError(f"cannot inspect {target}: {e}") from e
+        if args.format == "text":
+            from flowrl.plan.suggest import suggestion
+
+            line = suggestion(target)
+            text += f"{line}\n" if line else ""
     else:
         from flowrl.graph.render import render
 
@@ -301,6 +307,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no per-step lines; only the JSON summary")
     p.set_defaults(fn=cmd_replay)
 
+    _plan_parser(sub, common)
+    return parser
+
+
+
+def _plan_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("plan", parents=[common], help="predict step time, idle and staleness of a run under changes "
                        "(docs/plan.md)")
     p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (a multi-phase run: its last phase)")
@@ -319,7 +331,6 @@ def _parser() -> argparse.ArgumentParser:
                    "async run, or the reverse): measures the staleness cost")
     p.add_argument("--format", default="text", choices=("text", "json"))
     p.set_defaults(fn=cmd_plan)
-    return parser
 
 
 if __name__ == "__main__":

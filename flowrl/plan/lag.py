@@ -75,7 +75,7 @@ def paired(base: list[tuple[float, float]], base_lag: float, other: list[tuple[f
     ks = curve.stretch(c1, c2, ys, FACTORS)
     lo, hi = curve.percentiles(ks)
     notes = [f"staleness cost from the paired run: at mean lag {other_lag:.2f} it needed {k:.2f}x "
-             f"[{lo:.2f}-{hi:.2f}] the samples of this run (mean lag {base_lag:.2f}) for the same progress: "
+             f"[{lo:.2f}..{hi:.2f}] the samples of this run (mean lag {base_lag:.2f}) for the same progress: "
              f"{slope_of(k, base_lag, other_lag):+.0%} samples per unit of mean lag"]
     if k in (FACTORS[0], FACTORS[-1]):
         notes.append(f"the pair's stretch lies at the edge of the range tried ({FACTORS[0]:g}-{FACTORS[-1]:g}): "

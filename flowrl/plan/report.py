@@ -49,7 +49,7 @@ def target_lines(t: dict[str, Any]) -> list[str]:
     c = t["curve"]
     head = f"time to {t['metric']} >= {t['value']:g}: {c['form']}, {c['points']} points"
     if "a" in c:
-        head += (f"; R0 {c['r0']:.3f}, A {c['a']:.3f} [{c['a_interval'][0]:.3f}-{c['a_interval'][1]:.3f}], "
+        head += (f"; R0 {c['r0']:.3f}, A {c['a']:.3f} [{c['a_interval'][0]:.3f}..{c['a_interval'][1]:.3f}], "
                  f"C_mid {c['c_mid']:g} samples, B {c['b']:.2f}")
     out = [head] + [f"  {note}" for note in t["notes"]]
     unit = t["unit"]

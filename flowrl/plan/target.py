@@ -89,7 +89,7 @@ def curve_notes(fit: curve.Fit | None, metric: str, target: float, data: list[tu
         return [f"too short to fit: {len(data)} {metric} points at {len({c for c, _ in data})} sample counts; the "
                 f"curve needs {curve.MIN_POINTS} (run longer, or evaluate more often: data.eval.every)"]
     if not left_plateau(fit):
-        return [f"the run has not left its plateau: {metric} rose {fit.rise:+.3f} over its {fit.last_samples:g} "
+        return [f"the run has not left its plateau: {metric} moved {fit.rise:+.3f} over its {fit.last_samples:g} "
                 f"samples against a noise of {fit.residual:.3f}; where it levels off cannot be told yet"]
     notes = []
     best = max(data, key=lambda p: p[1])
@@ -98,11 +98,11 @@ def curve_notes(fit: curve.Fit | None, metric: str, target: float, data: list[tu
     lo, hi = curve.percentiles([d.a for d in fit.draws])
     if fit.curve.a <= target:
         share = np.mean([math.isfinite(d.samples_to(target)) for d in fit.draws])
-        notes.append(f"the target lies above the fitted asymptote {fit.curve.a:.3f} [{lo:.3f}-{hi:.3f}]: not reached "
+        notes.append(f"the target lies above the fitted asymptote {fit.curve.a:.3f} [{lo:.3f}..{hi:.3f}]: not reached "
                      f"on this curve ({share:.0%} of its resampled fits reach it)")
     elif fit.curve.samples_to(target) > fit.last_samples:
         notes.append(f"extrapolated beyond the run's last point ({fit.last_samples:g} samples): the asymptote "
-                     f"{fit.curve.a:.3f} [{lo:.3f}-{hi:.3f}] is the curve form's reading of the run so far")
+                     f"{fit.curve.a:.3f} [{lo:.3f}..{hi:.3f}] is the curve form's reading of the run so far")
     return notes
 
 
