@@ -122,19 +122,33 @@ def _coarse_mids(c: np.ndarray) -> np.ndarray:
     return np.geomspace(positive.min() / 4, positive.max() * 20, MID_POINTS)
 
 
-def stretch(first: np.ndarray, second: np.ndarray, ys: np.ndarray, factors: np.ndarray) -> np.ndarray:
-    """For each row of `ys` (values at the sample counts `first`, then `second`), the factor k of
-    `factors` under which the second run is the first's curve stretched along samples, R2(C) =
-    R1(C / k): the k whose pooled fit (coarse grid) has the least squared error."""
+def stretch(first: np.ndarray, second: np.ndarray, ys: np.ndarray, factors: np.ndarray, around: Curve) -> np.ndarray:
+    """For each row of `ys` (values at the sample counts `first`, then `second`), the factor k
+    under which the second run is the first's curve stretched along samples, R2(C) = R1(C / k):
+    the k whose pooled fit has the least squared error, between the points of `factors`. The fits
+    search a fine grid around `around` (the first run's own curve): a coarse one biases k to
+    where its points fall."""
+    bs = around.b * np.exp(np.linspace(-0.7, 0.7, 15))
+    mids = around.c_mid * np.exp(np.linspace(-1.0, 1.0, 57))
+    y_c = ys - ys.mean(axis=1, keepdims=True)
     errors = []
     for k in factors:
-        c = np.concatenate([first, second / k])
-        _, _, s = _grid(c, B_GRID, _coarse_mids(c))
+        _, _, s = _grid(np.concatenate([first, second / k]), bs, mids)
         s_c = s - s.mean(axis=1, keepdims=True)
-        y_c = ys - ys.mean(axis=1, keepdims=True)
         sss = np.maximum((s_c ** 2).sum(axis=1), 1e-300)[:, None]
         errors.append(((y_c ** 2).sum(axis=1)[None, :] - (s_c @ y_c.T) ** 2 / sss).min(axis=0))
-    return factors[np.argmin(np.array(errors), axis=0)]
+    return _vertex(np.log(factors), np.array(errors))
+
+
+def _vertex(x: np.ndarray, errors: np.ndarray) -> np.ndarray:
+    """Per column of `errors` (one row per x, evenly spaced), exp of the x at the minimum of the
+    parabola through the least error and its neighbours: between the grid's points, not on them."""
+    i = np.clip(errors.argmin(axis=0), 1, len(x) - 2)
+    cols = np.arange(errors.shape[1])
+    left, mid, right = errors[i - 1, cols], errors[i, cols], errors[i + 1, cols]
+    curvature = left - 2 * mid + right
+    shift = np.where(curvature > 1e-300, 0.5 * (left - right) / np.maximum(curvature, 1e-300), 0.0)
+    return np.exp(x[i] + np.clip(shift, -1.0, 1.0) * (x[1] - x[0]))
 
 
 def percentiles(values: list[float] | np.ndarray) -> tuple[float, float]:

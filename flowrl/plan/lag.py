@@ -69,15 +69,15 @@ def paired(base: list[tuple[float, float]], base_lag: float, other: list[tuple[f
                        f"{curve.MIN_POINTS} points to fit", seed)
     c1, y1 = (np.array(v, dtype=float) for v in zip(*base, strict=True))
     c2, y2 = (np.array(v, dtype=float) for v in zip(*other, strict=True))
-    k = float(curve.stretch(c1, c2, np.concatenate([y1, y2])[None, :], FACTORS)[0])
+    k = float(curve.stretch(c1, c2, np.concatenate([y1, y2])[None, :], FACTORS, first.curve)[0])
     ys = np.concatenate([curve.resample(c1, y1, first.curve, draws, seed),
                          curve.resample(c2, y2, second.curve, draws, seed + 1)], axis=1)
-    ks = curve.stretch(c1, c2, ys, FACTORS)
+    ks = curve.stretch(c1, c2, ys, FACTORS, first.curve)
     lo, hi = curve.percentiles(ks)
     notes = [f"staleness cost from the paired run: at mean lag {other_lag:.2f} it needed {k:.2f}x "
              f"[{lo:.2f}..{hi:.2f}] the samples of this run (mean lag {base_lag:.2f}) for the same progress: "
              f"{slope_of(k, base_lag, other_lag):+.0%} samples per unit of mean lag"]
-    if k in (FACTORS[0], FACTORS[-1]):
+    if not FACTORS[1] < k < FACTORS[-2]:
         notes.append(f"the pair's stretch lies at the edge of the range tried ({FACTORS[0]:g}-{FACTORS[-1]:g}): "
                      "the two runs may not be the same task")
     return StalenessCost("paired", slope_of(k, base_lag, other_lag),

@@ -54,7 +54,7 @@ def target_lines(t: dict[str, Any]) -> list[str]:
     out = [head] + [f"  {note}" for note in t["notes"]]
     unit = t["unit"]
     price = f"cost (${t['price']:g}/{unit[:-1]})" if t["price"] is not None else ""
-    out.append(f"{'configuration':34}{'samples/s':>10}{'lag':>6}  {'samples':24}{'wall time':26}{unit:24}{price}")
+    out.append(f"{'configuration':34}{'samples/s':>10}{'lag':>6}  {'samples':24}{'wall time':26}{unit:24}{price}".rstrip())
     for r in t["configurations"]:
         line = f"{r['configuration']:34}{r['samples_per_s']:>10.2f}{r['mean_lag']:>6.2f}  "
         if "samples" in r:
