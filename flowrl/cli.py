@@ -205,9 +205,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise UserError(f"{'--price' if args.price is not None else '--paired'} is for a time to target: add "
                         "--target METRIC=VALUE")
     if args.target is not None:
-        from flowrl.plan.target import parse
+        from flowrl.plan.target import check_price, parse
 
-        parse(args.target)  # a mistake in it is said before the run is fitted
+        parse(args.target)  # a mistake in either is said before the run is fitted
+        check_price(args.price)
     if args.paired is not None and not Path(args.paired).is_dir():
         raise UserError(f"--paired {args.paired}: not a directory; give the run directory of the same task at "
                         "another staleness")

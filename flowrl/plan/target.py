@@ -51,6 +51,11 @@ def parse(text: str) -> tuple[str, float]:
     return metric, number
 
 
+def check_price(price: float | None) -> None:
+    if price is not None and not price > 0:
+        raise UserError(f"--price {price:g}: expected a price per device-hour > 0")
+
+
 def train_rows(run: RunDir) -> list[Any]:
     plan = run.plan()
     trains = [n for n, f in plan.facts.nodes.items() if f.input is not None]
@@ -110,8 +115,7 @@ def time_to_target(run_dir: Path, text: str, result: dict[str, Any], price: floa
                    paired_dir: Path | None = None, seed: int = 0) -> dict[str, Any]:
     """The `target` section of plan's result: `result` is plan_run's for the same run."""
     metric, value = parse(text)
-    if price is not None and not price > 0:
-        raise UserError(f"--price {price:g}: expected a price per device-hour > 0")
+    check_price(price)
     run = RunDir(run_dir).last()
     data = points(run_dir, metric)
     fit = curve.fit(data, seed=seed)
