@@ -11,6 +11,7 @@ import argparse
 import sys
 import traceback
 from pathlib import Path
+from typing import Any
 
 from flowrl.spec.errors import SpecError, UserError
 
@@ -43,6 +44,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             text = render_run(target, args.format)
         except (OSError, ValueError) as e:  # not a run directory, or a record that does not parse
             raise UserError(f"cannot inspect {target}: {e}") from e
+        if args.format == "text":
+            from flowrl.plan.suggest import suggestion
+
+            line = suggestion(target)
+            text += f"{line}\n" if line else ""
     else:
         from flowrl.graph.render import render
 
@@ -195,7 +201,23 @@ def cmd_plan(args: argparse.Namespace) -> int:
     target = Path(args.run_dir)
     if not target.is_dir():
         raise UserError(f"{target} is not a directory: give a run directory (runs/<name>-<time>)")
+    if args.target is None and (args.price is not None or args.paired is not None):
+        raise UserError(f"{'--price' if args.price is not None else '--paired'} is for a time to target: add "
+                        "--target METRIC=VALUE")
+    if args.target is not None:
+        from flowrl.plan.target import check_price, parse
+
+        parse(args.target)  # a mistake in either is said before the run is fitted
+        check_price(args.price)
+    if args.paired is not None and not Path(args.paired).is_dir():
+        raise UserError(f"--paired {args.paired}: not a directory; give the run directory of the same task at "
+                        "another staleness")
     result = plan_run(target, args.overrides, args.search, args.budget, args.max_replicas, args.max_staleness)
+    if args.target is not None:
+        from flowrl.plan.target import time_to_target
+
+        result["target"] = time_to_target(target, args.target, result, args.price,
+                                          Path(args.paired) if args.paired else None)
     sys.stdout.write(json.dumps(result) + "\n" if args.format == "json" else text(result))
     return 0
 
@@ -286,6 +308,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no per-step lines; only the JSON summary")
     p.set_defaults(fn=cmd_replay)
 
+    _plan_parser(sub, common)
+    return parser
+
+
+
+def _plan_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("plan", parents=[common], help="predict step time, idle and staleness of a run under changes "
                        "(docs/plan.md)")
     p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (a multi-phase run: its last phase)")
@@ -296,9 +324,14 @@ def _parser() -> argparse.ArgumentParser:
                    "default: the cluster's)")
     p.add_argument("--max-replicas", type=int, default=4, help="search engine replicas 1..N (default 4)")
     p.add_argument("--max-staleness", type=int, default=4, help="search max_staleness 0..N (default 4)")
+    p.add_argument("--target", metavar="METRIC=VALUE", help="predict each configuration's wall time, samples and "
+                   "device-hours to reach it, e.g. eval_reward=0.9 (docs/plan.md#time-to-target)")
+    p.add_argument("--price", type=float, metavar="USD", help="price per device-hour (GPU, or CPU core on a CPU "
+                   "pipeline): adds the cost to target")
+    p.add_argument("--paired", metavar="RUN_DIR", help="a run of the same task at another staleness (sync for an "
+                   "async run, or the reverse): measures the staleness cost")
     p.add_argument("--format", default="text", choices=("text", "json"))
     p.set_defaults(fn=cmd_plan)
-    return parser
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from flowrl.plan.curve import INTERVAL
+
 COLUMNS = ("measured", "simulated", "predicted")
 
 
@@ -23,6 +25,8 @@ def text(result: dict[str, Any]) -> str:
     lines.append(_line("staleness", [_histogram(result[c]["staleness"]) for c in columns], "{}"))
     if "search" in result:
         lines += search_lines(result["search"])
+    if "target" in result:
+        lines += target_lines(result["target"])
     return "\n".join(lines) + "\n"
 
 
@@ -38,6 +42,41 @@ def search_lines(found: dict[str, Any], top: int = 5) -> list[str]:
         out.append(f"{r['replicas']:>10}{r['max_staleness']:>11}{r[kind]:>8g}{r['step_seconds']:>10.4f}"
                    f"{r['samples_per_s']:>11.2f}  {idle}")
     return out
+
+
+def target_lines(t: dict[str, Any]) -> list[str]:
+    """The time-to-target table, soonest first, with what the prediction cannot know above it."""
+    c = t["curve"]
+    head = f"time to {t['metric']} >= {t['value']:g}: {c['form']}, {c['points']} points"
+    if "a" in c:
+        head += (f"; R0 {c['r0']:.3f}, A {c['a']:.3f} [{c['a_interval'][0]:.3f}..{c['a_interval'][1]:.3f}], "
+                 f"C_mid {c['c_mid']:g} samples, B {c['b']:.2f}")
+    out = [head] + [f"  {note}" for note in t["notes"]]
+    unit = t["unit"]
+    price = f"cost (${t['price']:g}/{unit[:-1]})" if t["price"] is not None else ""
+    out.append(f"{'configuration':34}{'samples/s':>10}{'lag':>6}  {'samples':24}{'wall time':26}{unit:24}{price}".rstrip())
+    for r in t["configurations"]:
+        line = f"{r['configuration']:34}{r['samples_per_s']:>10.2f}{r['mean_lag']:>6.2f}  "
+        if "samples" in r:
+            line += (f"{_interval(r['samples'], '{:.0f}'):24}{_interval(r['seconds'], None):26}"
+                     f"{_interval(r['device_hours'], '{:.3g}'):24}")
+            line += _interval(r["cost"], "${:.3g}") if "cost" in r else ""
+        else:
+            line += "-"
+        out.append(line.rstrip())
+    out.append(f"  intervals: {'-'.join(str(int(p)) for p in INTERVAL)} percentiles; {unit}: the devices a "
+               "configuration holds x its wall time")
+    return out
+
+
+def _interval(three: list[float | None], fmt: str | None) -> str:
+    shown = [("never" if x is None else (duration(x) if fmt is None else fmt.format(x))) for x in three]
+    return f"{shown[1]} [{shown[0]}..{shown[2]}]"
+
+
+def duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else (f"{seconds / 60:.1f} min" if seconds < 7200
+                                                     else f"{seconds / 3600:.1f} h")
 
 
 def _line(label: str, values: list[Any], fmt: str) -> str:

@@ -1,0 +1,84 @@
+"""The staleness cost: how many more (or fewer) samples a configuration needs for the same progress
+when it trains on samples its policy generated some versions ago.
+
+Samples to any value scale with m(L) = 1 + s x L, L the mean lag (train version - the version that
+generated the sample, over the samples trained), s the cost per unit of lag. A pair of runs of one
+task at different lags tells s: the second run's curve is the first's stretched along samples by
+k = m(L2) / m(L1), k fitted (curve.stretch) and resampled with both runs' residuals. One run alone
+trains at one lag and cannot tell s; then s is not assumed 0 silently: the point estimate is 0 and
+the interval spans +-UNKNOWN_SLOPE, said in the output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from flowrl.plan import curve
+
+UNKNOWN_SLOPE = 0.25  # assumed without a pair: up to 25 % more or fewer samples per unit of mean lag
+SAME_LAG = 0.05  # mean lags closer than this train alike: a pair this close cannot tell s
+FACTORS = np.geomspace(0.25, 4.0, 61)  # stretches tried between a pair (4.7 % apart)
+LEAST = 0.1  # m(L) kept at least this: a fitted s must not make samples free
+
+
+@dataclass
+class StalenessCost:
+    source: str  # "paired": fitted on a pair of runs; "assumed": no pair, or one that cannot tell
+    slope: float  # s, the point estimate
+    slopes: list[float]  # s of each draw of the interval
+    notes: list[str] = field(default_factory=list)
+
+    def multiplier(self, base_lag: float, lag: float, slope: float | None = None) -> float:
+        """Samples at mean lag `lag` per sample the run needed at `base_lag`: exactly 1 at the same lag."""
+        if abs(lag - base_lag) < SAME_LAG:
+            return 1.0
+        s = self.slope if slope is None else slope
+        return max(1.0 + s * lag, LEAST) / max(1.0 + s * base_lag, LEAST)
+
+
+def mean_lag(histogram: dict[int, int] | dict[str, int]) -> float:
+    """The mean lag of a staleness histogram (lag -> samples); 0 for an empty one."""
+    total = sum(histogram.values())
+    return sum(int(k) * v for k, v in histogram.items()) / total if total else 0.0
+
+
+def assumed(draws: int, why: str, seed: int = 0) -> StalenessCost:
+    slopes = np.random.default_rng(seed).uniform(-UNKNOWN_SLOPE, UNKNOWN_SLOPE, draws).tolist()
+    return StalenessCost("assumed", 0.0, slopes, [
+        f"staleness cost unknown ({why}): assumed none (samples x1), the interval widened by "
+        f"+-{UNKNOWN_SLOPE:.0%} samples per unit of lag where a configuration trains at another lag than the run"])
+
+
+def slope_of(k: float, base_lag: float, other_lag: float) -> float:
+    """s from the stretch k = m(other) / m(base): 1 + s x other = k (1 + s x base)."""
+    denominator = other_lag - k * base_lag
+    return (k - 1.0) / denominator if abs(denominator) > 1e-9 else 0.0
+
+
+def paired(base: list[tuple[float, float]], base_lag: float, other: list[tuple[float, float]], other_lag: float,
+           draws: int, seed: int = 0) -> StalenessCost:
+    """s fitted on the run (`base`, its points and mean lag) and a paired run of the same task."""
+    if abs(other_lag - base_lag) < SAME_LAG:
+        return assumed(draws, f"the paired run trained at the run's mean lag ({other_lag:.2f} against "
+                       f"{base_lag:.2f}) and cannot tell it", seed)
+    first, second = curve.fit(base, draws=1), curve.fit(other, draws=1)
+    if first is None or second is None:
+        return assumed(draws, f"{'the run' if first is None else 'the paired run'} has fewer than "
+                       f"{curve.MIN_POINTS} points to fit", seed)
+    c1, y1 = (np.array(v, dtype=float) for v in zip(*base, strict=True))
+    c2, y2 = (np.array(v, dtype=float) for v in zip(*other, strict=True))
+    k = float(curve.stretch(c1, c2, np.concatenate([y1, y2])[None, :], FACTORS, first.curve)[0])
+    ys = np.concatenate([curve.resample(c1, y1, first.curve, draws, seed),
+                         curve.resample(c2, y2, second.curve, draws, seed + 1)], axis=1)
+    ks = curve.stretch(c1, c2, ys, FACTORS, first.curve)
+    lo, hi = curve.percentiles(ks)
+    notes = [f"staleness cost from the paired run: at mean lag {other_lag:.2f} it needed {k:.2f}x "
+             f"[{lo:.2f}..{hi:.2f}] the samples of this run (mean lag {base_lag:.2f}) for the same progress: "
+             f"{slope_of(k, base_lag, other_lag):+.0%} samples per unit of mean lag"]
+    if not FACTORS[1] < k < FACTORS[-2]:
+        notes.append(f"the pair's stretch lies at the edge of the range tried ({FACTORS[0]:g}-{FACTORS[-1]:g}): "
+                     "the two runs may not be the same task")
+    return StalenessCost("paired", slope_of(k, base_lag, other_lag),
+                         [slope_of(float(x), base_lag, other_lag) for x in ks], notes)

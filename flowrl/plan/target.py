@@ -1,0 +1,218 @@
+"""`flowrl plan RUN_DIR --target METRIC=VALUE`: the wall time, samples, device-hours and cost to
+reach a metric's value, for the run as it ran, the overrides and the search's configurations.
+
+samples to target  the run's own learning curve against samples (curve.py), times the staleness
+                   cost of the configuration's mean lag against the run's (lag.py)
+wall time          the run's own setup (its first WARMUP steps, measured) plus the remaining
+                   samples at the simulated samples/s (`predict`)
+device-hours       the devices the configuration holds (its cluster's GPUs, or CPU cores on a CPU
+                   pipeline; more where it asks for more) times the wall time; cost: times --price
+
+Every interval comes from the same draws: the curve refitted on resampled residuals, the staleness
+cost's draws, and the throughput within the simulator's error on the run as it ran.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from flowrl.plan import curve, lag
+from flowrl.plan.changes import apply
+from flowrl.plan.records import WARMUP
+from flowrl.plan.search import budget_kind, spend
+from flowrl.records import RunDir
+from flowrl.spec.errors import UserError
+from flowrl.spec.stop_when import EVAL, check_names
+
+LEARNING = (EVAL, "reward", "train.<key>")  # metrics with a learning curve: the others measure the system
+UNITS = {"gpus": "GPU-hours", "cpus": "core-hours"}
+
+
+def parse(text: str) -> tuple[str, float]:
+    """METRIC=VALUE, or a UserError naming what is wrong."""
+    metric, eq, value = text.partition("=")
+    try:
+        number = float(value)
+    except ValueError:
+        number = math.nan
+    if not eq or not metric or not math.isfinite(number):
+        raise UserError(f"--target {text!r}: expected METRIC=VALUE with a finite number, e.g. {EVAL}=0.9")
+    try:
+        check_names({metric: number})
+    except ValueError as e:
+        raise UserError(f"--target {text!r}: {str(e).removeprefix('stop_when: ')}") from None
+    if metric != EVAL and metric != "reward" and not metric.startswith("train."):
+        raise UserError(f"--target {text!r}: '{metric}' measures the system, not learning; plan predicts the time "
+                        f"to a value of {', '.join(LEARNING)}")
+    return metric, number
+
+
+def check_price(price: float | None) -> None:
+    if price is not None and not price > 0:
+        raise UserError(f"--price {price:g}: expected a price per device-hour > 0")
+
+
+def train_rows(run: RunDir) -> list[Any]:
+    plan = run.plan()
+    trains = [n for n, f in plan.facts.nodes.items() if f.input is not None]
+    return sorted((r for r in run.metrics() if r.node in trains[:1]), key=lambda r: r.step)
+
+
+def points(run_dir: Path, metric: str, what: str = "the run") -> list[tuple[float, float]]:
+    """(samples trained before it, value) of each record of `metric` in the run's last phase; a
+    UserError where the run records none."""
+    run = RunDir(run_dir).last()
+    rows = train_rows(run)
+    before = np.concatenate([[0], np.cumsum([r.groups for r in rows])]).tolist()  # samples before step i
+    if metric == EVAL:
+        found = {e.version: e.eval_reward for e in run.evals() if e.eval_reward is not None
+                 and math.isfinite(e.eval_reward) and e.version < len(before)}
+        out = [(float(before[v]), float(value)) for v, value in sorted(found.items())]
+        why = f"{what} has no eval records ({run.path / 'eval.jsonl'}; data.eval)"
+    else:
+        values = [r.reward if metric == "reward" else r.train.get(metric.removeprefix("train.")) for r in rows]
+        out = [(float(before[i]), float(v)) for i, v in enumerate(values) if isinstance(v, int | float)]
+        reported = sorted({f"train.{k}" for r in rows for k in r.train})
+        why = f"{what} records no {metric} (its train node reports {', '.join(reported) or 'nothing'})"
+    if not out:
+        raise UserError(f"--target {metric}: {why}")
+    return out
+
+
+def left_plateau(fit: curve.Fit) -> bool:
+    """Whether the run has risen beyond its noise: twice the residual's spread."""
+    return fit.rise > 2 * fit.residual
+
+
+def curve_notes(fit: curve.Fit | None, metric: str, target: float, data: list[tuple[float, float]]) -> list[str]:
+    """What the curve cannot tell, in words: an empty list where it predicts."""
+    if fit is None:
+        return [f"too short to fit: {len(data)} {metric} points at {len({c for c, _ in data})} sample counts; the "
+                f"curve needs {curve.MIN_POINTS} (run longer, or evaluate more often: data.eval.every)"]
+    if not left_plateau(fit):
+        return [f"the run has not left its plateau: {metric} moved {fit.rise:+.3f} over its {fit.last_samples:g} "
+                f"samples against a noise of {fit.residual:.3f}; where it levels off cannot be told yet"]
+    notes = []
+    best = max(data, key=lambda p: p[1])
+    if best[1] >= target:
+        notes.append(f"the run reached {metric} {best[1]:g} at {best[0]:g} samples (measured)")
+    lo, hi = curve.percentiles([d.a for d in fit.draws])
+    if fit.curve.a <= target:
+        share = np.mean([math.isfinite(d.samples_to(target)) for d in fit.draws])
+        notes.append(f"the target lies above the fitted asymptote {fit.curve.a:.3f} [{lo:.3f}..{hi:.3f}]: not reached "
+                     f"on this curve ({share:.0%} of its resampled fits reach it)")
+    elif fit.curve.samples_to(target) > fit.last_samples:
+        notes.append(f"extrapolated beyond the run's last point ({fit.last_samples:g} samples): the asymptote "
+                     f"{fit.curve.a:.3f} [{lo:.3f}..{hi:.3f}] is the curve form's reading of the run so far")
+    return notes
+
+
+def time_to_target(run_dir: Path, text: str, result: dict[str, Any], price: float | None = None,
+                   paired_dir: Path | None = None, seed: int = 0) -> dict[str, Any]:
+    """The `target` section of plan's result: `result` is plan_run's for the same run."""
+    metric, value = parse(text)
+    check_price(price)
+    run = RunDir(run_dir).last()
+    data = points(run_dir, metric)
+    fit = curve.fit(data, seed=seed)
+    notes = curve_notes(fit, metric, value, data)
+    rows = train_rows(run)
+    base_lag = lag.mean_lag(result["simulated"]["staleness"])
+    cost = staleness(data, rows, metric, paired_dir, seed)
+    error = abs(result["simulated"]["samples_per_s"] / max(result["measured"]["samples_per_s"], 1e-9) - 1)
+    notes += cost.notes + [
+        f"throughput within +-{error:.0%} (the simulator's error on the run as it ran; other configurations "
+        "err more, docs/plan.md)",
+        f"wall time: the run's own setup (its first {WARMUP} steps, {rows[WARMUP - 1].time:.1f} s measured) plus the "
+        "rest at the simulated samples/s; evaluations and checkpoints cost what they did in the run"]
+    predicts = fit is not None and left_plateau(fit)
+    setup = (rows[WARMUP - 1].time, float(sum(r.groups for r in rows[:WARMUP])))
+    plan = run.plan()
+    kind = budget_kind(plan)
+    rng = np.random.default_rng(seed + 7)
+    spread = rng.uniform(-error, error, curve.DRAWS)
+    out = []
+    for name, changes, figures in candidates(result):
+        devices = max(float(plan.cluster.get(kind) or 0), spend(apply(plan, changes, len(rows)).plan, kind))
+        devices = float(math.ceil(devices - 1e-9)) if kind == "gpus" else devices
+        row = {"configuration": name, "changes": changes, "samples_per_s": figures["samples_per_s"],
+               "mean_lag": round(lag.mean_lag(figures["staleness"]), 3), "devices": devices}
+        if predicts:
+            row.update(reach(fit, cost, value, base_lag, row["mean_lag"], figures["samples_per_s"], setup, spread,
+                             devices, price))
+        out.append(row)
+    out.sort(key=lambda r: (_finite(r.get("seconds", [None, None])[1]), r["configuration"]))
+    return {"metric": metric, "value": value, "unit": UNITS[kind], "price": price, "notes": notes,
+            "curve": describe(fit, data), "staleness": {"source": cost.source, "per_lag": round(cost.slope, 4),
+                                                         "interval": list(curve.percentiles(cost.slopes))},
+            "configurations": out}
+
+
+def staleness(data: list[tuple[float, float]], rows: list[Any], metric: str, paired_dir: Path | None,
+              seed: int) -> lag.StalenessCost:
+    measured = lag.mean_lag(_histogram(rows))
+    if paired_dir is None:
+        return lag.assumed(curve.DRAWS, "one run trains at one lag; --paired RUN_DIR of the same task at another "
+                           "lag measures it", seed)
+    other = RunDir(paired_dir).last()
+    return lag.paired(data, measured, points(paired_dir, metric, "the paired run"),
+                      lag.mean_lag(_histogram(train_rows(other))), curve.DRAWS, seed)
+
+
+def _histogram(rows: list[Any]) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for r in rows:
+        for k, v in r.staleness.items():
+            out[int(k)] = out.get(int(k), 0) + int(v)
+    return out
+
+
+def candidates(result: dict[str, Any]) -> list[tuple[str, list[str], dict[str, Any]]]:
+    """(name, changes, simulated figures) of the run as it ran, the overrides and the search's."""
+    out = [("as run", [], result["simulated"])]
+    if "predicted" in result:
+        out.append((" ".join(result["changes"]), list(result["changes"]), result["predicted"]))
+    for r in result.get("search", {}).get("configurations", []):
+        out.append((f"replicas {r['replicas']}, max_staleness {r['max_staleness']}", r["changes"], r))
+    return out
+
+
+def reach(fit: curve.Fit, cost: lag.StalenessCost, value: float, base_lag: float, mean_lag: float, rate: float,
+          setup: tuple[float, float], spread: np.ndarray, devices: float, price: float | None) -> dict[str, Any]:
+    """[low, point, high] samples, seconds, device-hours (and cost) of one configuration."""
+    def seconds(samples: float, speed: float) -> float:
+        return setup[0] + max(0.0, samples - setup[1]) / max(speed, 1e-9) if math.isfinite(samples) else math.inf
+
+    point = fit.curve.samples_to(value) * cost.multiplier(base_lag, mean_lag)
+    samples = [d.samples_to(value) * cost.multiplier(base_lag, mean_lag, s)
+               for d, s in zip(fit.draws, cost.slopes, strict=True)]
+    walls = [seconds(n, rate * (1 + e)) for n, e in zip(samples, spread, strict=True)]
+    out = {"samples": _three(samples, point), "seconds": _three(walls, seconds(point, rate))}
+    out["device_hours"] = [None if x is None else x * devices / 3600 for x in out["seconds"]]
+    if price is not None:
+        out["cost"] = [None if x is None else x * price for x in out["device_hours"]]
+    return out
+
+
+def _three(draws: list[float], point: float) -> list[float | None]:
+    """[low, point, high]; None for never (JSON has no infinity)."""
+    lo, hi = curve.percentiles(draws)
+    return [x if math.isfinite(x) else None for x in (min(lo, point), point, max(hi, point))]
+
+
+def _finite(x: float | None) -> float:
+    return math.inf if x is None else x
+
+
+def describe(fit: curve.Fit | None, data: list[tuple[float, float]]) -> dict[str, Any]:
+    out: dict[str, Any] = {"form": "R(C) = R0 + (A - R0) / (1 + (C_mid / C)^B), C samples", "points": len(data)}
+    if fit is not None:
+        c = fit.curve
+        out.update(r0=round(c.r0, 4), a=round(c.a, 4), b=round(c.b, 3), c_mid=round(c.c_mid, 1),
+                   a_interval=[round(x, 4) for x in curve.percentiles([d.a for d in fit.draws])],
+                   residual=round(fit.residual, 4), last_samples=fit.last_samples)
+    return out
