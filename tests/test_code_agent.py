@@ -202,3 +202,23 @@ def test_the_pipeline_runs_the_agent_through_proxy_and_sandbox(tmp_path):
     assert "generate/drift_tokens" in generate and "generate/tool_calls" in generate
     evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
     assert [e["version"] for e in evals] == [0, 2] and all("exact" in e["scores"] for e in evals)
+
+
+SMOLLM2 = Path(__file__).resolve().parents[1] / "models/smollm2-135m-instruct"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (SMOLLM2 / "config.json").exists(), reason="models/smollm2-135m-instruct not built "
+                    "(python tools/get_smollm2.py)")
+def test_the_temperature_probe_reports_rates_per_temperature() -> None:
+    """tools/probe_code_arith.py (the screening behind smollm2_code.yaml's temperature), cut small."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "tools/probe_code_arith.py", str(SMOLLM2), "--prompts", "2", "--group", "2",
+                           "--temperatures", "0.5,1.0", "--max-new-tokens", "24", "--sample-seed", "3"],
+                          cwd=SMOLLM2.parents[1], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [line["temperature"] for line in lines] == [0.5, 1.0]
+    assert all(0.0 <= line["mean_reward"] <= 1.0 and 0.0 <= line["informative_groups"] <= 1.0 for line in lines)
