@@ -204,7 +204,8 @@ def names(text: str, allowed: list[str], what: str) -> list[str]:
     out = [x for x in text.split(",") if x]
     unknown = [x for x in out if x not in allowed]
     if unknown or not out:
-        raise argparse.ArgumentTypeError(f"{what}: {', '.join(unknown) or text!r}; choose from {', '.join(allowed)}")
+        wrong = ", ".join(unknown) if unknown else repr(text)
+        raise argparse.ArgumentTypeError(f"{what}: {wrong}; choose from {', '.join(allowed)}")
     return out
 
 
