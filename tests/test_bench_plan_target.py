@@ -92,12 +92,20 @@ def test_error_coverage_and_median_count_never_as_slower_than_any_time():
 
 
 def test_a_direction_s_summary_over_pairs():
-    rows = {"1": {"seconds": [8.0, 10.0, 12.0], "measured_s": 11.0, "error": -0.0909, "covered": True},
-            "2": {"seconds": [16.0, 20.0, 30.0], "measured_s": 40.0, "error": -0.5, "covered": False},
-            "3": {"seconds": [25.0, 30.0, None], "measured_s": 24.0, "error": 0.25, "covered": False},
+    def pair(seconds, measured_s, samples, measured_samples, as_run, source_s):
+        return {"seconds": seconds, "measured_s": measured_s, "samples": [0.0, samples, 0.0],
+                "measured_samples": measured_samples, "as_run_seconds": as_run, "source_measured_s": source_s,
+                "error": 0.0, "covered": b.covers(seconds, measured_s)}
+
+    b = bench()
+    rows = {"1": pair([8.0, 10.0, 12.0], 11.0, 100.0, 80.0, 12.0, 10.0),
+            "2": pair([16.0, 20.0, 30.0], 40.0, 300.0, 200.0, 30.0, 20.0),
+            "3": pair([25.0, 30.0, None], 24.0, 200.0, 400.0, None, 30.0),
             "4": {"impossible": "the run has not left its plateau", "measured_s": 50.0}}
-    s = bench().summarise(rows)
+    s = b.summarise(rows)
     assert (s["pairs"], s["predicted"], s["pairs_covered"]) == (4, 3, 1)
+    assert s["median_samples_error"] == 0.0  # median 200 predicted against median 200 measured
+    assert s["median_as_run_error"] == 0.5  # median 30 (never counts as slower) against median 20
     assert s["median_predicted_s"] == 20.0 and s["median_interval_s"] == [16.0, 30.0]
     assert s["median_measured_s"] == 24.0  # over the pairs predicted: 11, 40, 24
     assert s["median_measured_s_all_pairs"] == 32.0
@@ -105,7 +113,7 @@ def test_a_direction_s_summary_over_pairs():
     assert s["interval_covers_median"]
     assert s["impossible"] == {"4": "the run has not left its plateau"}
     rows["1"]["seconds"], rows["3"]["seconds"] = [30.0, 33.0, 36.0], [31.0, 35.0, 40.0]
-    worse = bench().summarise(rows)
+    worse = b.summarise(rows)
     assert worse["median_predicted_s"] == 33.0 and not worse["within_bar"]  # 33 / 24 - 1 = +37.5 %
     assert not worse["interval_covers_median"]  # [30, 36] does not hold 24
 
@@ -155,9 +163,14 @@ def test_measured_time_to_target_and_a_finished_run(pair):
     sync = pair / "sync-1"
     assert b.measured(sync, "eval_reward", 0.5) == pytest.approx(first_time(sync, 0.5)) and first_time(sync, 0.5)
     assert b.measured(sync, "eval_reward", 0.99) is None
-    rewards = [r.reward for r in RunDir(sync).metrics()]
-    hit = next(i for i, r in enumerate(rewards) if r >= min(rewards))
-    assert b.measured(sync, "reward", min(rewards)) == pytest.approx([r.time for r in RunDir(sync).metrics()][hit])
+    rows = list(RunDir(sync).metrics())
+    before = np.concatenate([[0], np.cumsum([r.groups for r in rows])])
+    assert b.samples_to(sync, "eval_reward", 0.5) == next(c for c in before if KNOWN.value(c) >= 0.5)
+    level = float(np.median([r.reward for r in rows]))
+    hit = next(i for i, r in enumerate(rows) if r.reward >= level)
+    assert b.measured(sync, "reward", level) == pytest.approx(rows[hit].time)
+    assert b.samples_to(sync, "reward", level) == before[hit]  # the samples trained before that row
+    assert b.measured(sync, "reward", 2.0) is None and b.samples_to(sync, "train.loss", 1e9) is None
     assert b.finished(sync, "eval_reward", 0.99)  # phase.json: the run ended
     assert not b.finished(pair / "missing", "eval_reward", 0.5)
 
@@ -179,7 +192,9 @@ def test_a_tiny_real_pair_end_to_end(pair, capsys, monkeypatch):
     assert row["seconds"][1] == pytest.approx(direct["seconds"][1], abs=0.01)
     assert row["measured_s"] == pytest.approx(first_time(pair / "async-1", 0.5))
     assert row["error"] == pytest.approx(direct["seconds"][1] / row["measured_s"] - 1, abs=1e-4)
-    assert d["median_error"] == row["error"] and d["within_bar"] == (abs(row["error"]) <= 0.25)
+    assert row["measured_samples"] == b.samples_to(pair / "async-1", "eval_reward", 0.5) > 0
+    assert row["as_run_error"] == pytest.approx(direct["as_run_seconds"] / row["source_measured_s"] - 1, abs=1e-4)
+    assert d["median_error"] == pytest.approx(row["error"], abs=1e-3) and d["within_bar"] == (abs(row["error"]) <= 0.25)
     assert result["bars"] == {"sync-to-async/within_bar": d["within_bar"],
                               "sync-to-async/interval_covers_median": d["interval_covers_median"]}
     assert "max_staleness=2" in out and "median over 1 of 1 pairs" in out

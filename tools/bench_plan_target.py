@@ -150,6 +150,20 @@ def measured(run_dir: Path, metric: str, value: float) -> float | None:
     return next(hits, None)
 
 
+def samples_to(run_dir: Path, metric: str, value: float) -> float | None:
+    """Samples (groups) trained before the first record of `metric` >= `value` (bench_e2e's
+    `samples_to_target`: version v was trained on steps 0 .. v-1); None: never."""
+    run = RunDir(run_dir).last()
+    rows = train_rows(run)
+    if metric == EVAL:
+        version = next((e.version for e in run.evals() if e.eval_reward is not None and e.eval_reward >= value), None)
+        return None if version is None else float(sum(r.groups for r in rows if r.step < version))
+    key = metric.removeprefix("train.")
+    hit = next((i for i, r in enumerate(rows) if _at_least(r.reward if metric == "reward" else r.train.get(key), value)),
+               None)
+    return None if hit is None else float(sum(r.groups for r in rows[:hit]))
+
+
 def _at_least(x: Any, value: float) -> bool:
     return isinstance(x, int | float) and not isinstance(x, bool) and x >= value
 
@@ -175,7 +189,9 @@ def predict(run_dir: Path, overrides: list[str], target: str) -> dict[str, Any]:
     row = next(r for r in found["configurations"] if r["configuration"] == name)
     if "seconds" not in row:
         return {"impossible": found["notes"][0]}
-    return {"seconds": row["seconds"], "samples": row["samples"], "samples_per_s": row["samples_per_s"]}
+    as_run = next(r for r in found["configurations"] if r["configuration"] == "as run")
+    return {"seconds": row["seconds"], "samples": row["samples"], "samples_per_s": row["samples_per_s"],
+            "as_run_seconds": as_run["seconds"][1], "as_run_samples_per_s": as_run["samples_per_s"]}
 
 
 def pairs(folder: Path, keys: list[str] | None) -> dict[str, dict[str, Path]]:
@@ -200,11 +216,14 @@ def one_pair(runs: dict[str, Path], source: str, goal: str, target: str) -> dict
     overrides, refused = derive(RunDir(runs[source]).last().plan(), RunDir(runs[goal]).last().plan())
     out: dict[str, Any] = {"overrides": overrides, "not_simulated": refused,
                            "measured_s": measured(runs[goal], metric, value),
-                           "source_measured_s": measured(runs[source], metric, value)}
+                           "source_measured_s": measured(runs[source], metric, value),
+                           "measured_samples": samples_to(runs[goal], metric, value)}
     out.update(predict(runs[source], overrides, target))
     if "seconds" in out:
         out["error"] = relative_error(out["seconds"][1], out["measured_s"])
         out["covered"] = covers(out["seconds"], out["measured_s"])
+        out["samples_error"] = relative_error(out["samples"][1], out["measured_samples"])
+        out["as_run_error"] = relative_error(out["as_run_seconds"], out["source_measured_s"])
     return out
 
 
@@ -215,7 +234,7 @@ def _inf(x: float | None) -> float:
 
 
 def _finite(x: float) -> float | None:
-    return None if math.isinf(x) else round(x, 2)
+    return None if math.isinf(x) else round(x, 4)
 
 
 def relative_error(predicted: float | None, measured: float | None) -> float | None:
@@ -249,6 +268,12 @@ def summarise(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
             "median_measured_s": measured_median,
             "median_measured_s_all_pairs": median([r["measured_s"] for r in rows.values()]),
             "median_error": error, "within_bar": error is not None and abs(error) <= BAR,
+            # the parts: the learning side (samples to the target, the other arm's measured) and the curve's
+            # error on the run it was fitted on (plan's time for the source as it ran against its own)
+            "median_samples_error": relative_error(median([r["samples"][1] for r in done.values()]),
+                                                   median([r["measured_samples"] for r in done.values()])),
+            "median_as_run_error": relative_error(median([r["as_run_seconds"] for r in done.values()]),
+                                                  median([r["source_measured_s"] for r in done.values()])),
             "interval_covers_median": bool(done) and covers(interval, measured_median),
             "pairs_covered": sum(r["covered"] for r in done.values()),
             "pair_errors": [r["error"] for r in done.values()],
@@ -271,22 +296,29 @@ def print_direction(name: str, rows: dict[str, dict[str, Any]], s: dict[str, Any
         label = "plan overrides" if what == "overrides" else "not simulated (plan cannot express it)"
         for text, n in seen.items():
             print(f"  {label} ({n} of {len(rows)} pairs): {text}")
-    print(f"  {'pair':<12} {'predicted s [interval]':>30} {'measured s':>11} {'error':>8}  covered  ({source}'s own s)")
+    print(f"  {'pair':<12} {'predicted s [interval]':>30} {'measured s':>11} {'error':>8}  covered  ({source}'s own s: measured / plan as run)")
     for key, r in rows.items():
         if "seconds" in r:
             lo, pt, hi = r["seconds"]
             err = "inf" if r["error"] is None else f"{r['error']:+.0%}"
             print(f"  {key:<12} {_s(pt):>12} [{_s(lo)}..{_s(hi)}]{'':>4} {_s(r['measured_s']):>11} {err:>8}  "
-                  f"{'yes' if r['covered'] else 'no':<7}  ({_s(r['source_measured_s'])})")
+                  f"{'yes' if r['covered'] else 'no':<7}  ({_s(r['source_measured_s'])} / {_s(r['as_run_seconds'])})")
         else:
             print(f"  {key:<12} cannot predict: {r['impossible']}")
-    err = "undefined" if s["median_error"] is None else f"{s['median_error']:+.1%}"
+    err = _pct(s["median_error"])
     lo, hi = s["median_interval_s"]
     print(f"  median over {s['predicted']} of {s['pairs']} pairs: predicted {_s(s['median_predicted_s'])} s "
           f"[{_s(lo)}..{_s(hi)}] against measured {_s(s['median_measured_s'])} s: error {err} "
           f"(bar {BAR:.0%}: {'pass' if s['within_bar'] else 'FAIL'}); the interval covers it: "
           f"{'yes' if s['interval_covers_median'] else 'NO'}; pairs' own intervals cover {s['pairs_covered']} of "
           f"{s['predicted']}")
+    print(f"  its parts: samples to the target {_pct(s['median_samples_error'])} (median predicted against the "
+          f"{goal} runs' measured); the {source} run's own time as it ran {_pct(s['median_as_run_error'])} (the "
+          f"curve's error where it was fitted)")
+
+
+def _pct(x: float | None) -> str:
+    return "undefined" if x is None else f"{x:+.1%}"
 
 
 def _rounded(x: Any) -> Any:
@@ -307,7 +339,9 @@ def run(folder: Path, target: str, directions: list[str], keys: list[str] | None
         s = summarise(rows)
         print_direction(name, rows, s)
         s["by_pair"] = {k: {f: _rounded(r.get(f)) for f in ("seconds", "measured_s", "source_measured_s", "error", "covered",
-                                                   "impossible", "overrides", "not_simulated") if f in r}
+                                                   "samples", "measured_samples", "samples_error", "as_run_seconds",
+                                                   "as_run_error", "impossible", "overrides", "not_simulated")
+                                   if f in r}
                         for k, r in rows.items()}
         out["directions"][name] = s
     out["bars"] = {f"{n}/{b}": d[b] for n, d in out["directions"].items() for b in ("within_bar", "interval_covers_median")}
