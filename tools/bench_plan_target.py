@@ -321,9 +321,25 @@ def _pct(x: float | None) -> str:
     return "undefined" if x is None else f"{x:+.1%}"
 
 
+PER_PAIR = ("seconds", "measured_s", "source_measured_s", "error", "covered", "samples", "measured_samples",
+            "samples_error", "as_run_seconds", "as_run_error")
+
+
 def _rounded(x: Any) -> Any:
-    return [None if v is None else round(v, 2) for v in x] if isinstance(x, list) and x and not isinstance(x[0], str) \
-        else x
+    if isinstance(x, list):
+        return [_rounded(v) for v in x]
+    return round(x, 4) if isinstance(x, float) else x
+
+
+def per_pair(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The pairs' figures as lists in the order of `pair_keys` (None where plan could not predict),
+    and the distinct override sets and what plan could not express, each with its count of pairs."""
+    out: dict[str, Any] = {"pair_keys": list(rows)}
+    out.update({f"{f}_by_pair": [_rounded(r.get(f)) for r in rows.values()] for f in PER_PAIR})
+    for what in ("overrides", "not_simulated"):
+        texts = ["; ".join(r[what]) for r in rows.values()]
+        out[what] = [[t, texts.count(t)] for t in dict.fromkeys(texts)]
+    return out
 
 
 def run(folder: Path, target: str, directions: list[str], keys: list[str] | None) -> dict[str, Any]:
@@ -338,12 +354,7 @@ def run(folder: Path, target: str, directions: list[str], keys: list[str] | None
         rows = {k: one_pair(v, *DIRECTIONS[name], target) for k, v in done.items()}
         s = summarise(rows)
         print_direction(name, rows, s)
-        s["by_pair"] = {k: {f: _rounded(r.get(f)) for f in ("seconds", "measured_s", "source_measured_s", "error", "covered",
-                                                   "samples", "measured_samples", "samples_error", "as_run_seconds",
-                                                   "as_run_error", "impossible", "overrides", "not_simulated")
-                                   if f in r}
-                        for k, r in rows.items()}
-        out["directions"][name] = s
+        out["directions"][name] = s | per_pair(rows)
     out["bars"] = {f"{n}/{b}": d[b] for n, d in out["directions"].items() for b in ("within_bar", "interval_covers_median")}
     seeds = sorted({int(_numbers(k)[-1]) for k in done})
     out["protocol"] = heldout.stamp("bench_plan_target", bool(seeds) and min(seeds) >= heldout.FIRST_HELDOUT, seeds)
