@@ -237,3 +237,11 @@ def test_a_folder_that_is_not_one_is_refused(tmp_path, capsys):
     with pytest.raises(SystemExit):
         bench().main([str(tmp_path / "nowhere"), "--target", "eval_reward=0.9"])
     assert "is not a folder" in capsys.readouterr().err
+
+
+def test_one_direction_alone(pair, capsys):
+    bench().main([str(pair), "--target", "eval_reward=0.5", "--direction", "async-to-sync"])
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    d = result["directions"]
+    assert list(d) == ["async-to-sync"] and d["async-to-sync"]["overrides"] == [["max_staleness=0", 1]]
+    assert pair_row(d["async-to-sync"], "1")["measured_s"] == pytest.approx(first_time(pair / "sync-1", 0.5), abs=1e-3)
