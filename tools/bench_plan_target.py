@@ -24,7 +24,7 @@ Per direction: each pair's prediction, interval, measurement and relative error;
 pairs of the predictions against the median of the measurements (bar: within 25 %), whether the
 median's interval (the medians of the pairs' interval ends) covers the measured median, how many
 pairs' own intervals cover their measurement, and the pairs where plan could not predict, with its
-reason. A folder still being written (no record at the target and no phase.json) is skipped and
+reason. A folder still being written or cut off (no record at the target, no phase.json) is skipped and
 named. The last line is one JSON object.
 """
 
@@ -348,7 +348,7 @@ def run(folder: Path, target: str, directions: list[str], keys: list[str] | None
     done = {k: v for k, v in every.items() if all(finished(p, metric, value) for p in v.values())}
     skipped = sorted(set(every) - set(done), key=_numbers)
     print(f"bench_plan_target {folder}: {metric} >= {value:g}; {len(done)} complete pairs"
-          + (f", skipped (still being written): {', '.join(skipped)}" if skipped else ""))
+          + (f", skipped (incomplete: no record at the target and no phase.json; still being written, or cut off): {', '.join(skipped)}" if skipped else ""))
     out: dict[str, Any] = {"target": target, "runs": str(folder), "bar": BAR, "skipped": skipped, "directions": {}}
     for name in directions:
         rows = {k: one_pair(v, *DIRECTIONS[name], target) for k, v in done.items()}
