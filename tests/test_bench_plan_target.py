@@ -47,21 +47,20 @@ def test_the_quickstart_pair_s_changes_as_plan_overrides_both_ways():
     sync, stale = last_phase("quickstart.yaml"), last_phase("quickstart_async.yaml")
     overrides, refused = b.derive(sync, stale)
     assert sorted(overrides) == ["max_staleness=1", 'nodes.learner.own_process={"threads": 1}',
-                                 "nodes.rollout.partial_rollout=true"]
-    assert [r.split(" ")[0] for r in refused] == ["nodes.rollout.engine.threads"]  # threads 2 -> 1: not in the shape
-    assert "cost shape" in refused[0]
+                                 "nodes.rollout.engine.threads=1", "nodes.rollout.partial_rollout=true"]
+    assert refused == []  # the engine's threads 2 -> 1 are in the shape plan simulates
     back, refused_back = b.derive(stale, sync)
-    assert sorted(back) == ["max_staleness=0", "nodes.learner.own_process=null", "nodes.rollout.partial_rollout=false"]
-    assert refused_back[0].startswith("nodes.rollout.engine.threads 2")
+    assert sorted(back) == ["max_staleness=0", "nodes.learner.own_process=null", "nodes.rollout.engine.threads=2",
+                            "nodes.rollout.partial_rollout=false"]
+    assert refused_back == []
 
 
 def test_the_longtail_pair_says_what_plan_cannot_express():
     overrides, refused = bench().derive(last_phase("longtail_sync.yaml"), last_phase("longtail_async.yaml"))
     assert sorted(overrides) == ["max_staleness=1", 'nodes.learner.own_process={"threads": 1}',
-                                 "nodes.rollout.partial_rollout=true"]
+                                 "nodes.rollout.engine.threads=1", "nodes.rollout.partial_rollout=true"]
     keys = sorted(r.split(" ")[0] for r in refused)
-    assert keys == ["edges.score", "nodes.learner.loss.correction", "nodes.learner.loss.decoupled",
-                    "nodes.rollout.engine.threads"]
+    assert keys == ["edges.score", "nodes.learner.loss.correction", "nodes.learner.loss.decoupled"]
     assert any("on_stale" in r and "train input edge" in r for r in refused)
 
 

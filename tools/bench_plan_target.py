@@ -9,7 +9,7 @@ tools/bench_longtail.py (`<tail>-<seed>`) write them. For each pair and directio
 from one arm to the other are read off the two runs' own compiled plans (plan.json: what ran) and
 expressed as `flowrl plan` overrides (`derive`): the train input edge's mode and max_staleness
 (`max_staleness=N`), a node's replicas, a node config key where plan accepts it (partial rollout,
-a trainer's own process, ...), data.batch_size. A difference plan refuses (an engine's threads, a
+a trainer's own process, an engine's threads, ...), data.batch_size. A difference plan refuses (a
 loss, an edge's on_stale) is listed with plan's own reason: the prediction is made without it.
 Then `flowrl.plan.plan_run` and `time_to_target` on the one arm alone (no `--paired`: the other
 arm is what is predicted) give the other configuration's wall time to the target with its stated
