@@ -175,7 +175,7 @@ def test_plan_predicts_the_time_to_target_of_each_configuration(runs, capsys):
                  "--max-replicas", "2", "--max-staleness", "1", "--format", "json"]) == 0
     found = json.loads(capsys.readouterr().out)["target"]
     assert found["unit"] == "core-hours" and found["price"] == 2.0 and found["staleness"]["source"] == "assumed"
-    assert found["samples_from"] == "measured" and "the run's own crossing" in found["notes"][0]
+    assert found["samples_from"] == "curve"  # the run stops short of 0.9: its curve tells
     rows = found["configurations"]
     assert len(rows) == 5 and rows[0]["seconds"][1] == min(r["seconds"][1] for r in rows)
     assert [r["seconds"][1] for r in rows] == sorted(r["seconds"][1] for r in rows)
@@ -189,6 +189,15 @@ def test_plan_predicts_the_time_to_target_of_each_configuration(runs, capsys):
     stale = next(r for r in rows if r["mean_lag"] > 0.5)  # another lag: the unknown cost widens it
     assert stale["samples"][2] / stale["samples"][0] > as_run["samples"][2] / as_run["samples"][0] + 0.2
     assert any("staleness cost unknown" in n for n in found["notes"])
+
+
+def test_a_target_the_run_reached_is_read_at_its_own_crossing(runs, capsys):
+    assert main(["plan", str(runs["sync_learns"]), "--target", "eval_reward=0.5", "--format", "json"]) == 0
+    found = json.loads(capsys.readouterr().out)["target"]
+    assert found["samples_from"] == "measured" and "the run's own crossing" in found["notes"][0]
+    at = crossing(points(runs["sync_learns"], "eval_reward"), 0.5)[1]
+    as_run = next(r for r in found["configurations"] if r["configuration"] == "as run")
+    assert as_run["samples"] == [at, at, at]
 
 
 def test_text_output_ranks_configurations_with_their_cost(runs, capsys):

@@ -168,6 +168,7 @@ def time_to_target(run_dir: Path, text: str, result: dict[str, Any], price: floa
     data = points(run_dir, metric)
     fit = curve.fit(data, seed=seed)
     notes = curve_notes(fit, metric, value, data)
+    told = len(notes)  # what the curve cannot tell comes first: inspect's one line where plan cannot predict
     rows = train_rows(run)
     base_lag = lag.mean_lag(result["simulated"]["staleness"])
     cost = staleness(data, rows, metric, paired_dir, seed)
@@ -184,7 +185,7 @@ def time_to_target(run_dir: Path, text: str, result: dict[str, Any], price: floa
                      f"{high:g} samples (the curve fit is not used); other configurations scale it by the staleness "
                      "cost and read it off at their next evaluation")
     elif base is not None:
-        notes.insert(0, "samples to target: the fitted learning curve (the run did not reach the target)")
+        notes.insert(told, "samples to target: the fitted learning curve (the run did not reach the target)")
     setup = (rows[WARMUP - 1].time, float(sum(r.groups for r in rows[:WARMUP])))
     plan = run.plan()
     kind = budget_kind(plan)
