@@ -87,6 +87,9 @@ class CostShape(msgspec.Struct, frozen=True, kw_only=True):
     # train: the step runs in a child process of its own with this many threads, beside the run's
     # process (no interpreter lock shared with the other stages); None: in the stage's process.
     process_threads: int | None = None
+    # generate: the threads its engine's process decodes with (its per-row work runs over them,
+    # docs/plan.md "Engine threads"); None: not known, one.
+    threads: int | None = None
 
 
 class MetricRoles(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):

@@ -51,10 +51,12 @@ class Generate(Operator):
     @classmethod
     def cost_shape(cls, config: GenerateConfig) -> CostShape:
         """Slots: the engine's max_batch (an SGLang server's own limit is not known here: the
-        embedded engine's default stands in for it)."""
+        embedded engine's default stands in for it); threads: the embedded engine's torch threads
+        where it decodes on the CPU (on a GPU, or a server's, they are not what its speed is bound by)."""
         engine = config.engine if isinstance(config.engine, EngineConfig) else EngineConfig(kind=config.engine)
         return CostShape(concurrency=config.max_concurrency, partial_rollout=config.partial_rollout,
-                         group_size=config.group_size, slots=engine.max_batch)
+                         group_size=config.group_size, slots=engine.max_batch,
+                         threads=engine.threads if engine.kind == "embedded" and engine.device != "cuda" else None)
 
     @classmethod
     def check_graph(cls, config: GenerateConfig, facts: GraphFacts) -> list[tuple[tuple[str, ...], str]]:

@@ -55,7 +55,9 @@ def test_built_in_cost_shapes_are_their_configs() -> None:
     """The shapes `flowrl plan` reads, declared from each built-in's own keys."""
     generate, train = registry.resolve("generate"), registry.resolve("train")
     config = msgspec.convert({"group_size": 4, "engine": {"max_batch": 8}, "max_concurrency": 5}, generate.Config)
-    assert generate.cost_shape(config) == CostShape(concurrency=5, group_size=4, slots=8)
+    assert generate.cost_shape(config) == CostShape(concurrency=5, group_size=4, slots=8, threads=1)
+    for engine, threads in [({"threads": 2}, 2), ({"threads": 2, "device": "cuda"}, None), ("sglang", None)]:
+        assert generate.cost_shape(msgspec.convert({"engine": engine}, generate.Config)).threads == threads
     assert generate.cost_shape(msgspec.convert({}, generate.Config)).slots == 32  # the embedded engine's default
     assert train.cost_shape(msgspec.convert({"own_process": {"threads": 2}}, train.Config)).process_threads == 2
     assert train.cost_shape(msgspec.convert({}, train.Config)).process_threads is None

@@ -302,3 +302,32 @@ def test_overrides_set_the_declared_shape_not_config_keys_plan_knows():
     assert changed.shapes["score"].concurrency == 2
     assert processes(changed.plan, changed.shapes) == {"learner": 2.0}  # a trainer in a process of its own
     assert plan.nodes["rollout"].config["engine"]["max_batch"] == 16  # the run's plan is left as it was
+
+
+def test_engine_threads_speed_its_per_row_work_with_the_cores_they_get(grpo_run):
+    from flowrl.graph.compile import compile_file
+    from flowrl.plan import calibrate, predict, records
+    from flowrl.plan.changes import apply
+    from flowrl.plan.shapes import engine_cores
+
+    plan = compile_file(str(ROOT / "pipelines/grpo_sync.yaml"), []).plan  # 2 cpus, engine threads 1
+    two = "nodes.rollout.engine={kind: embedded, threads: 2}"
+    own = "nodes.learner.own_process={threads: 1}"
+    cores = {tuple(c): engine_cores(s.plan, "rollout", 2.0, s.shapes)
+             for c in ([], [two], ["nodes.rollout.engine={kind: embedded, threads: 4}"], [two, own])
+             for s in [apply(plan, list(c), 10)]}
+    assert list(cores.values()) == [1.0, 2.0, 2.0, 1.0]  # at most the cores, less a trainer's own process
+    base = records.load(grpo_run)
+    costs = calibrate(base, 2.0)
+    engine = costs.engines["rollout"]
+    assert engine.cores == 1.0  # what the run's engine had: its one thread
+    engine.a, engine.b = 1e-4, 2e-4  # engine iterations dominated by their per-row work
+
+    def step(*changes: str) -> float:
+        return predict(apply(base.plan, list(changes), 8), costs, 2.0)["step_seconds"]
+
+    alone, threaded = step(), step(two)
+    assert threaded < 0.8 * alone  # two threads on an idle second core: faster engine iterations
+    assert step(two, own) == pytest.approx(step(own), rel=0.02)  # the trainer's process holds that core
+    assert plan_run(grpo_run, [two])["predicted"]["step_seconds"] <= plan_run(grpo_run, [])["simulated"][
+        "step_seconds"] * 1.02  # the override is accepted, and never slows the run

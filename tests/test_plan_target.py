@@ -23,7 +23,7 @@ import pytest
 from flowrl.cli import main
 from flowrl.plan import curve, lag
 from flowrl.plan.suggest import suggestion
-from flowrl.plan.target import curve_notes, points, reach
+from flowrl.plan.target import crossing, curve_notes, points, reach, to_target
 
 ROOT = Path(__file__).resolve().parents[1]
 KNOWN = curve.Curve(0.05, 0.95, 2.0, 40.0)  # the learning curve written onto real runs (samples: groups)
@@ -139,7 +139,7 @@ def test_a_pair_that_cannot_tell_or_no_pair_is_said_and_widens_the_interval():
 def test_samples_become_seconds_device_hours_and_dollars():
     fit = curve.Fit(KNOWN, [KNOWN] * curve.DRAWS, 0.0, 10, 100.0, 0.5)
     cost = lag.StalenessCost("paired", 0.5, [0.5] * curve.DRAWS)
-    out = reach(fit, cost, 0.8, 0.0, 1.0, rate=2.0, setup=(10.0, 16.0), spread=np.zeros(curve.DRAWS),
+    out = reach(to_target([(0.0, 0.0)] * 4, fit, 0.8, 0), cost, 0.0, 1.0, rate=2.0, setup=(10.0, 16.0), spread=np.zeros(curve.DRAWS),
                 devices=8.0, price=3.0)
     samples = KNOWN.samples_to(0.8) * 1.5  # lag 1 at +50 % per unit of lag
     seconds = 10.0 + (samples - 16.0) / 2.0
@@ -147,8 +147,25 @@ def test_samples_become_seconds_device_hours_and_dollars():
     assert out["seconds"] == pytest.approx([seconds] * 3)
     assert out["device_hours"] == pytest.approx([8 * seconds / 3600] * 3)
     assert out["cost"] == pytest.approx([3 * 8 * seconds / 3600] * 3)
-    never = reach(fit, cost, 0.99, 0.0, 0.0, 2.0, (10.0, 16.0), np.zeros(curve.DRAWS), 8.0, None)
+    never = reach(to_target([(0.0, 0.0)] * 4, fit, 0.99, 0), cost, 0.0, 0.0, 2.0, (10.0, 16.0), np.zeros(curve.DRAWS), 8.0, None)
     assert never["seconds"] == [None, None, None] and "cost" not in never
+
+
+def test_a_run_that_reached_the_target_is_read_at_its_own_crossing_not_on_the_curve():
+    data = [(0.0, 0.1), (10.0, 0.3), (20.0, 0.5), (30.0, 0.7), (40.0, 0.92), (50.0, 0.95)]
+    assert crossing(data, 0.9) == (30.0, 40.0) and crossing(data, 0.99) is None
+    edge = curve.Fit(KNOWN, [KNOWN] * curve.DRAWS, 0.0, 6, 50.0, 0.5)  # a curve that never reaches 0.96
+    base = to_target(data, edge, 0.9, 0)
+    assert base.source == "measured" and base.grid == 10.0 and all(30.0 <= n <= 40.0 for n in base.draws)
+    cost = lag.StalenessCost("paired", 0.5, [0.25 + 0.5 * i / curve.DRAWS for i in range(curve.DRAWS)])
+    args = dict(rate=2.0, setup=(0.0, 0.0), spread=np.zeros(curve.DRAWS), devices=1.0, price=None)
+    as_run = reach(base, cost, 0.0, 0.0, **args)
+    assert as_run["samples"] == [40.0, 40.0, 40.0]  # its own evaluation at the target, exactly
+    stale = reach(base, cost, 0.0, 1.0, **args)  # 1.25-1.75x the samples, seen at the next evaluation
+    low, point, high = stale["samples"]
+    assert point == 60.0 and low < point < high and {low % 10, high % 10} == {0.0}
+    assert 40.0 <= low and high <= 70.0
+    assert to_target(data[:4], None, 0.9, 0) is None  # not reached and no curve: no prediction
 
 
 # ---- the command line, on real runs --------------------------------------------------------------
@@ -158,6 +175,7 @@ def test_plan_predicts_the_time_to_target_of_each_configuration(runs, capsys):
                  "--max-replicas", "2", "--max-staleness", "1", "--format", "json"]) == 0
     found = json.loads(capsys.readouterr().out)["target"]
     assert found["unit"] == "core-hours" and found["price"] == 2.0 and found["staleness"]["source"] == "assumed"
+    assert found["samples_from"] == "curve"  # the run stops short of 0.9: its curve tells
     rows = found["configurations"]
     assert len(rows) == 5 and rows[0]["seconds"][1] == min(r["seconds"][1] for r in rows)
     assert [r["seconds"][1] for r in rows] == sorted(r["seconds"][1] for r in rows)
@@ -171,6 +189,15 @@ def test_plan_predicts_the_time_to_target_of_each_configuration(runs, capsys):
     stale = next(r for r in rows if r["mean_lag"] > 0.5)  # another lag: the unknown cost widens it
     assert stale["samples"][2] / stale["samples"][0] > as_run["samples"][2] / as_run["samples"][0] + 0.2
     assert any("staleness cost unknown" in n for n in found["notes"])
+
+
+def test_a_target_the_run_reached_is_read_at_its_own_crossing(runs, capsys):
+    assert main(["plan", str(runs["sync_learns"]), "--target", "eval_reward=0.5", "--format", "json"]) == 0
+    found = json.loads(capsys.readouterr().out)["target"]
+    assert found["samples_from"] == "measured" and "the run's own crossing" in found["notes"][0]
+    at = crossing(points(runs["sync_learns"], "eval_reward"), 0.5)[1]
+    as_run = next(r for r in found["configurations"] if r["configuration"] == "as run")
+    assert as_run["samples"] == [at, at, at]
 
 
 def test_text_output_ranks_configurations_with_their_cost(runs, capsys):

@@ -1,43 +1,58 @@
-"""`flowrl plan` against reality: predict configurations from one baseline run, then run them.
+"""`flowrl plan` against reality, the Lumos way: first the error on the configuration a baseline
+recorded, then held-out what-ifs from a sync and an async baseline, each the median over repeats.
 
-    python tools/bench_plan.py [--baseline async|sync] [--steps 20] [--repeats 2] [--longtail-steps 12]
+    python tools/bench_plan.py [--baseline sync,async] [--steps 20] [--repeats 3] [--longtail-steps 12]
+                               [--no-longtail] [--only NAME,...] [--out DIR] [--record NAME]
 
-Baseline: the GRPO digit-reversal graph (pipelines/grpo_async.yaml; tiny model, CPU) for `--steps`
-steps, with score -> learner async, max_staleness 2 (`--baseline async`, the shipped spec), or sync
-(`--baseline sync`). From it alone, `flowrl plan BASELINE <changes> --format json` predicts each
-configuration below; then each is actually run (the same spec with the same changes, through the
-real CLI, one run at a time) and its own figures are read back (`flowrl plan RUN --format json`: its
-`measured` block, idle from the trace's spans). Configurations: sync; async with max_staleness 1
-and 2; two engine replicas (sync); a batch twice as large (sync). The configuration equal to the
-baseline is a second run: its error is the run-to-run noise. The long-tail task
-(pipelines/longtail_sync.yaml's GRPO graph without its warm-up phase: the tool's waits, not the
-policy, set its time; no periodic eval) has its own sync baseline, and predicts the async
-configuration of pipelines/longtail_async.yaml that plan can simulate (max_staleness 1, partial
-rollout) and a second sync run. Printed: measured vs predicted seconds per step and idle per stage
-for each; the last line is one JSON object with `max_step_time_error` (relative),
-`max_idle_error` (absolute) and the per-configuration figures. A 2-core machine shared with other
-work is noisy (other work halved a run's speed in our measurements): every run, the baseline's
-too, is made `--repeats` times and the fastest counts, the one least disturbed; each row keeps all
-its runs' seconds per step and the load average before the one that counted.
+Two families of runs, each through the real CLI, one run at a time:
+- the GRPO digit-reversal graph (pipelines/grpo_async.yaml; tiny model, CPU) for `--steps` steps:
+  sync; async with max_staleness 1 and 2; two engine replicas (sync); a batch twice as large
+  (sync); groups of 4 instead of 8 (sync);
+- the long-tail task (pipelines/longtail_sync.yaml's GRPO graph without its warm-up phase: the
+  tool's waits, not the policy, set its time; no periodic eval) for `--longtail-steps` steps: sync,
+  and the async configuration of pipelines/longtail_async.yaml that plan can simulate (max_staleness
+  1, partial rollout).
+A baseline is one of them, run on its own: the sync one (GRPO sync, long-tail sync) or the async one
+(GRPO max_staleness 2, long-tail async); `--baseline sync,async` runs both. From each baseline
+alone, `flowrl.plan.plan_run` predicts every configuration of its family, and each is compared
+with that configuration's own run (its figures read back the same way: plan's `measured`, idle from
+the trace's spans):
+- recorded: the configuration the baseline ran, predicted as it ran (`simulated`) against a second
+  run of it: the model's error on what it was fitted on, run-to-run noise included (Lumos's replay
+  of the recorded iteration);
+- what-ifs: every other configuration of the family (sync <-> async, staleness 1-2, replicas, batch
+  size, group size, the long-tail pair), which the baseline never ran.
+A 2-core machine shared with other work is noisy: everything (baselines and configurations) is run
+`--repeats` times, each repeat predicting from its own baselines, and every figure is the median
+over repeats, with its spread (lowest, highest) and the worst. `--only` runs the named
+configurations (the baselines' own always run: the recorded error needs them). The last line is one
+JSON object: per baseline `recorded_step_error`, `max_step_time_error` and `max_idle_error` (the
+largest over the what-ifs in each repeat), each as median and worst over repeats, per configuration
+the same, and issue #46's bars (recorded <= 5 %, what-ifs <= 10 % step time and <= 0.07 idle, on the
+medians) with pass or fail.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
-import results_file
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import results_file  # noqa: E402
+
+from flowrl.plan import plan_run  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 EDGE = "edges.1=score -> learner"  # the spec's score -> learner edge, sync
 ASYNC = "edges.1={{score -> learner: {{mode: async, max_staleness: {}}}}}"
 
-# name -> (spec overrides of the real run, plan overrides of the prediction from the baseline)
+# name -> (spec overrides of the real run, plan overrides of the prediction from a baseline)
 GRPO = {
     "sync": ([EDGE], ["max_staleness=0"]),
     "async_staleness_1": ([ASYNC.format(1)], ["max_staleness=1"]),
@@ -45,97 +60,191 @@ GRPO = {
     "engine_replicas_2": ([EDGE, "nodes.rollout.resources.replicas=2"],
                           ["max_staleness=0", "nodes.rollout.resources.replicas=2"]),
     "batch_size_32": ([EDGE, "data.batch_size=32"], ["max_staleness=0", "data.batch_size=32"]),
+    "group_size_4": ([EDGE, "nodes.rollout.group_size=4"], ["max_staleness=0", "nodes.rollout.group_size=4"]),
 }
 LONGTAIL = {
-    "longtail_sync": ([], []),
+    "longtail_sync": ([], ["max_staleness=0", "nodes.rollout.partial_rollout=false"]),
     "longtail_async": ([ASYNC.format(1), "nodes.rollout.partial_rollout=true"],
                        ["max_staleness=1", "nodes.rollout.partial_rollout=true"]),
 }
+# family -> (spec, configurations, the runs' extra overrides, its baselines' configurations)
+FAMILIES = {
+    "grpo": ("grpo_async.yaml", GRPO, [], {"sync": "sync", "async": "async_staleness_2"}),
+    "longtail": ("longtail_sync.yaml", LONGTAIL, ["phases=[]", "data.eval=null"],
+                 {"sync": "longtail_sync", "async": "longtail_async"}),
+}
+BARS = {"recorded_step_error": 0.05, "max_step_time_error": 0.10, "max_idle_error": 0.07}  # issue #46
 
 
-def flowrl(*args: str) -> str:
+def flowrl_run(spec: str, overrides: list[str], steps: int, run_dir: Path) -> float:
+    """One run through the real CLI; the load average before it."""
+    load = os.getloadavg()[0]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run([sys.executable, "-m", "flowrl.cli", *args], capture_output=True, text=True, env=env)
+    proc = subprocess.run([sys.executable, "-m", "flowrl.cli", "run", str(ROOT / "pipelines" / spec), *overrides,
+                           f"run.steps={steps}", "--run-dir", str(run_dir), "--quiet"],
+                          capture_output=True, text=True, env=env)
     if proc.returncode != 0:
-        sys.exit(f"flowrl {' '.join(args)} failed:\n{proc.stderr[-3000:]}")
-    return proc.stdout
+        sys.exit(f"flowrl run {spec} {' '.join(overrides)} failed:\n{proc.stderr[-3000:]}")
+    return round(load, 2)
 
 
-def run(spec: str, overrides: list[str], steps: int, out: Path, repeats: int) -> tuple[Path, dict]:
-    """`repeats` runs, one after the other; the fastest (the least disturbed by other work on the
-    machine) and its measured figures, with the load average before each run."""
-    runs = []
-    for i in range(repeats):
-        load = os.getloadavg()[0]
-        target = out.with_name(f"{out.name}-{i}")
-        flowrl("run", spec, *overrides, f"run.steps={steps}", "--run-dir", str(target), "--quiet")
-        runs.append((target, {**plan(target, [])["measured"], "load": round(load, 2)}))
-    best = min(runs, key=lambda r: r[1]["step_seconds"])
-    return best[0], {**best[1], "repeats": [r[1]["step_seconds"] for r in runs]}
+def predicted(base: Path, overrides: list[str]) -> dict[str, Any]:
+    """plan's figures of the baseline under `overrides`; as it ran (`simulated`) without any."""
+    result = plan_run(base, overrides)
+    return result.get("predicted", result["simulated"])
 
 
-def plan(run_dir: Path, overrides: list[str]) -> dict:
-    return json.loads(flowrl("plan", str(run_dir), *overrides, "--format", "json"))
-
-
-def compare(name: str, predicted: dict, measured: dict) -> dict:
-    step_error = abs(predicted["step_seconds"] - measured["step_seconds"]) / measured["step_seconds"]
-    idle_error = max(abs(predicted["idle"][n] - measured["idle"][n]) for n in measured["idle"])
-    return {"config": name, "measured_step_s": measured["step_seconds"], "predicted_step_s": predicted["step_seconds"],
+def compare(name: str, prediction: dict, measured: dict) -> dict:
+    step_error = abs(prediction["step_seconds"] - measured["step_seconds"]) / measured["step_seconds"]
+    idle_error = max(abs(prediction["idle"][n] - measured["idle"][n]) for n in measured["idle"])
+    return {"config": name, "measured_step_s": measured["step_seconds"], "predicted_step_s": prediction["step_seconds"],
             "step_time_error": round(step_error, 4), "idle_error": round(idle_error, 3),
-            "measured_idle": measured["idle"], "predicted_idle": predicted["idle"],
-            "measured_staleness": measured["staleness"], "predicted_staleness": predicted["staleness"]}
+            "measured_idle": measured["idle"], "predicted_idle": prediction["idle"],
+            "measured_staleness": measured["staleness"], "predicted_staleness": prediction["staleness"]}
 
 
-def family(spec: str, configs: dict, steps: int, out: Path, extra: list[str], baseline: list[str],
-           repeats: int) -> list[dict]:
-    """One baseline run of `spec`, every configuration predicted from it, then run and compared."""
-    base, figures = run(spec, [*extra, *baseline], steps, out / f"{Path(spec).stem}-baseline", repeats)
-    notes = plan(base, [])["model"]["notes"]
-    print(f"baseline {base.name} ({figures['step_seconds']:.4f} s/step of {figures['repeats']}, load "
-          f"{figures['load']}): " + "; ".join(notes), flush=True)
+def selected(family: str, baselines: list[str], only: list[str] | None) -> list[str]:
+    """The family's configurations to run: those of `only` (all without it) and the baselines' own."""
+    _, table, _, own = FAMILIES[family]
+    return [n for n in table if only is None or n in only or n in {own[b] for b in baselines}]
+
+
+def families(args: argparse.Namespace) -> list[str]:
+    out = [f for f in FAMILIES if args.only is None or set(args.only) & set(FAMILIES[f][1])]
+    return [f for f in out if f != "longtail" or not args.no_longtail]
+
+
+def one_repeat(family: str, args: argparse.Namespace, out: Path, repeat: int) -> list[dict]:
+    """The family's baselines and configurations run once; every configuration predicted from
+    each baseline and compared with its run."""
+    spec, table, extra, own = FAMILIES[family]
+    steps = args.steps if family == "grpo" else args.longtail_steps
+    bases = {}
+    for kind in args.baseline:
+        bases[kind] = out / f"{family}-{kind}-baseline-{repeat}"
+        load = flowrl_run(spec, [*extra, *table[own[kind]][0]], steps, bases[kind])
+        notes = plan_run(bases[kind], [])["model"]["notes"]
+        print(f"repeat {repeat} {family} {kind} baseline (load {load}): " + "; ".join(notes), flush=True)
+    measured = {}
+    for name in selected(family, args.baseline, args.only):
+        load = flowrl_run(spec, [*extra, *table[name][0]], steps, out / f"{name}-{repeat}")
+        measured[name] = (plan_run(out / f"{name}-{repeat}", [])["measured"], load)
     rows = []
-    for name, (run_overrides, plan_overrides) in configs.items():
-        predicted = plan(base, plan_overrides)
-        predicted = predicted.get("predicted", predicted["simulated"])
-        _, measured = run(spec, [*extra, *run_overrides], steps, out / name, repeats)
-        rows.append({**compare(name, predicted, measured), "runs_s": measured["repeats"], "load": measured["load"]})
-        print_row(rows[-1])
+    for kind, base in bases.items():
+        for name, (figures, load) in measured.items():
+            recorded = name == own[kind]
+            rows.append({**compare(name, predicted(base, [] if recorded else table[name][1]), figures),
+                         "baseline": kind, "family": family, "repeat": repeat, "recorded": recorded, "load": load})
+            print_row(rows[-1])
     return rows
 
 
 def print_row(r: dict) -> None:
     idle = "  ".join(f"{n} {r['measured_idle'][n]:.2f}/{r['predicted_idle'][n]:.2f}" for n in r["measured_idle"])
-    print(f"{r['config']:<20} {r['measured_step_s']:>9.4f} {r['predicted_step_s']:>9.4f} "
-          f"{r['step_time_error']:>7.1%} {r['idle_error']:>6.3f}   {idle}", flush=True)
+    name = f"{r['config']}{' (recorded)' if r['recorded'] else ''}"
+    print(f"{r['baseline']:<6} {r['repeat']:>3} {name:<28} {r['measured_step_s']:>9.4f} {r['predicted_step_s']:>9.4f} "
+          f"{r['step_time_error']:>7.1%} {r['idle_error']:>6.3f}   {idle}   load {r['load']}", flush=True)
 
 
-def main() -> None:
+# ---- medians over repeats ---------------------------------------------------------------------------------
+
+def spread(values: list[float]) -> dict[str, Any] | None:
+    """The median over repeats, the lowest and highest (the spread) and the worst (the highest error)."""
+    if not values:
+        return None
+    return {"median": round(statistics.median(values), 4), "spread": [min(values), max(values)],
+            "worst": max(values), "values": values}
+
+
+def per_repeat(rows: list[dict], key: str, recorded: bool) -> list[float]:
+    """Each repeat's largest `key` over its recorded (or its what-if) rows; repeats without any left out."""
+    repeats = sorted({r["repeat"] for r in rows})
+    return [max(r[key] for r in rows if r["repeat"] == i and r["recorded"] == recorded) for i in repeats
+            if any(r["repeat"] == i and r["recorded"] == recorded for r in rows)]
+
+
+def summarise(rows: list[dict], baselines: list[str]) -> dict[str, Any]:
+    """Per baseline: the headline figures (module docs), per configuration its errors over repeats,
+    and the bars on the medians (None where nothing was measured for a bar)."""
+    out: dict[str, Any] = {}
+    for kind in baselines:
+        mine = [r for r in rows if r["baseline"] == kind]
+        figures = {"recorded_step_error": spread(per_repeat(mine, "step_time_error", True)),
+                   "recorded_idle_error": spread(per_repeat(mine, "idle_error", True)),
+                   "max_step_time_error": spread(per_repeat(mine, "step_time_error", False)),
+                   "max_idle_error": spread(per_repeat(mine, "idle_error", False))}
+        configs = {}
+        for name in dict.fromkeys(r["config"] for r in mine):
+            theirs = [r for r in mine if r["config"] == name]
+            configs[name] = {"recorded": theirs[0]["recorded"],
+                             **{k: spread([r[k] for r in theirs]) for k in ("step_time_error", "idle_error")},
+                             "measured_step_s": statistics.median(r["measured_step_s"] for r in theirs),
+                             "predicted_step_s": statistics.median(r["predicted_step_s"] for r in theirs)}
+        bars = {k: {"bar": bar, "median": figures[k]["median"] if figures[k] else None,
+                    "pass": figures[k]["median"] <= bar if figures[k] else None} for k, bar in BARS.items()}
+        out[kind] = {**figures, "configs": configs, "bars": bars}
+    return out
+
+
+def print_summary(summary: dict[str, Any]) -> None:
+    for kind, s in summary.items():
+        print(f"\nfrom the {kind} baseline: median over repeats (lowest..highest, worst)")
+        for name, c in s["configs"].items():
+            st, idle = c["step_time_error"], c["idle_error"]
+            print(f"  {name + (' (recorded)' if c['recorded'] else ''):<30} step time {st['median']:.1%} "
+                  f"({st['spread'][0]:.1%}..{st['spread'][1]:.1%})  idle {idle['median']:.3f} "
+                  f"({idle['spread'][0]:.3f}..{idle['spread'][1]:.3f})")
+        for k, b in s["bars"].items():
+            worst = s[k]["worst"] if s[k] else None
+            verdict = "not measured" if b["pass"] is None else "pass" if b["pass"] else "FAIL"
+            print(f"  {k}: median {b['median']}, worst {worst}; bar {b['bar']}: {verdict}")
+
+
+def names(text: str, allowed: list[str], what: str) -> list[str]:
+    out = [x for x in text.split(",") if x]
+    unknown = [x for x in out if x not in allowed]
+    if unknown or not out:
+        wrong = ", ".join(unknown) if unknown else repr(text)
+        raise argparse.ArgumentTypeError(f"{what}: {wrong}; choose from {', '.join(allowed)}")
+    return out
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--baseline", choices=("async", "sync"), default="async",
-                        help="the GRPO baseline's score -> learner edge (async: max_staleness 2)")
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--repeats", type=int, default=2, help="runs of each configuration (and baseline); "
-                        "the fastest counts: the least disturbed by other work on a shared machine")
+    parser.add_argument("--baseline", type=lambda v: names(v, ["sync", "async"], "unknown baseline"),
+                        default=["sync", "async"], help="comma-separated: sync, async or both (default)")
+    parser.add_argument("--steps", type=int, default=20, help="steps of each GRPO run")
+    parser.add_argument("--repeats", type=int, default=3, help="times every run is made; figures are medians")
     parser.add_argument("--longtail-steps", type=int, default=12)
     parser.add_argument("--no-longtail", action="store_true")
+    parser.add_argument("--only", type=lambda v: names(v, [*GRPO, *LONGTAIL], "unknown configuration"),
+                        help="comma-separated configurations to run (the baselines' own always run)")
     parser.add_argument("--out", help="keep the runs here (default: a temporary directory)")
     results_file.add_record_flag(parser)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.repeats < 1 or args.steps < 4 or args.longtail_steps < 4:
+        parser.error("--repeats at least 1, --steps and --longtail-steps at least 4 (plan measures from step 2)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    rows: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(args.out or tmp)
-        print(f"{'config':<20} {'s/step':>9} {'predicted':>9} {'error':>7} {'idle':>6}   idle measured/predicted")
-        baseline = GRPO["async_staleness_2" if args.baseline == "async" else "sync"][0]
-        rows = family(str(ROOT / "pipelines" / "grpo_async.yaml"), GRPO, args.steps, out, [], baseline, args.repeats)
-        if not args.no_longtail:
-            rows += family(str(ROOT / "pipelines" / "longtail_sync.yaml"), LONGTAIL, args.longtail_steps, out,
-                           ["phases=[]", "data.eval=null"], [], args.repeats)
-    summary = {"max_step_time_error": max(r["step_time_error"] for r in rows),
-               "max_idle_error": max(r["idle_error"] for r in rows),
-               "within": all(r["step_time_error"] <= 0.15 and r["idle_error"] <= 0.1 for r in rows),
-               "baseline": args.baseline, "repeats": args.repeats, "steps": args.steps, "longtail_steps": None if args.no_longtail else args.longtail_steps,
-               "configs": rows}
-    results_file.emit(args.record, "bench_plan", summary)
+        print(f"{'base':<6} {'rep':>3} {'config':<28} {'s/step':>9} {'predicted':>9} {'error':>7} {'idle':>6}   "
+              "idle measured/predicted")
+        for repeat in range(args.repeats):
+            for family in families(args):
+                rows += one_repeat(family, args, out, repeat)
+    summary = summarise(rows, args.baseline)
+    print_summary(summary)
+    bars = {f"{kind}/{k}": b["pass"] for kind, s in summary.items() for k, b in s["bars"].items()}
+    verdict = False if False in bars.values() else None if None in bars.values() else True
+    result = {"baselines": summary, "bars": bars, "pass": verdict,
+              "baseline": args.baseline, "repeats": args.repeats, "steps": args.steps,
+              "longtail_steps": None if args.no_longtail else args.longtail_steps, "only": args.only, "rows": rows}
+    results_file.emit(args.record, "bench_plan", result)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@
     nodes.NODE.partial_rollout=BOOL      weight updates without draining (a generate node)
     nodes.NODE.concurrency=N             calls in flight per replica of a generate or reward/transform node
     nodes.NODE.KEY=VALUE                 a key (path) of the node's config that changes the cost shape
-                                         its operator declares, e.g. engine.max_batch (a plugin's own too)
+                                         its operator declares, e.g. engine.max_batch, engine.threads
+                                         (a plugin's own too)
     max_staleness=N                      the train node's input edge: 0 sync, N > 0 async with N
     scale=F                              the model's FLOPs and bytes times F (engine, train, sync)
 

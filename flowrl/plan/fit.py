@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flowrl.plan.records import WARMUP, Baseline, Span
-from flowrl.plan.shapes import declared, processes, shapes
+from flowrl.plan.shapes import declared, engine_cores, processes, shapes
 from flowrl.plan.shapes import slots as slots_of
 from flowrl.plan.solo import solo_work
 from flowrl.spec.errors import UserError
@@ -41,6 +41,7 @@ class EngineCost:
     b: float  # seconds per row per iteration
     update_s: float  # one weight load
     periods: int  # busy periods fitted
+    cores: float = 1.0  # the cores its per-row work ran over in the fitted run (shapes.engine_cores)
 
 
 @dataclass
@@ -69,6 +70,7 @@ def fit(base: Baseline, cores: float, train_lock: float = 1.0, scatter: bool = F
             groups[name] = group_pool(base, name, [s for s in spans if s.name == "generate"], notes)
             multi_turn = any(wait > 0 for _, wait in groups[name])
             engines[name] = fit_engine(base, name, work, notes, multi_turn, spread)
+            engines[name].cores = engine_cores(plan, name, cores)
         elif node.kind == "sync":
             sync_s[name] = _mean([work[s] for s in spans if s.name == "sync"])
         elif node.kind != "train":

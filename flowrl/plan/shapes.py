@@ -56,3 +56,12 @@ def processes(plan: Any, known: dict[str, CostShape] | None = None) -> dict[str,
     trainer with own_process) -> its threads."""
     known = shapes(plan) if known is None else known
     return {name: float(shape.process_threads) for name, shape in known.items() if shape.process_threads}
+
+
+def engine_cores(plan: Any, node: str, cores: float, known: dict[str, CostShape] | None = None) -> float:
+    """The cores the engine of generate node `node` decodes its rows over: its threads (`threads`,
+    None: one), at most the machine's `cores` less the threads of the processes of their own beside
+    it (a trainer with own_process keeps its threads), at least one (docs/plan.md, "Engine threads")."""
+    known = shapes(plan) if known is None else known
+    others = sum(t for name, t in processes(plan, known).items() if name != node)
+    return max(1.0, min(float(known[node].threads or 1), cores - others))

@@ -4,7 +4,9 @@ fitted cost (fit.py) says on the machine-share model (cpu.py), on the virtual cl
 coordinator, its roles and the stages are the real ones (simulate.py).
 
 - generate: the group's rows (resampled from the run's groups, fit.group_pool) join the replica's
-  engine, which decodes one token for every row in its slots per iteration (a + b x rows seconds);
+  engine, which decodes one token for every row in its slots per iteration (a + b x rows seconds;
+  the per-row part b runs over the engine's threads, so it scales with the cores they get against
+  the cores the fitted run's engine had: shapes.engine_cores, docs/plan.md "Engine threads");
   a multi-turn group also waits on its environment for its resampled wait. A weight load costs
   its mean; with partial rollout the engine pauses between iterations meanwhile.
 - reward, reference, transform: a resampled measured call (a reference scales with the model).
@@ -26,7 +28,7 @@ from flowrl.operator import CostShape, Knobs, Operator, OperatorContext, TrainRe
 from flowrl.plan.changes import Scenario
 from flowrl.plan.cpu import MAIN, Cpu
 from flowrl.plan.fit import Costs, EngineCost
-from flowrl.plan.shapes import processes, shapes, slots
+from flowrl.plan.shapes import engine_cores, processes, shapes, slots
 
 
 class Prompts:
@@ -135,7 +137,8 @@ class Generate(StandIn):
     def __init__(self, config: CostShape, context: OperatorContext, sim: StandIns) -> None:
         super().__init__(config, context, sim)
         self.cost: EngineCost = sim.costs.engines[self.node]
-        self.engine = Engine(sim, self.cost, slots(config))
+        cores = engine_cores(sim.scenario.plan, self.node, sim.cores, sim.shapes)
+        self.engine = Engine(sim, self.cost, slots(config), self.cost.cores / cores)
         self.group_size = config.group_size
         self.fitted_size = int(sim.costs.group_size.get(self.node, config.group_size))
 
@@ -174,8 +177,9 @@ class Engine:
     """One replica's engine: rows wait for a slot (first come, first served); an iteration decodes
     one token of each row in a slot."""
 
-    def __init__(self, sim: StandIns, cost: EngineCost, slots: int) -> None:
+    def __init__(self, sim: StandIns, cost: EngineCost, slots: int, per_row: float = 1.0) -> None:
         self.sim, self.cost, self.slots = sim, cost, slots
+        self.per_row = per_row  # the fitted per-row cost's factor: fitted cores / this engine's cores
         self.waiting: deque[list[Any]] = deque()  # [tokens left, its group's [rows left, future]]
         self.active: list[list[Any]] = []
         self.running = asyncio.Event()  # cleared while paused (partial rollout's weight load)
@@ -196,7 +200,7 @@ class Engine:
             await self.running.wait()
             while self.waiting and len(self.active) < self.slots:
                 self.active.append(self.waiting.popleft())
-            await self.sim.work(self.sim.scale * (self.cost.a + self.cost.b * len(self.active)))
+            await self.sim.work(self.sim.scale * (self.cost.a + self.cost.b * self.per_row * len(self.active)))
             for row in self.active:
                 row[0] -= 1
                 if row[0] <= 0:

@@ -1,20 +1,25 @@
 """`flowrl plan RUN_DIR --target METRIC=VALUE`: the wall time, samples, device-hours and cost to
 reach a metric's value, for the run as it ran, the overrides and the search's configurations.
 
-samples to target  the run's own learning curve against samples (curve.py), times the staleness
-                   cost of the configuration's mean lag against the run's (lag.py)
+samples to target  where the run reached the target: its own measured crossing (between the last
+                   evaluation below it and the first at or above it), else the run's own learning
+                   curve against samples (curve.py, the fit); times the staleness cost of the
+                   configuration's mean lag against the run's (lag.py), and read off at that
+                   configuration's next evaluation (a run tells its crossing only there)
 wall time          the run's own setup (its first WARMUP steps, measured) plus the remaining
                    samples at the simulated samples/s (`predict`)
 device-hours       the devices the configuration holds (its cluster's GPUs, or CPU cores on a CPU
                    pipeline; more where it asks for more) times the wall time; cost: times --price
 
-Every interval comes from the same draws: the curve refitted on resampled residuals, the staleness
-cost's draws, and the throughput within the simulator's error on the run as it ran.
+Every interval comes from the same draws: the crossing anywhere between its two evaluations (or the
+curve refitted on resampled residuals), the staleness cost's draws, and the throughput within the
+simulator's error on the run as it ran.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -111,6 +116,49 @@ def curve_notes(fit: curve.Fit | None, metric: str, target: float, data: list[tu
     return notes
 
 
+@dataclass
+class ToTarget:
+    """Samples to the target for the run as it ran: `point` and DRAWS draws; `grid` the samples
+    between the run's evaluations where it was measured (a crossing is seen at an evaluation), 0 on
+    the curve."""
+    source: str  # "measured": the run's own crossing; "curve": the fitted learning curve
+    point: float
+    draws: list[float]
+    grid: float = 0.0
+
+    def at(self, samples: float) -> float:
+        """`samples` read off at the next evaluation (on the curve: as they are)."""
+        if self.grid <= 0 or not math.isfinite(samples):
+            return samples
+        return math.ceil(samples / self.grid - 1e-9) * self.grid
+
+
+def crossing(data: list[tuple[float, float]], target: float) -> tuple[float, float] | None:
+    """(samples at the last record below `target` before the first at or above it, samples at that
+    first one): the run crossed in between; None where it never reached it."""
+    before = 0.0
+    for samples, value in data:
+        if value >= target:
+            return before, samples
+        before = samples
+    return None
+
+
+def to_target(data: list[tuple[float, float]], fit: curve.Fit | None, target: float, seed: int) -> ToTarget | None:
+    """The measured crossing where the run reached `target`, else the curve's (None where the curve
+    cannot predict: too short, or still on its plateau)."""
+    found = crossing(data, target)
+    if found is not None:
+        low, high = found
+        gaps = np.diff(sorted({c for c, _ in data}))
+        grid = float(np.median(gaps)) if len(gaps) else 0.0
+        draws = np.random.default_rng(seed + 11).uniform(low, high, curve.DRAWS) if high > low else [high] * curve.DRAWS
+        return ToTarget("measured", (low + high) / 2, [float(x) for x in draws], grid)
+    if fit is None or not left_plateau(fit):
+        return None
+    return ToTarget("curve", fit.curve.samples_to(target), [d.samples_to(target) for d in fit.draws])
+
+
 def time_to_target(run_dir: Path, text: str, result: dict[str, Any], price: float | None = None,
                    paired_dir: Path | None = None, seed: int = 0) -> dict[str, Any]:
     """The `target` section of plan's result: `result` is plan_run's for the same run."""
@@ -120,6 +168,7 @@ def time_to_target(run_dir: Path, text: str, result: dict[str, Any], price: floa
     data = points(run_dir, metric)
     fit = curve.fit(data, seed=seed)
     notes = curve_notes(fit, metric, value, data)
+    told = len(notes)  # what the curve cannot tell comes first: inspect's one line where plan cannot predict
     rows = train_rows(run)
     base_lag = lag.mean_lag(result["simulated"]["staleness"])
     cost = staleness(data, rows, metric, paired_dir, seed)
@@ -129,7 +178,14 @@ def time_to_target(run_dir: Path, text: str, result: dict[str, Any], price: floa
         "err more, docs/plan.md)",
         f"wall time: the run's own setup (its first {WARMUP} steps, {rows[WARMUP - 1].time:.1f} s measured) plus the "
         "rest at the simulated samples/s; evaluations and checkpoints cost what they did in the run"]
-    predicts = fit is not None and left_plateau(fit)
+    base = to_target(data, fit, value, seed)
+    if base is not None and base.source == "measured":
+        low, high = crossing(data, value) or (0.0, 0.0)
+        notes.insert(0, f"samples to target: the run's own crossing, measured between its records at {low:g} and "
+                     f"{high:g} samples (the curve fit is not used); other configurations scale it by the staleness "
+                     "cost and read it off at their next evaluation")
+    elif base is not None:
+        notes.insert(told, "samples to target: the fitted learning curve (the run did not reach the target)")
     setup = (rows[WARMUP - 1].time, float(sum(r.groups for r in rows[:WARMUP])))
     plan = run.plan()
     kind = budget_kind(plan)
@@ -141,14 +197,15 @@ def time_to_target(run_dir: Path, text: str, result: dict[str, Any], price: floa
         devices = float(math.ceil(devices - 1e-9)) if kind == "gpus" else devices
         row = {"configuration": name, "changes": changes, "samples_per_s": figures["samples_per_s"],
                "mean_lag": round(lag.mean_lag(figures["staleness"]), 3), "devices": devices}
-        if predicts:
-            row.update(reach(fit, cost, value, base_lag, row["mean_lag"], figures["samples_per_s"], setup, spread,
+        if base is not None:
+            row.update(reach(base, cost, base_lag, row["mean_lag"], figures["samples_per_s"], setup, spread,
                              devices, price))
         out.append(row)
     out.sort(key=lambda r: (_finite(r.get("seconds", [None, None])[1]), r["configuration"]))
     return {"metric": metric, "value": value, "unit": UNITS[kind], "price": price, "notes": notes,
-            "curve": describe(fit, data), "staleness": {"source": cost.source, "per_lag": round(cost.slope, 4),
-                                                         "interval": list(curve.percentiles(cost.slopes))},
+            "samples_from": None if base is None else base.source, "curve": describe(fit, data),
+            "staleness": {"source": cost.source, "per_lag": round(cost.slope, 4),
+                          "interval": list(curve.percentiles(cost.slopes))},
             "configurations": out}
 
 
@@ -181,15 +238,14 @@ def candidates(result: dict[str, Any]) -> list[tuple[str, list[str], dict[str, A
     return out
 
 
-def reach(fit: curve.Fit, cost: lag.StalenessCost, value: float, base_lag: float, mean_lag: float, rate: float,
+def reach(base: ToTarget, cost: lag.StalenessCost, base_lag: float, mean_lag: float, rate: float,
           setup: tuple[float, float], spread: np.ndarray, devices: float, price: float | None) -> dict[str, Any]:
     """[low, point, high] samples, seconds, device-hours (and cost) of one configuration."""
     def seconds(samples: float, speed: float) -> float:
         return setup[0] + max(0.0, samples - setup[1]) / max(speed, 1e-9) if math.isfinite(samples) else math.inf
 
-    point = fit.curve.samples_to(value) * cost.multiplier(base_lag, mean_lag)
-    samples = [d.samples_to(value) * cost.multiplier(base_lag, mean_lag, s)
-               for d, s in zip(fit.draws, cost.slopes, strict=True)]
+    point = base.at(base.point * cost.multiplier(base_lag, mean_lag))
+    samples = [base.at(n * cost.multiplier(base_lag, mean_lag, s)) for n, s in zip(base.draws, cost.slopes, strict=True)]
     walls = [seconds(n, rate * (1 + e)) for n, e in zip(samples, spread, strict=True)]
     out = {"samples": _three(samples, point), "seconds": _three(walls, seconds(point, rate))}
     out["device_hours"] = [None if x is None else x * devices / 3600 for x in out["seconds"]]
