@@ -146,3 +146,16 @@ def test_report_only_reprints_the_arms_and_adds_nothing_to_the_ledger(b, tmp_pat
     lines = capsys.readouterr().out.splitlines()
     assert "seed 0 over the control: eval_reward +0.400 (last +0.400), anywhere +0.400 (last +0.400)" in lines
     assert json.loads(lines[-1])["over_control"]["eval_reward"]["mean"] == 0.4
+
+
+def test_another_pipeline_has_its_own_heldout_seeds_and_is_named_in_the_stamp(b, monkeypatch, capsys):
+    monkeypatch.setattr(b.heldout, "commit", lambda: ("abc", False))
+    code = ["--pipeline", "pipelines/smollm2_code.yaml"]
+    assert b.bench_name(b.PIPELINE) == "bench_smollm2"
+    assert b.bench_name("pipelines/smollm2_code.yaml") == "bench_smollm2:smollm2_code"
+    assert b.check_protocol(b.parse([*code, "--heldout", "--control"])) == [1000, 1001, 1002, 1003, 1004]
+    with pytest.raises(SystemExit) as stopped:  # a recipe with no held-out seeds fixed cannot claim
+        b.check_protocol(b.parse(["--pipeline", "pipelines/mine.yaml", "--heldout", "--control"]))
+    assert stopped.value.code == 2 and "bench_smollm2:mine has no held-out seeds fixed" in capsys.readouterr().err
+    assert b.result([], {"bench": "bench_smollm2:smollm2_code"}, "pipelines/smollm2_code.yaml")["pipeline"] \
+        == "pipelines/smollm2_code.yaml"

@@ -1,9 +1,11 @@
 """A real checkpoint that learns: pipelines/smollm2_sums.yaml on several seeds, against a random-reward control.
 
-    python tools/bench_smollm2.py [--seeds 0,1,2] [--control] [--out runs/bench_smollm2] [--report-only] [key=value ...]
-    python tools/bench_smollm2.py --heldout --control [--seeds 1000,...]      # the claim, on held-out seeds
+    python tools/bench_smollm2.py [--pipeline P] [--seeds 0,1,2] [--control] [--out DIR] [--report-only] [key=value ...]
+    python tools/bench_smollm2.py [--pipeline P] --heldout --control [--seeds 1000,...]   # the claim, on held-out seeds
 
-Runs `flowrl run pipelines/smollm2_sums.yaml run.seed=S` for each seed (never two at once: they would
+`--pipeline` (default pipelines/smollm2_sums.yaml; also pipelines/smollm2_code.yaml, the agentic
+task) names the recipe: any pipeline whose `data.eval` scores greedy answers into eval.jsonl.
+Runs `flowrl run PIPELINE run.seed=S` for each seed (never two at once: they would
 share the cores), measuring each run's wall time (process start to exit, model load included) and
 peak resident memory (the run's process tree, from wait4), and reads its greedy evaluations of the
 held-out sums (RUN_DIR/eval.jsonl): `eval_reward` (the pipeline's `last_integer`: the reply's last
@@ -70,12 +72,18 @@ def arm_name(arm: str, seed: int) -> str:
     return f"seed-{seed}" if arm == "real" else f"control-{seed}"
 
 
-def run_arm(seed: int, arm: str, out: Path, overrides: list[str]) -> dict:
+def bench_name(pipeline: str) -> str:
+    """The protocol's name of this benchmark on `pipeline`: the default pipeline keeps the plain name
+    its earlier ledger lines carry; another is `bench_smollm2:STEM` (its own screening history)."""
+    return BENCH if pipeline == PIPELINE else f"{BENCH}:{Path(pipeline).stem}"
+
+
+def run_arm(seed: int, arm: str, out: Path, overrides: list[str], pipeline: str = PIPELINE) -> dict:
     """One run of the pipeline (`arm`: real or control); its wall seconds, peak RSS (GB) of the
     whole process tree and its evaluations' figures."""
     name = arm_name(arm, seed)
     run_dir = out / name
-    command = ["flowrl", "run", PIPELINE, f"run.seed={seed}", *overrides, *([CONTROL] if arm == "control" else []),
+    command = ["flowrl", "run", pipeline, f"run.seed={seed}", *overrides, *([CONTROL] if arm == "control" else []),
                "--run-dir", str(run_dir), "--quiet"]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     started = time.time()
@@ -226,14 +234,14 @@ def headline(figures: dict, passed: str) -> str:
     return "; ".join(parts) + f"; passed {passed}"
 
 
-def result(rows: list[dict], protocol: dict) -> dict:
+def result(rows: list[dict], protocol: dict, pipeline: str = PIPELINE) -> dict:
     """The last line's JSON object (module docs)."""
     figures = over_seeds(rows, score_names(rows))
     passed = f"{sum(r['passes'] for r in rows)}/{len(rows)}"
     bar = {"figure": "over_control" if figures["over_control"] is not None else "gain", "min_gain": MIN_GAIN,
            "min_se": MIN_SE, "max_wall_s": MAX_SECONDS, "max_rss_gb": MAX_RSS_GB}
     keep = ("curve", "gain", "gain_se", "scores", "wall_s", "steps", "peak_rss_gb", "exit")
-    return {"headline": headline(figures, passed), "pipeline": PIPELINE, "passed": passed, "bar": bar,
+    return {"headline": headline(figures, passed), "pipeline": pipeline, "passed": passed, "bar": bar,
             "interval": INTERVAL, **figures, "protocol": protocol, "seeds": [r["seed"] for r in rows],
             "by_seed": {str(r["seed"]): {"real": {k: r["real"].get(k) for k in keep},
                                          "control": {k: r["control"].get(k) for k in keep} if r["control"] else None,
@@ -259,14 +267,14 @@ def print_seed(row: dict) -> None:
 def check_protocol(args: argparse.Namespace) -> list[int]:
     """The seeds to run, after the held-out protocol's refusals (tools/heldout.py; module docs)."""
     if args.heldout and args.overrides:
-        raise heldout.ProtocolError(f"--heldout measures {PIPELINE} as committed: no key=value overrides "
+        raise heldout.ProtocolError(f"--heldout measures {args.pipeline} as committed: no key=value overrides "
                                     f"({' '.join(args.overrides)})")
     if args.heldout and not args.control:
         raise heldout.ProtocolError("--heldout measures the claim against its control: add --control "
                                     "(the bar is the gain over the random-reward arm)")
     if any(o.split("=", 1)[0] == CONTROL.split("=", 1)[0] for o in args.overrides):
         raise heldout.ProtocolError(f"{CONTROL} is the control arm's: use --control")
-    return heldout.seeds_for(BENCH, args.heldout, args.seeds) or [0, 1, 2]
+    return heldout.seeds_for(bench_name(args.pipeline), args.heldout, args.seeds) or [0, 1, 2]
 
 
 def existing_runs(out: Path, seeds: list[int], arms: list[str]) -> list[str]:
@@ -277,6 +285,7 @@ def existing_runs(out: Path, seeds: list[int], arms: list[str]) -> list[str]:
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pipeline", default=PIPELINE, help=f"the recipe (default {PIPELINE})")
     parser.add_argument("--seeds", type=lambda v: [int(x) for x in v.split(",") if x],
                         help="comma-separated (default 0,1,2; with --heldout all of the held-out seeds)")
     parser.add_argument("--control", action="store_true", help="also run each seed with random rewards (the control arm)")
@@ -297,7 +306,7 @@ def main(argv: list[str] | None = None) -> None:
     if not args.report_only and (taken := existing_runs(out, seeds, arms)):
         raise SystemExit(f"bench_smollm2: {out} already holds {', '.join(taken)}: give a new --out, or --report-only")
     out.mkdir(parents=True, exist_ok=True)
-    protocol = heldout.stamp(BENCH, args.heldout, seeds)
+    protocol = heldout.stamp(bench_name(args.pipeline), args.heldout, seeds)
     rows = []
     for seed in seeds:
         figures = {}
@@ -306,13 +315,13 @@ def main(argv: list[str] | None = None) -> None:
             if args.report_only:
                 figures[arm] = json.loads(path.read_text()) if path.exists() else None
             else:
-                figures[arm] = run_arm(seed, arm, out, args.overrides)
+                figures[arm] = run_arm(seed, arm, out, args.overrides, args.pipeline)
                 print(f"seed {seed} {arm} done: {figures[arm]['curve']}", flush=True)
         if figures["real"] is None:
             continue
         rows.append(seed_row(seed, figures["real"], figures.get("control")))
         print_seed(rows[-1])
-    final = result(rows, protocol)
+    final = result(rows, protocol, args.pipeline)
     if not args.report_only:  # a reprint is not another measurement
         heldout.record(final)
     results_file.emit(args.record, "bench_smollm2", final)

@@ -34,6 +34,7 @@ HELDOUT = {
     "bench_e2e": list(range(1000, 1020)),
     "bench_longtail": list(range(1000, 1005)),
     "bench_smollm2": list(range(1000, 1005)),
+    "bench_smollm2:smollm2_code": list(range(1000, 1005)),
 }
 Z95 = 1.959964
 
@@ -134,7 +135,10 @@ def seeds_for(bench: str, heldout: bool, seeds: list[int] | None) -> list[int]:
     """The seeds a run may use: its benchmark's held-out seeds (all, or the subset asked for) under
     `--heldout`, and otherwise the seeds asked for, none of them held out."""
     if heldout:
-        allowed = HELDOUT[bench]
+        allowed = HELDOUT.get(bench)
+        if allowed is None:
+            raise ProtocolError(f"{bench} has no held-out seeds fixed: name them in tools/heldout.py's HELDOUT "
+                                "(in the same commit as the recipe they measure)")
         chosen = seeds or allowed
         if any(s not in allowed for s in chosen):
             raise ProtocolError(f"--heldout runs {bench}'s held-out seeds {allowed[0]}-{allowed[-1]}; "
