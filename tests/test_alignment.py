@@ -93,3 +93,19 @@ def test_optim_gac_is_a_typed_key_read_by_the_trainer_config():
         msgspec.convert({"gac": {"max_cos": 1.5}}, OptimConfig)
     with pytest.raises(msgspec.ValidationError, match="max_co"):
         msgspec.convert({"gac": {"max_co": 0.1}}, OptimConfig)
+
+
+def test_off_the_cosine_of_a_large_gradient_is_read_on_a_sample_and_keeps_no_full_copy():
+    torch.manual_seed(0)
+    n = 1 << 20  # over WHOLE: sampled
+    g0, noise = torch.randn(n), torch.randn(n)
+    g1 = 0.6 * g0 + 0.8 * noise
+    exact = float(torch.nn.functional.cosine_similarity(g0, g1, dim=0))
+    a = GradientAlignment()
+    a.apply(params(g0.tolist()), same)
+    kept = sum(q.numel() for q in a.previous)
+    assert kept == n // 16  # 1/16 of the coordinates, not a copy of the gradient
+    assert a.apply(params(g1.tolist()), same)["grad_cos_prev"] == pytest.approx(exact, abs=0.005)
+    on = GradientAlignment(max_cos=0.5)  # gac needs all of it
+    on.apply(params(g0.tolist()), same)
+    assert sum(q.numel() for q in on.previous) == n
