@@ -24,6 +24,12 @@ def b():
     return module
 
 
+def ac_se(p: float, n: int) -> float:
+    """Agresti-Coull's standard error, written out: two successes and two failures added."""
+    q = (p * n + 2) / (n + 4)
+    return math.sqrt(q * (1 - q) / (n + 4))
+
+
 def arm(b, folder: Path, curve: list[float], anywhere: list[float], **run) -> dict:
     """A run's figures as run_arm makes them, from an eval.jsonl written here (versions 0, 10, 20)."""
     folder.mkdir(parents=True)
@@ -38,7 +44,7 @@ def test_a_run_reports_each_score_first_last_and_gain(b, tmp_path):
     assert figures["curve"] == [[0, 0.23], [10, 0.6], [20, 0.73]] and figures["gain"] == 0.5
     assert figures["scores"] == {"eval_reward": {"first": 0.23, "last": 0.73, "gain": 0.5},
                                  "anywhere": {"first": 0.5, "last": 0.8, "gain": 0.3}}
-    spread = math.hypot(math.sqrt(0.23 * 0.77 / 256), math.sqrt(0.73 * 0.27 / 256))
+    spread = math.hypot(ac_se(0.23, 256), ac_se(0.73, 256))
     assert figures["se"] == round(spread, 4) and figures["gain_se"] == round(0.5 / spread, 2)
 
 
@@ -50,7 +56,7 @@ def test_the_gain_over_the_control_is_the_real_gain_less_the_controls(b, tmp_pat
     assert over["eval_reward"]["over_control"] == pytest.approx(0.5 - 0.18)
     assert over["eval_reward"]["last_over_control"] == pytest.approx(0.73 - 0.43)  # differs: the firsts differ
     assert over["anywhere"] == {"over_control": pytest.approx(0.3 - 0.2), "last_over_control": pytest.approx(0.1)}
-    spread = math.hypot(math.sqrt(0.73 * 0.27 / 256), math.sqrt(0.43 * 0.57 / 256))
+    spread = math.hypot(ac_se(0.73, 256), ac_se(0.43, 256))
     assert over["eval_reward"]["over_control_se"] == round(0.32 / spread, 2) and row["passes"]
 
 
@@ -159,3 +165,12 @@ def test_another_pipeline_has_its_own_heldout_seeds_and_is_named_in_the_stamp(b,
     assert stopped.value.code == 2 and "bench_smollm2:mine has no held-out seeds fixed" in capsys.readouterr().err
     assert b.result([], {"bench": "bench_smollm2:smollm2_code"}, "pipelines/smollm2_code.yaml")["pipeline"] \
         == "pipelines/smollm2_code.yaml"
+
+
+def test_a_gain_to_1_against_a_control_at_0_passes(b, tmp_path):
+    """Both last evaluations at the ends of [0, 1]: the standard error is not 0 (Agresti-Coull)."""
+    real = arm(b, tmp_path / "r", [0.094, 0.969, 1.0], [0.0625, 0.969, 1.0])
+    control = arm(b, tmp_path / "c", [0.094, 0.0, 0.0], [0.0625, 0.0, 0.0])
+    row = b.seed_row(0, real, control)
+    assert row["over_control"]["eval_reward"]["over_control_se"] > 3 and row["passes"]
+    assert b.se(0.0, 64) > 0 and b.se(1.0, 64) == pytest.approx(b.se(0.0, 64))

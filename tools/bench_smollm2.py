@@ -11,7 +11,7 @@ peak resident memory (the run's process tree, from wait4), and reads its greedy 
 held-out sums (RUN_DIR/eval.jsonl): `eval_reward` (the pipeline's `last_integer`: the reply's last
 integer is the sum) and each `scores` entry (`anywhere`: the sum written anywhere, which does not
 reward the format alone). Per seed: the curve, the gain from the first evaluation to the last and
-the gain in standard errors (sqrt(p(1-p)/n) of each evaluation, combined: sqrt(se0^2 + se1^2)).
+the gain in standard errors (Agresti-Coull's of each evaluation, combined: sqrt(se0^2 + se1^2)).
 
 `--control` runs each seed a second time with `nodes.score.control=random` (the reward node trains
 on rewards drawn from the run's own scores, independent of the answer; its evaluations still score
@@ -100,8 +100,13 @@ def run_arm(seed: int, arm: str, out: Path, overrides: list[str], pipeline: str 
 
 
 def se(p: float, n: int) -> float:
-    """The standard error of a mean of n 0/1 scores at rate p."""
-    return math.sqrt(max(p * (1 - p), 0.0) / n) if n else 0.0
+    """The standard error of a mean of n 0/1 scores at rate p, Agresti-Coull's (two successes and two
+    failures added): a plain sqrt(p(1-p)/n) is 0 at 0 and 1, so an evaluation that went from 0.09 to
+    1.0 against a control at 0.0 would have no standard error and fail the bar it clears the most."""
+    if not n:
+        return 0.0
+    adjusted = (p * n + 2) / (n + 4)
+    return math.sqrt(adjusted * (1 - adjusted) / (n + 4))
 
 
 def summary(run_dir: Path) -> dict:
