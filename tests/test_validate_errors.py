@@ -1,5 +1,5 @@
 """Hostile specs: `flowrl validate` as a process answers every one with a located message on
-stderr and exit 1, no traceback, within 5 s and 500 MB.
+stderr and exit 1, no traceback, within 10 s of CPU and 500 MB.
 
 The corpus is written to tmp files here (a binary or UTF-16 file, an alias bomb and 5,000-deep
 nesting do not belong in the repository's spec folder); tests/specs/bad holds the readable ones.
@@ -16,7 +16,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = (ROOT / "tests/specs/good/base.yaml").read_text()
-TIME_LIMIT_S = 5.0
+# A guard against blow-ups (an alias bomb takes minutes), not a speed target: validate imports torch
+# for the operators' checks and takes ~3.4 s of CPU on an idle 2-core machine, and 5.2 s was measured
+# beside a benchmark (shared cores inflate CPU time too), which a 5 s limit failed.
+TIME_LIMIT_S = 10.0
 MEMORY_LIMIT_MB = 500
 
 LAUGHS = "lol: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
