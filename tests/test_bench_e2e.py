@@ -1,9 +1,9 @@
 """tools/bench_e2e.py's `--warmups` override: both quickstart pipelines reduced to their GRPO phase."""
 
-import importlib.util
 from pathlib import Path
 
 import pytest
+from tool_module import tool
 
 from flowrl.spec.load import load
 
@@ -11,10 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_e2e", ROOT / "tools/bench_e2e.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return tool("bench_e2e")
 
 
 @pytest.mark.parametrize("name", ["sync", "async"])

@@ -1,11 +1,11 @@
 """tools/bench_longtail.py: its summary over seeds and the pipelines' GRPO phase alone."""
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
 import pytest
+from tool_module import tool
 
 from flowrl.spec.load import load
 
@@ -14,10 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def bench():
     sys.path.insert(0, str(ROOT / "tools"))
-    spec = importlib.util.spec_from_file_location("bench_longtail", ROOT / "tools/bench_longtail.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return tool("bench_longtail")
 
 
 def run(s, samples):

@@ -4,20 +4,17 @@ invocation (a recorded configuration and a what-if from an async baseline) end t
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+from tool_module import tool
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_plan", ROOT / "tools/bench_plan.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return tool("bench_plan")
 
 
 def row(config: str, baseline: str, repeat: int, step: float, idle: float, recorded: bool = False) -> dict:

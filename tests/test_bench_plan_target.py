@@ -9,7 +9,6 @@ measured time to a target is known; the system records plan fits on are the runs
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import shutil
@@ -18,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from test_plan_target import KNOWN, real_run
+from tool_module import tool
 
 from flowrl.graph.compile import compile_spec
 from flowrl.plan import curve
@@ -29,10 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_plan_target", ROOT / "tools/bench_plan_target.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return tool("bench_plan_target")
 
 
 def last_phase(pipeline: str, *overrides: str):

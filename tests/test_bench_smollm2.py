@@ -3,7 +3,6 @@ seeds) on synthetic evaluations, and the held-out protocol's refusals."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import statistics
@@ -11,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tool_module import tool
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -18,10 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def b():
     sys.path.insert(0, str(ROOT / "tools"))
-    spec = importlib.util.spec_from_file_location("bench_smollm2", ROOT / "tools/bench_smollm2.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return tool("bench_smollm2")
 
 
 def ac_se(p: float, n: int) -> float:

@@ -1,21 +1,18 @@
 """Figures as data: every figure the README, docs and pipeline headers quote states its result
 (results/README.md), and docs/benchmarks.md's current results are the ones generated from results/."""
 
-import importlib.util
 import json
 import re
 from pathlib import Path
 
 import pytest
+from tool_module import tool
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("results_file", ROOT / "tools/results_file.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return tool("results_file")
 
 
 rf = _tool()
