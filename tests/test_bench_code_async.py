@@ -58,9 +58,9 @@ def test_the_figures_come_from_the_run_s_records(tmp_path):
         {"version": 1, "eval_reward": 0.5, "samples": 32, "time": 120.0},
         {"version": 2, "eval_reward": 0.95, "samples": 32, "time": 200.0}]))
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in [
-        {"step": 0, "version": 1, "time": 100.0, "groups": 4, "staleness": {"0": 4}},
-        {"step": 1, "version": 2, "time": 180.0, "groups": 4, "staleness": {"0": 2, "1": 2}},
-        {"step": 2, "version": 3, "time": 250.0, "groups": 4, "staleness": {"1": 4}}]))
+        {"step": 0, "version": 1, "time": 100.0, "step_seconds": 100.0, "groups": 4, "staleness": {"0": 4}},
+        {"step": 1, "version": 2, "time": 180.0, "step_seconds": 80.0, "groups": 4, "staleness": {"0": 2, "1": 2}},
+        {"step": 2, "version": 3, "time": 250.0, "step_seconds": 70.0, "groups": 4, "staleness": {"1": 4}}]))
     first = [episode("0:0/0", 2, [call(0.5, 0.05, 0.01), call(0.0, 0.04, 0.02)]),
              episode("0:0/1.0", 3, [call(1.5, 0.06, 0.9)]),
              episode("0:0/1.1", 3, [call(1.5, 0.06, 0.9)])]  # the same episode's second chain: its calls again
@@ -69,7 +69,7 @@ def test_the_figures_come_from_the_run_s_records(tmp_path):
     figures = bench.arm_figures(tmp_path, 0.9)
     assert figures["s_to_target"] == 200.0 and figures["steps_to_target"] == 2
     assert figures["samples_to_target"] == 8  # steps 0 and 1 trained version 2
-    assert figures["groups_per_s"] == round(12 / 250, 4) and figures["steps"] == 3
+    assert figures["groups_per_s"] == round(8 / 150, 4) and figures["steps"] == 3  # the steps after the first
     assert figures["mean_lag"] == round(6 / 12, 3)
     assert figures["tool"]["queue_s"] == [0.5, 0.0, 1.5] and figures["tool"]["run_s"] == [0.01, 0.02, 0.9]
     assert figures["turns_per_episode"] == 2.0  # episodes of 2, 3 and 1 calls
@@ -84,7 +84,7 @@ def arm(s: float | None, samples: int | None, gps: float, queue: list[float], pl
 
 
 def test_the_triple_its_misses_and_the_pooled_latency():
-    args = argparse.Namespace(target=0.9, steps=8, eval_every=1, eval_samples=32, seeds=[0, 1, 2])
+    args = argparse.Namespace(target=0.9, steps=6, eval_every=1, eval_samples=32, seeds=[0, 1, 2])
     runs = {"sync": [arm(300, 12, 0.04, [2.0, 0.0], 1.2), arm(400, 16, 0.04, [3.0], 1.4), arm(None, None, 0.03, [4.0])],
             "async": [arm(200, 16, 0.08, [0.0]), arm(250, 20, 0.06, [0.0, 0.5]), arm(260, 24, 0.07, [])]}
     result = bench.summarise(runs, args)
