@@ -129,13 +129,17 @@ def test_assemble_records_drift_chain_breaks_and_tools():
     first = _call([1, 2], [3, 4])
     second = _call([1, 2, 3, 4, 5], [6], drift=2)  # extends the first
     stray = _call([9], [7], drift=1)  # a conversation of its own
-    tools = [ToolCall("sandbox", 0.25, True, {}), ToolCall("sandbox", 0.5, False, {})]
+    tools = [ToolCall("sandbox", 0.25, True, {"queue_s": 0.1, "start_s": 0.05, "run_s": 0.08}),
+             ToolCall("sandbox", 0.5, False, {"queue_s": 0.0, "start_s": 0.04, "run_s": 0.4})]
     chain, other = assemble([first, second, stray], version=0, tool_calls=tools)
     assert chain.metadata["drift_tokens"] == 2 and other.metadata["drift_tokens"] == 1
     assert chain.metadata["chain_breaks"] == other.metadata["chain_breaks"] == 1
     assert chain.metadata["tool_calls"] == 2 and chain.metadata["tool_s"] == 0.75
+    assert chain.metadata["tool_timing"] == [{"seconds": 0.25, "queue_s": 0.1, "start_s": 0.05, "run_s": 0.08},
+                                             {"seconds": 0.5, "queue_s": 0.0, "start_s": 0.04, "run_s": 0.4}]
     (alone,) = assemble([first, second], version=0)
     assert alone.metadata["chain_breaks"] == 0 and alone.metadata["tool_calls"] == 0
+    assert alone.metadata["tool_timing"] == []
 
 
 @pytest.mark.parametrize(("text", "code"), [

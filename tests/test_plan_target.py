@@ -22,6 +22,7 @@ import pytest
 
 from flowrl.cli import main
 from flowrl.plan import curve, lag
+from flowrl.plan.report import target_lines
 from flowrl.plan.suggest import suggestion
 from flowrl.plan.target import crossing, curve_notes, points, reach, to_target
 
@@ -302,3 +303,18 @@ def test_inspect_without_stop_when_or_plan_s_records_prints_no_plan_line(runs, t
     (broken / "trace.json").unlink()  # plan cannot fit: inspect still succeeds, saying why in one line
     last = inspect(broken, capsys).splitlines()[-1]
     assert last.startswith("plan: no suggestion") and "trace.json is missing" in last
+
+
+def test_the_table_keeps_its_columns_apart_whatever_the_names_and_figures():
+    row = {"samples_per_s": 0.08, "mean_lag": 1.0, "samples": [12.0, 12.0, 12.0],
+           "seconds": [462.5, 469.1, 479.0], "device_hours": [0.257, 0.261, 0.266], "cost": [0.51, 0.52, 0.53]}
+    long_name = "max_staleness=1 nodes.learner.own_process={threads: 1} nodes.rollout.engine.threads=1"
+    table = {"metric": "eval_reward", "value": 0.9, "unit": "core-hours", "price": 2.0, "notes": [],
+             "curve": {"form": "R(C)", "points": 3},
+             "configurations": [{"configuration": long_name, **row}, {"configuration": "as run", **row}]}
+    lines = target_lines(table)
+    at = lines.index(long_name)  # a name wider than its column has a line of its own
+    assert lines[at + 1].startswith(" " * 34) and lines[at + 2].startswith("as run ")
+    for line in lines[at + 1:at + 3]:
+        assert "] " in line and "]0" not in line and "]$" not in line  # a space between every two columns
+        assert line.index("7.7 min") == lines[at + 1].index("7.7 min")  # the figures align

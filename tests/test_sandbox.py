@@ -44,6 +44,19 @@ class Running:
         """Processes still running under the service's slot uids (none when it drops no privileges)."""
         return processes_of({u for u in self.health["uids"] if u >= 0})
 
+    def zombies(self) -> list[int]:
+        """The service's dead children it has not collected: each holds a pid until the service ends
+        (bwrap's own process in the call's pid namespace, orphaned when the call is killed, is one)."""
+        found = []
+        for entry in Path("/proc").iterdir():
+            try:
+                status = dict(line.split(":", 1) for line in (entry / "status").read_text().splitlines() if ":" in line)
+            except (OSError, ValueError):
+                continue
+            if status["PPid"].strip() == str(self.service.process.pid) and status["State"].split()[0] == "Z":
+                found.append(int(entry.name))
+        return found
+
 
 @pytest.fixture(scope="module")
 def auto():
@@ -71,6 +84,7 @@ def test_a_clean_call_returns_its_output_and_measured_timing(sandbox):
     assert (r.ok, r.stdout, r.stderr, r.exit_code, r.error) == (True, "1798\n", "", 0, None)
     assert 0 < r.timing.start_s < 5 and 0 < r.timing.run_s < 5 and r.timing.queue_s >= 0
     assert observation(r) == "1798"
+    assert sandbox.zombies() == []  # the call's processes, collected as it ends
 
 
 def test_health_says_what_is_enforced_in_each_mode(auto, bare):
@@ -195,6 +209,7 @@ def test_a_burst_of_200_calls_waits_in_the_queue_with_bounded_concurrency(auto):
     stats = auto.loop.run_until_complete(auto.client.stats())
     assert stats["calls"] - before == 200 and stats["max_running"] <= LIMITS["workers"]
     assert stats["latency"]["queue_s"]["p99"] >= stats["latency"]["queue_s"]["median"] > 0
+    assert auto.zombies() == []  # a long run makes calls by the million: each would keep a pid
 
 
 def test_a_bad_request_is_a_400_naming_it(auto):

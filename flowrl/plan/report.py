@@ -54,12 +54,16 @@ def target_lines(t: dict[str, Any]) -> list[str]:
     out = [head] + [f"  {note}" for note in t["notes"]]
     unit = t["unit"]
     price = f"cost (${t['price']:g}/{unit[:-1]})" if t["price"] is not None else ""
-    out.append(f"{'configuration':34}{'samples/s':>10}{'lag':>6}  {'samples':24}{'wall time':26}{unit:24}{price}".rstrip())
+    out.append(f"{'configuration':34}{'samples/s':>10}{'lag':>6}  {'samples':24} {'wall time':28} {unit:24} {price}".rstrip())
     for r in t["configurations"]:
-        line = f"{r['configuration']:34}{r['samples_per_s']:>10.2f}{r['mean_lag']:>6.2f}  "
+        name = r["configuration"]
+        if len(name) > 33:  # a long list of changes gets a line of its own, the figures aligned below it
+            out.append(name)
+            name = ""
+        line = f"{name:34}{r['samples_per_s']:>10.2f}{r['mean_lag']:>6.2f}  "
         if "samples" in r:
-            line += (f"{_interval(r['samples'], '{:.0f}'):24}{_interval(r['seconds'], None):26}"
-                     f"{_interval(r['device_hours'], '{:.3g}'):24}")
+            line += (f"{_interval(r['samples'], '{:.0f}'):24} {_interval(r['seconds'], None):28} "
+                     f"{_interval(r['device_hours'], '{:.3g}'):24} ")
             line += _interval(r["cost"], "${:.3g}") if "cost" in r else ""
         else:
             line += "-"

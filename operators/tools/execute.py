@@ -104,11 +104,11 @@ async def _exit(pid: int) -> float:
         os.close(fd)
 
 
-async def _reap(uid: int) -> None:
-    """Collects the call's orphans (reap_orphans) once no call is between fork and RUNNING."""
+async def _reap() -> None:
+    """Collects the calls' orphans (reap_orphans) once no call is between fork and RUNNING."""
     for _ in range(100):
         if not SPAWNING[0]:
-            reap_orphans({uid}, {p.pid for p in RUNNING})  # no await in it: no spawn starts meanwhile
+            reap_orphans({p.pid for p in RUNNING})  # no await in it: no spawn starts meanwhile
             return
         await asyncio.sleep(0.002)
 
@@ -150,8 +150,7 @@ async def run_call(call: Call, call_id: int, code: str, wall_s: float) -> dict[s
     finally:
         RUNNING.discard(proc)
         _kill(proc)  # cancelled (the service stopping): its own sweep kills the slots' uids
-        if call.uid >= 0:
-            await _reap(call.uid)
+        await _reap()
         await asyncio.to_thread(shutil.rmtree, workdir, True)
 
 

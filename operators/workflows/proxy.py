@@ -408,7 +408,8 @@ def _tool_body(body: Any) -> tuple[str, float | None]:
 def assemble(calls: list[Call], version: int, tool_calls: list[ToolCall] | None = None) -> list[Trajectory]:
     """One trajectory per chain of calls that extend each other (see the module docs). Each records
     its calls, their `drift_tokens`, `chain_breaks` (calls of the episode after the first that began a
-    chain of their own) and the episode's tool calls (count and seconds)."""
+    chain of their own) and the episode's tool calls (count, seconds, and per call `tool_timing`: its
+    round trip `seconds` and the service's `queue_s`, `start_s`, `run_s`)."""
     chains: list[TrajectoryBuilder] = []
     drift: dict[int, int] = {}
     for call in calls:
@@ -424,7 +425,11 @@ def assemble(calls: list[Call], version: int, tool_calls: list[ToolCall] | None 
         builder.add_model(GenerateResult(request_id="", output_ids=call.output_ids, logprobs=call.logprobs,
                                          versions=call.versions, finish_reason=call.finish_reason,
                                          sampling=call.sampling))
-    tools = {"tool_calls": len(tool_calls or []), "tool_s": round(sum(t.seconds for t in tool_calls or []), 4)}
+    tool_calls = tool_calls or []
+    # Each call's round trip and the service's split, kept per call: a benchmark reads the service's
+    # latency distribution (queue under bursts, process starts, long code) from the trained episodes.
+    tools = {"tool_calls": len(tool_calls), "tool_s": round(sum(t.seconds for t in tool_calls), 4),
+             "tool_timing": [{"seconds": round(t.seconds, 4), **t.timing} for t in tool_calls]}
     return [b.build(metadata={"calls": len(b.turns), "drift_tokens": drift[id(b)], "chain_breaks": len(chains) - 1,
                               **tools}) for b in chains]
 
