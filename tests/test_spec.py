@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from flowrl.cli import main
 from flowrl.graph.compile import compile_file
@@ -54,7 +55,9 @@ def test_validate_process_exits_1_without_traceback(name: str) -> None:
 
 
 # Pipelines whose model folder the user builds first (README, "A real model"): validated with a tiny local model there.
-BUILT_MODELS = {name: "models/smollm2-135m-instruct" for name in ("smollm2_math", "smollm2_sums", "smollm2_code")}
+# (every pipeline whose model.path is a folder under models/, read from the file itself)
+BUILT_MODELS = {f.stem: path for f in PIPELINES
+                if str(path := (yaml.safe_load(f.read_text()).get("model") or {}).get("path", "")).startswith("models/")}
 
 
 @pytest.mark.parametrize("file", PIPELINES, ids=lambda f: f.stem)
