@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
+from test_spec import BUILT_MODELS  # pipelines probed with a tiny stand-in model
 
 from flowrl.cli import main
 
@@ -174,9 +174,6 @@ def test_probe_process_exits_1_without_traceback(tmp_path: Path) -> None:
     assert f"{file}:" in proc.stderr and "data.source.eval_file: 1 of 1 held-out rows" in proc.stderr
 
 
-# (every pipeline whose model.path is a folder under models/, read from the file itself)
-BUILT_MODELS = {f.stem: path for f in PIPELINES
-                if str(path := (yaml.safe_load(f.read_text()).get("model") or {}).get("path", "")).startswith("models/")}
 
 
 @pytest.mark.parametrize("file", PIPELINES, ids=lambda f: f.stem)

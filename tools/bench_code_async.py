@@ -30,16 +30,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import heldout  # noqa: E402
 import results_file  # noqa: E402
+from bench_smollm2 import measured_run  # noqa: E402
 
 from flowrl.records import RunDir  # noqa: E402
 from flowrl_operators.tools.pool import percentile  # noqa: E402
@@ -61,14 +60,9 @@ def schedule(args: argparse.Namespace) -> list[str]:
 
 def run_arm(arm: str, seed: int, args: argparse.Namespace) -> dict:
     run_dir = args.out / f"{arm}-{seed}"
-    command = [sys.executable, "-m", "flowrl.cli", "run", PIPELINES[arm], f"run.seed={seed}", *schedule(args), "--run-dir", str(run_dir), "--quiet"]
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    started = time.time()
-    with open(args.out / f"{arm}-{seed}.log", "w") as log:
-        proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
-        _, status, usage = os.wait4(proc.pid, 0)
-    figures = {"arm": arm, "seed": seed, "exit": os.waitstatus_to_exitcode(status),
-               "wall_s": round(time.time() - started, 1), "peak_rss_gb": round(usage.ru_maxrss / 2**20, 2),
+    command = [sys.executable, "-m", "flowrl.cli", "run", PIPELINES[arm], f"run.seed={seed}", *schedule(args),
+               "--run-dir", str(run_dir), "--quiet"]
+    figures = {"arm": arm, "seed": seed, **measured_run(command, args.out / f"{arm}-{seed}.log"),
                **arm_figures(run_dir, args.target)}
     if arm == "sync" and figures["exit"] == 0:
         figures["plan"] = plan_prediction(run_dir, args.target)
@@ -146,15 +140,16 @@ def summarise(runs: dict[str, list[dict]], args: argparse.Namespace) -> dict:
     spg = {a: [1 / g if g else None for g in by[a]["groups_per_s"]] for a in by}
     throughput = heldout.median_ratio(spg["sync"], spg["async"])
     predicted = [(r.get("plan") or {}).get("wall_speedup") for r in runs["sync"]]
+    plan_speedup = round(statistics.median(p for p in predicted if p), 3) if any(predicted) else None
     latency = {a: {k: quantiles([v for r in rs for v in r["tool"][k]]) for k in TIMING} for a, rs in runs.items()}
     return {"headline": f"to eval_reward {args.target}: async {speed['ratio']}x sync's speed (95% {speed['ci95']}), "
                         f"{samples['ratio']}x its samples (95% {samples['ci95']}), {throughput['ratio']}x its "
                         f"throughput (95% {throughput['ci95']}); plan predicted "
-                        f"{statistics.median(p for p in predicted if p) if any(predicted) else None}x",
+                        f"{plan_speedup}x",
             "wall_speedup": speed["ratio"], "wall_speedup_ci95": speed["ci95"],
             "sample_ratio": samples["ratio"], "sample_ratio_ci95": samples["ci95"],
             "throughput_ratio": throughput["ratio"], "throughput_ratio_ci95": throughput["ci95"],
-            "plan_wall_speedup": round(statistics.median(p for p in predicted if p), 3) if any(predicted) else None,
+            "plan_wall_speedup": plan_speedup,
             "plan_wall_speedup_by_seed": predicted,
             "reached": {a: heldout.rate(sum(v is not None for v in by[a]["s_to_target"]), len(rs))
                         for a, rs in runs.items()},

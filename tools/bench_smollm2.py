@@ -85,18 +85,22 @@ def run_arm(seed: int, arm: str, out: Path, overrides: list[str], pipeline: str 
     run_dir = out / name
     command = ["flowrl", "run", pipeline, f"run.seed={seed}", *overrides, *([CONTROL] if arm == "control" else []),
                "--run-dir", str(run_dir), "--quiet"]
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    started = time.time()
-    with open(out / f"{name}.log", "w") as log:
-        proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
-        _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.time() - started
-    # ru_maxrss (KiB on Linux) of the largest process it waited for: the run and its children.
-    figures = {"seed": seed, "arm": arm, "exit": os.waitstatus_to_exitcode(status), "wall_s": round(wall, 1),
-               "peak_rss_gb": round(usage.ru_maxrss / 2**20, 2), "run_dir": str(run_dir)}
+    figures = {"seed": seed, "arm": arm, **measured_run(command, out / f"{name}.log"), "run_dir": str(run_dir)}
     figures.update(summary(run_dir))
     (out / f"{name}.json").write_text(json.dumps(figures) + "\n")
     return figures
+
+
+def measured_run(command: list[str], log: Path) -> dict:
+    """Run `command` (output to `log`): its `exit` code, `wall_s` and `peak_rss_gb`, the ru_maxrss
+    (KiB on Linux) of the largest process it waited for: the run and its children."""
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    started = time.time()
+    with open(log, "w") as out:
+        proc = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
+        _, status, usage = os.wait4(proc.pid, 0)
+    return {"exit": os.waitstatus_to_exitcode(status), "wall_s": round(time.time() - started, 1),
+            "peak_rss_gb": round(usage.ru_maxrss / 2**20, 2)}
 
 
 def se(p: float, n: int) -> float:
