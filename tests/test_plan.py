@@ -331,3 +331,36 @@ def test_engine_threads_speed_its_per_row_work_with_the_cores_they_get(grpo_run)
     assert step(two, own) == pytest.approx(step(own), rel=0.02)  # the trainer's process holds that core
     assert plan_run(grpo_run, [two])["predicted"]["step_seconds"] <= plan_run(grpo_run, [])["simulated"][
         "step_seconds"] * 1.02  # the override is accepted, and never slows the run
+
+
+def with_locks(run: Path, into: Path, lock: float | None) -> Path:
+    """A copy of `run` whose train spans measured `lock` (None: no measurement, as before the probe)."""
+    import shutil
+
+    shutil.copytree(run, into)
+    trace = json.loads((into / "trace.json").read_text())
+    for event in trace["traceEvents"]:
+        if event.get("name") == "train" and event.get("ph") == "X":
+            event["args"].pop("lock", None)
+            if lock is not None:
+                event["args"]["lock"] = lock
+    (into / "trace.json").write_text(json.dumps(trace))
+    return into
+
+
+def test_a_sync_run_is_planned_with_the_lock_share_its_train_steps_measured(grpo_run, tmp_path):
+    """A sync run never overlaps training with generation, so the lock share of a train step comes
+    from the probe in its spans (runtime/lockprobe.py); the less it holds, the more async overlaps."""
+    trains = [e for e in json.loads((grpo_run / "trace.json").read_text())["traceEvents"] if e["name"] == "train"]
+    assert trains and all(0.0 <= e["args"]["lock"] <= 1.0 for e in trains)  # the real stage measured each step
+    result = plan_run(grpo_run, [])
+    assert any("the lock probe in the run's train steps" in note for note in result["model"]["notes"])
+
+    def planned(lock: float | None) -> dict:
+        return plan_run(with_locks(grpo_run, tmp_path / f"lock-{lock}", lock), ["max_staleness=1"])
+
+    held, free, unmeasured = planned(1.0), planned(0.1), planned(None)
+    assert (held["model"]["train_lock"], free["model"]["train_lock"]) == (1.0, 0.1)
+    assert free["predicted"]["step_seconds"] < 0.95 * held["predicted"]["step_seconds"]
+    assert unmeasured["model"]["train_lock"] == 1.0  # a run from before the probe: the stages take turns
+    assert any("takes turns" in note for note in unmeasured["model"]["notes"])

@@ -30,6 +30,7 @@ class Span:
     end: float
     step: int | None
     sample: str | None  # args.id
+    lock: float | None = None  # the share of it its process's interpreter lock was held (lockprobe.py)
 
     @property
     def seconds(self) -> float:
@@ -112,7 +113,7 @@ def spans(events: list[TraceEvent]) -> list[Span]:
             continue
         start = e.start_us / 1e6
         out.append(Span(names[e.pid], e.tid // 100, e.name, start, start + e.dur_us / 1e6,
-                        e.args.get("step"), e.args.get("id")))
+                        e.args.get("step"), e.args.get("id"), e.args.get("lock")))
     return sorted(out, key=lambda s: s.start)
 
 
