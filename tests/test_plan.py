@@ -364,3 +364,35 @@ def test_a_sync_run_is_planned_with_the_lock_share_its_train_steps_measured(grpo
     assert free["predicted"]["step_seconds"] < 0.95 * held["predicted"]["step_seconds"]
     assert unmeasured["model"]["train_lock"] == 1.0  # a run from before the probe: the stages take turns
     assert any("takes turns" in note for note in unmeasured["model"]["notes"])
+
+
+def test_a_train_step_runs_over_its_threads_and_grows_with_its_passes(grpo_run):
+    """The train step's cost moves with what its node declares: the threads it runs over (its own
+    process's, or the ones the in-process engine set) and its passes over the tokens (epochs, a
+    proximal forward): a trainer moved into a one-thread process, or given a decoupled loss, is slower."""
+    from flowrl.graph.compile import compile_file
+    from flowrl.plan import calibrate, predict, records
+    from flowrl.plan.changes import apply
+    from flowrl.plan.shapes import train_cores
+
+    plan = compile_file(str(ROOT / "pipelines/grpo_sync.yaml"), []).plan
+    cores = {tuple(c): train_cores(s.plan, "learner", 2.0, s.shapes) for c in (
+        [], ["nodes.rollout.engine={kind: embedded, threads: 2}"], ["nodes.learner.own_process={threads: 4}"],
+        ["nodes.rollout.engine={kind: embedded, threads: 2}", "nodes.learner.own_process={threads: 1}"])
+        for s in [apply(plan, list(c), 10)]}
+    assert list(cores.values()) == [1.0, 2.0, 2.0, 1.0]  # at most the machine's cores
+    base = records.load(grpo_run)
+    costs = calibrate(base, 2.0)
+    assert (costs.train_cores, costs.train_passes) == (1.0, 3.0)
+    costs.train = (0.5, 0.0)  # 0.5 s a step, whatever its tokens: in a sync run, added to the step
+
+    def step(*changes: str) -> float:
+        return predict(apply(base.plan, list(changes), 8), costs, 2.0)["step_seconds"]
+
+    plain = step()
+    assert step("nodes.learner.epochs=2") - plain == pytest.approx(0.5, rel=0.1)  # twice the passes
+    decoupled = "nodes.learner.loss={kind: ppo_clip, decoupled: true, correction: {kind: tis}}"
+    assert step(decoupled) - plain == pytest.approx(0.5 / 3, rel=0.1)  # 4 passes for 3
+    assert step("nodes.learner.gradient_checkpointing=true") - plain == pytest.approx(0.5 / 3, rel=0.1)
+    costs.train_cores = 2.0  # as if fitted on a trainer that ran over two threads: here it gets one
+    assert step() - plain == pytest.approx(0.5, rel=0.1)

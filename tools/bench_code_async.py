@@ -49,7 +49,10 @@ PIPELINES = {"sync": "pipelines/smollm2_code.yaml", "async": "pipelines/smollm2_
 # The async pipeline's differences from the sync one that `flowrl plan` simulates (its loss, decoupled
 # PPO, changes no cost); tests/test_bench_code_async.py checks they are the pipeline's differences.
 PLAN_CHANGES = ["max_staleness=1", "nodes.rollout.engine.threads=1", "nodes.rollout.partial_rollout=true",
-                "nodes.learner.own_process={threads: 1}"]
+                "nodes.learner.own_process={threads: 1}",
+                # the decoupled loss's proximal forward: one more pass over each step's tokens (CostShape.passes)
+                "nodes.learner.loss={kind: ppo_clip, clip_low: 0.2, clip_high: 0.28, aggregation: token_mean, "
+                "decoupled: true, correction: {kind: tis, threshold: 2.0}}"]
 TIMING = ("queue_s", "start_s", "run_s", "seconds")
 
 
