@@ -111,3 +111,19 @@ def test_held_out_runs_take_the_committed_schedule():
     assert bench.heldout.HELDOUT[bench.BENCH] == list(range(1010, 1015))  # not the learning claim's 1000-1004
     with pytest.raises(SystemExit):
         bench.parse(["--seeds", "1010"])  # a screening run may not touch a held-out seed
+
+
+def test_replan_asks_this_tree_s_plan_again_of_runs_already_made(tmp_path, capsys):
+    with pytest.raises(SystemExit) as refused:
+        bench.parse(["--replan"])  # nothing to re-plan without the saved runs
+    assert refused.value.code == 2
+    saved = {"exit": 0, "s_to_target": 300.0, "samples_to_target": 12, "steps_to_target": 3, "groups_per_s": 0.04,
+             "turns_per_episode": 1.5, "mean_lag": 0, "peak_rss_gb": 3.0, "curve": [[0, 0.1]],
+             "tool": {k: [0.1] for k in bench.TIMING}}
+    for name in ("sync", "async"):
+        (tmp_path / f"{name}-0.json").write_text(json.dumps(saved | {"plan": {"wall_speedup": 9.0}}))
+    (tmp_path / "sync-0").mkdir()  # no records in it: the real `flowrl plan` says so
+    bench.main(["--report-only", "--replan", "--seeds", "0", "--out", str(tmp_path)])
+    last = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert last["plan_wall_speedup"] is None and "error" in last["by_seed"]["0"]["sync"]["plan"]
+    assert last["by_seed"]["0"]["async"]["plan"] == {"wall_speedup": 9.0}  # only sync runs are planned

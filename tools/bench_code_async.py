@@ -172,6 +172,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--eval-samples", type=int, default=32)
     parser.add_argument("--out", type=Path, default=ROOT / "runs/bench_code_async")
     parser.add_argument("--report-only", action="store_true", help="reprint OUT/ARM-SEED.json, run nothing")
+    parser.add_argument("--replan", action="store_true", help="with --report-only: plan's prediction from each "
+                        "sync run made anew by this tree's plan (the saved one is the measuring commit's)")
     parser.add_argument("--heldout", action="store_true", help="the held-out seeds (tools/heldout.py), defaults as committed")
     results_file.add_record_flag(parser)
     args = parser.parse_args(argv)
@@ -180,6 +182,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     if args.heldout and changed:
         raise heldout.ProtocolError(f"--heldout measures the pair as committed: no --{changed[0].replace('_', '-')}")
     args.seeds = heldout.seeds_for(BENCH, args.heldout, args.seeds) or [0]
+    if args.replan and not args.report_only:
+        parser.error("--replan re-plans runs already made: use it with --report-only")
     return args
 
 
@@ -195,6 +199,8 @@ def main(argv: list[str] | None = None) -> None:
         for arm in PIPELINES:
             saved = args.out / f"{arm}-{seed}.json"
             r = json.loads(saved.read_text()) if args.report_only else run_arm(arm, seed, args)
+            if args.replan and arm == "sync":
+                r["plan"] = plan_prediction(args.out / f"{arm}-{seed}", args.target)
             runs[arm].append(r)
             print(f"seed {seed} {arm:>5}: exit {r['exit']}, to eval >= {args.target}: {r['s_to_target']} s, "
                   f"{r['samples_to_target']} samples ({r['steps_to_target']} steps); {r['groups_per_s']} groups/s, "
