@@ -48,9 +48,14 @@ def test_a_native_kernel_releases_the_lock():
 
 
 def test_no_knock_outside_an_open_span_and_stop_ends_the_thread():
+    before = threading.active_count()
     probe = LockProbe(mean_gap_s=0.001)
+    assert threading.active_count() == before  # no span yet, no thread
+    probe.close(probe.open())
     time.sleep(0.05)
-    assert probe.counts == (0, 0)  # nothing open: the thread waits, it does not knock
+    knocked = probe.counts
+    time.sleep(0.05)
+    assert probe.counts[1] <= knocked[1] + 1  # nothing open: the thread waits, it does not knock
     first = probe.open()
     second = probe.open()  # two spans open at once (nested): knocks until both close
     time.sleep(0.05)
@@ -61,7 +66,7 @@ def test_no_knock_outside_an_open_span_and_stop_ends_the_thread():
     time.sleep(0.05)
     assert probe.counts[1] <= knocks + 1  # at most the knock in flight when the last span closed
     probe.stop()
-    assert not any(t.name == "flowrl-lock-probe" and t.is_alive() for t in threading.enumerate())
+    assert threading.active_count() == before
 
 
 def test_a_span_with_no_knock_measures_nothing():

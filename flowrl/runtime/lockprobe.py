@@ -27,11 +27,13 @@ class LockProbe:
         self._active = threading.Event()
         self._stop = threading.Event()
         self._rng = random.Random(seed)
-        self._thread = threading.Thread(target=self._knock, name="flowrl-lock-probe", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None  # started at the first span
 
     def open(self) -> tuple[int, int]:
         """Knock from now on (until every open span is closed); the counts to hand to `close`."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._knock, name="flowrl-lock-probe", daemon=True)
+            self._thread.start()
         self._open += 1
         self._active.set()
         return self.counts
@@ -47,7 +49,8 @@ class LockProbe:
     def stop(self) -> None:
         self._stop.set()
         self._active.set()
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()
 
     def _knock(self) -> None:
         late = knocks = 0
