@@ -396,3 +396,12 @@ def test_a_train_step_runs_over_its_threads_and_grows_with_its_passes(grpo_run):
     assert step("nodes.learner.gradient_checkpointing=true") - plain == pytest.approx(0.5 / 3, rel=0.1)
     costs.train_cores = 2.0  # as if fitted on a trainer that ran over two threads: here it gets one
     assert step() - plain == pytest.approx(0.5, rel=0.1)
+
+
+def test_rates_keep_their_precision_however_slow_the_run():
+    """A real model's run makes 0.04 groups a second: two decimals would round 0.0439 and 0.0325 to
+    0.04 and 0.03, and the time to a target computed from them 10-25 % off."""
+    from flowrl.plan.records import significant
+
+    assert significant(0.043912) == 0.04391 and significant(0.0325) == 0.0325
+    assert significant(123.456) == 123.5 and significant(0.0) == 0.0

@@ -15,7 +15,7 @@ from typing import Any
 
 from flowrl.plan.changes import Scenario
 from flowrl.plan.fit import Costs
-from flowrl.plan.records import WARMUP
+from flowrl.plan.records import WARMUP, significant
 from flowrl.spec.errors import UserError
 
 MIN_STEPS = 40  # steps simulated at least, over repeats: resampled tails need a few to average
@@ -44,7 +44,7 @@ def average(runs: list[dict[str, Any]]) -> dict[str, Any]:
         for lag, count in r["staleness"].items():
             staleness[lag] = staleness.get(lag, 0) + count
     return {"step_seconds": round(sum(r["step_seconds"] for r in runs) / len(runs), 4),
-            "samples_per_s": round(sum(r["samples_per_s"] for r in runs) / len(runs), 2),
+            "samples_per_s": significant(sum(r["samples_per_s"] for r in runs) / len(runs)),
             "idle": {n: round(sum(r["idle"][n] for r in runs) / len(runs), 3) for n in runs[0]["idle"]},
             "staleness": dict(sorted(staleness.items()))}
 
@@ -109,7 +109,6 @@ def measured_lock(base: Any) -> float | None:
     measured it (a run from before the probe, a trainer in a process of its own)."""
     from statistics import median
 
-    from flowrl.plan.records import WARMUP
     from flowrl.plan.shapes import processes
 
     own = processes(base.plan)
