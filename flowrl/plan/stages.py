@@ -11,9 +11,10 @@ coordinator, its roles and the stages are the real ones (simulate.py).
   its mean; with partial rollout the engine pauses between iterations meanwhile.
 - reward, reference, transform: a resampled measured call (a reference scales with the model).
 - train: c + k x the batch's tokens, over its threads as the engine's per-row part is
-  (shapes.train_cores), times its passes over them against the fitted run's (CostShape.passes), holding the interpreter lock the fitted fraction of it, in a process of its
-  own where the node declares one; then the run's own writing of the step's
-  records (`Flushing`), before the policy goes on and the next batch is taken.
+  (shapes.train_cores), times its passes over them against the fitted run's (CostShape.passes),
+  holding the interpreter lock the fitted fraction of it, in a process of its own where the node
+  declares one; then the run's own writing of the step's records (`Flushing`), before the policy
+  goes on and the next batch is taken.
 - sync: its mean.
 """
 
