@@ -90,6 +90,9 @@ class CostShape(msgspec.Struct, frozen=True, kw_only=True):
     # generate: the threads its engine's process decodes with (its per-row work runs over them,
     # docs/plan.md "Engine threads"); None: not known, one.
     threads: int | None = None
+    # train: a step's passes over its tokens in forward-pass units (a forward 1, a backward 2): 3 a
+    # plain step; a step's time scales with it between configurations. None: not known, unchanged.
+    passes: float | None = None
 
 
 class MetricRoles(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):

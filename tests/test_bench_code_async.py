@@ -1,5 +1,5 @@
-"""tools/bench_code_async.py: the async pipeline is the sync one with the changes plan simulates (and
-its loss), the figures read from a run's real records, and the triple's arithmetic."""
+"""tools/bench_code_async.py: the async pipeline is the sync one with the changes plan simulates,
+the figures read from a run's real records, and the triple's arithmetic."""
 
 from __future__ import annotations
 
@@ -26,7 +26,9 @@ def leaves(data, prefix=""):
     return {prefix[:-1]: data}
 
 
-def test_the_async_pipeline_differs_from_the_sync_one_by_plan_s_changes_and_its_loss_alone():
+def test_the_async_pipeline_differs_from_the_sync_one_by_plan_s_changes_alone():
+    import yaml
+
     sync, other = (leaves(load(ROOT / p).data) for p in bench.PIPELINES.values())
     changed = {k for k in sync.keys() | other.keys() if sync.get(k) != other.get(k)}
     plan_keys = {"nodes.rollout.engine.threads": 1, "nodes.rollout.partial_rollout": True,
@@ -36,10 +38,14 @@ def test_the_async_pipeline_differs_from_the_sync_one_by_plan_s_changes_and_its_
     assert {other[k] for k in staleness if k.endswith("max_staleness")} == {1}
     loss = {k for k in changed if k.startswith("nodes.learner.loss.")}
     assert loss == {"nodes.learner.loss.decoupled", "nodes.learner.loss.correction.kind",
-                    "nodes.learner.loss.correction.threshold"}  # costs nothing plan simulates
+                    "nodes.learner.loss.correction.threshold"}
     assert changed == {"name", "description"} | plan_keys.keys() | staleness | loss
-    assert bench.PLAN_CHANGES == ["max_staleness=1", "nodes.rollout.engine.threads=1",
-                                  "nodes.rollout.partial_rollout=true", "nodes.learner.own_process={threads: 1}"]
+    assert bench.PLAN_CHANGES[:4] == ["max_staleness=1", "nodes.rollout.engine.threads=1",
+                                      "nodes.rollout.partial_rollout=true", "nodes.learner.own_process={threads: 1}"]
+    key, value = bench.PLAN_CHANGES[4].split("=", 1)  # plan's loss is the async pipeline's, whole
+    assert key == "nodes.learner.loss"
+    assert leaves(yaml.safe_load(value), "nodes.learner.loss.") == {k: v for k, v in other.items() if
+                                                                    k.startswith("nodes.learner.loss.")}
 
 
 def episode(tid: str, calls: int, timing: list[dict]) -> Trajectory:
@@ -105,3 +111,19 @@ def test_held_out_runs_take_the_committed_schedule():
     assert bench.heldout.HELDOUT[bench.BENCH] == list(range(1010, 1015))  # not the learning claim's 1000-1004
     with pytest.raises(SystemExit):
         bench.parse(["--seeds", "1010"])  # a screening run may not touch a held-out seed
+
+
+def test_replan_asks_this_tree_s_plan_again_of_runs_already_made(tmp_path, capsys):
+    with pytest.raises(SystemExit) as refused:
+        bench.parse(["--replan"])  # nothing to re-plan without the saved runs
+    assert refused.value.code == 2
+    saved = {"exit": 0, "s_to_target": 300.0, "samples_to_target": 12, "steps_to_target": 3, "groups_per_s": 0.04,
+             "turns_per_episode": 1.5, "mean_lag": 0, "peak_rss_gb": 3.0, "curve": [[0, 0.1]],
+             "tool": {k: [0.1] for k in bench.TIMING}}
+    for name in ("sync", "async"):
+        (tmp_path / f"{name}-0.json").write_text(json.dumps(saved | {"plan": {"wall_speedup": 9.0}}))
+    (tmp_path / "sync-0").mkdir()  # no records in it: the real `flowrl plan` says so
+    bench.main(["--report-only", "--replan", "--seeds", "0", "--out", str(tmp_path)])
+    last = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert last["plan_wall_speedup"] is None and "error" in last["by_seed"]["0"]["sync"]["plan"]
+    assert last["by_seed"]["0"]["async"]["plan"] == {"wall_speedup": 9.0}  # only sync runs are planned

@@ -61,6 +61,14 @@ def test_built_in_cost_shapes_are_their_configs() -> None:
     assert generate.cost_shape(msgspec.convert({}, generate.Config)).slots == 32  # the embedded engine's default
     assert train.cost_shape(msgspec.convert({"own_process": {"threads": 2}}, train.Config)).process_threads == 2
     assert train.cost_shape(msgspec.convert({}, train.Config)).process_threads is None
+    # Passes over a step's tokens, in forward-pass units: a forward and a backward per epoch, one more
+    # forward with gradient checkpointing, the proximal policy's forward once (or each epoch).
+    passes = [train.cost_shape(msgspec.convert(c, train.Config)).passes for c in [
+        {}, {"epochs": 2}, {"gradient_checkpointing": True},
+        {"loss": {"kind": "ppo_clip", "decoupled": True, "correction": {"kind": "tis", "threshold": 2.0}}},
+        {"loss": {"kind": "ppo_clip", "correction": {"kind": "tis", "threshold": 2.0}}, "epochs": 2},
+        {"loss": {"kind": "sft", "correction": {"kind": "tis", "threshold": 2.0}}}]]
+    assert passes == [3.0, 6.0, 4.0, 4.0, 7.0, 3.0]  # sft: no behaviour policy, no proximal
 
 
 def _defaults_suffice(op: type) -> bool:

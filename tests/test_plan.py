@@ -331,3 +331,78 @@ def test_engine_threads_speed_its_per_row_work_with_the_cores_they_get(grpo_run)
     assert step(two, own) == pytest.approx(step(own), rel=0.02)  # the trainer's process holds that core
     assert plan_run(grpo_run, [two])["predicted"]["step_seconds"] <= plan_run(grpo_run, [])["simulated"][
         "step_seconds"] * 1.02  # the override is accepted, and never slows the run
+
+
+def with_locks(run: Path, into: Path, lock: float | None) -> Path:
+    """A copy of `run` whose train spans measured `lock` (None: no measurement, as before the probe)."""
+    import shutil
+
+    shutil.copytree(run, into)
+    trace = json.loads((into / "trace.json").read_text())
+    for event in trace["traceEvents"]:
+        if event.get("name") == "train" and event.get("ph") == "X":
+            event["args"].pop("lock", None)
+            if lock is not None:
+                event["args"]["lock"] = lock
+    (into / "trace.json").write_text(json.dumps(trace))
+    return into
+
+
+def test_a_sync_run_is_planned_with_the_lock_share_its_train_steps_measured(grpo_run, tmp_path):
+    """A sync run never overlaps training with generation, so the lock share of a train step comes
+    from the probe in its spans (runtime/lockprobe.py); the less it holds, the more async overlaps."""
+    trains = [e for e in json.loads((grpo_run / "trace.json").read_text())["traceEvents"] if e["name"] == "train"]
+    measured = [e["args"]["lock"] for e in trains if "lock" in e["args"]]  # a step the probe never knocked in has none
+    assert len(measured) >= len(trains) - 1 and all(0.0 <= lock <= 1.0 for lock in measured)
+    result = plan_run(grpo_run, [])
+    assert any("the lock probe in the run's train steps" in note for note in result["model"]["notes"])
+
+    def planned(lock: float | None) -> dict:
+        return plan_run(with_locks(grpo_run, tmp_path / f"lock-{lock}", lock), ["max_staleness=1"])
+
+    held, free, unmeasured = planned(1.0), planned(0.1), planned(None)
+    assert (held["model"]["train_lock"], free["model"]["train_lock"]) == (1.0, 0.1)
+    assert free["predicted"]["step_seconds"] < 0.95 * held["predicted"]["step_seconds"]
+    assert unmeasured["model"]["train_lock"] == 1.0  # a run from before the probe: the stages take turns
+    assert any("takes turns" in note for note in unmeasured["model"]["notes"])
+
+
+def test_a_train_step_runs_over_its_threads_and_grows_with_its_passes(grpo_run):
+    """The train step's cost moves with what its node declares: the threads it runs over (its own
+    process's, or the ones the in-process engine set) and its passes over the tokens (epochs, a
+    proximal forward): a trainer moved into a one-thread process, or given a decoupled loss, is slower."""
+    from flowrl.graph.compile import compile_file
+    from flowrl.plan import calibrate, predict, records
+    from flowrl.plan.changes import apply
+    from flowrl.plan.shapes import train_cores
+
+    plan = compile_file(str(ROOT / "pipelines/grpo_sync.yaml"), []).plan
+    cores = {tuple(c): train_cores(s.plan, "learner", 2.0, s.shapes) for c in (
+        [], ["nodes.rollout.engine={kind: embedded, threads: 2}"], ["nodes.learner.own_process={threads: 4}"],
+        ["nodes.rollout.engine={kind: embedded, threads: 2}", "nodes.learner.own_process={threads: 1}"])
+        for s in [apply(plan, list(c), 10)]}
+    assert list(cores.values()) == [1.0, 2.0, 2.0, 1.0]  # at most the machine's cores
+    base = records.load(grpo_run)
+    costs = calibrate(base, 2.0)
+    assert (costs.train_cores, costs.train_passes) == (1.0, 3.0)
+    costs.train = (0.5, 0.0)  # 0.5 s a step, whatever its tokens: in a sync run, added to the step
+
+    def step(*changes: str) -> float:
+        return predict(apply(base.plan, list(changes), 8), costs, 2.0)["step_seconds"]
+
+    plain = step()
+    assert step("nodes.learner.epochs=2") - plain == pytest.approx(0.5, rel=0.1)  # twice the passes
+    decoupled = "nodes.learner.loss={kind: ppo_clip, decoupled: true, correction: {kind: tis}}"
+    assert step(decoupled) - plain == pytest.approx(0.5 / 3, rel=0.1)  # 4 passes for 3
+    assert step("nodes.learner.gradient_checkpointing=true") - plain == pytest.approx(0.5 / 3, rel=0.1)
+    costs.train_cores = 2.0  # as if fitted on a trainer that ran over two threads: here it gets one
+    assert step() - plain == pytest.approx(0.5, rel=0.1)
+
+
+def test_rates_keep_their_precision_however_slow_the_run():
+    """A real model's run makes 0.04 groups a second: two decimals would round 0.0439 and 0.0325 to
+    0.04 and 0.03, and the time to a target computed from them 10-25 % off."""
+    from flowrl.plan.records import significant
+
+    assert significant(0.043912) == 0.04391 and significant(0.0325) == 0.0325
+    assert significant(123.456) == 123.5 and significant(0.0) == 0.0

@@ -1,12 +1,14 @@
 """A benchmark run side by side on an earlier commit and on this tree, in one command.
 
-    python tools/bench_against.py REV tools/bench_weight_sync.py --layers 2 [--rounds 2]
+    python tools/bench_against.py REV tools/bench_weight_sync.py --layers 2 [--rounds 2] [--logs DIR]
 
 The earlier commit is checked out into a temporary git worktree and imported in place of this tree
 (its `flowrl/` and `operators/` put first on PYTHONPATH, for the benchmark and every process it
 starts), so both run in this environment, one after the other, `--rounds` times alternately. Each
 benchmark's last output line is its JSON summary; every number in both is printed with the ratio
 this tree / REV. The last line is one JSON object: {"rev", "bench", "figures": {key: [rev, this]}}.
+`--logs DIR` keeps each run's whole output (DIR/rev-1.log, DIR/this-1.log, ...): the rows a benchmark
+prints above its summary (bench_plan's per-configuration errors) are compared from there.
 A refactor that should not change speed keeps the ratios of each summary where they were.
 """
 
@@ -35,12 +37,15 @@ def checkout(rev: str, where: Path) -> Path:
     return tree
 
 
-def run(tree: Path, bench: str, args: list[str], path: str | None) -> dict:
+def run(tree: Path, bench: str, args: list[str], path: str | None, log: Path | None = None) -> dict:
     env = dict(os.environ)
     if path is not None:
         env["PYTHONPATH"] = os.pathsep.join([path, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     proc = subprocess.run([sys.executable, str(tree / bench), *args], cwd=tree, env=env,
                           capture_output=True, text=True)
+    if log is not None:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text(proc.stdout + proc.stderr)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
         sys.exit(f"{bench} on {tree} failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
@@ -62,14 +67,16 @@ def main() -> None:
     parser.add_argument("rev", help="the earlier commit")
     parser.add_argument("bench", help="the benchmark, a path relative to the repository root")
     parser.add_argument("--rounds", type=int, default=1, help="runs of each, alternately (medians are shown)")
+    parser.add_argument("--logs", type=Path, help="keep each run's whole output in this folder")
     args, rest = parser.parse_known_args()
     with tempfile.TemporaryDirectory(prefix="flowrl-against-") as scratch:
         tree = checkout(args.rev, Path(scratch))
         try:
             runs: dict[str, list[dict[str, float]]] = {"rev": [], "this": []}
-            for _ in range(args.rounds):
-                runs["rev"].append(numbers(run(tree, args.bench, rest, str(Path(scratch) / "path"))))
-                runs["this"].append(numbers(run(ROOT, args.bench, rest, None)))
+            for n in range(1, args.rounds + 1):
+                log = {side: args.logs / f"{side}-{n}.log" if args.logs else None for side in runs}
+                runs["rev"].append(numbers(run(tree, args.bench, rest, str(Path(scratch) / "path"), log["rev"])))
+                runs["this"].append(numbers(run(ROOT, args.bench, rest, None, log["this"])))
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT, check=False)
     keys = [k for k in runs["this"][0] if k in runs["rev"][0]]

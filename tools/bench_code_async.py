@@ -49,7 +49,10 @@ PIPELINES = {"sync": "pipelines/smollm2_code.yaml", "async": "pipelines/smollm2_
 # The async pipeline's differences from the sync one that `flowrl plan` simulates (its loss, decoupled
 # PPO, changes no cost); tests/test_bench_code_async.py checks they are the pipeline's differences.
 PLAN_CHANGES = ["max_staleness=1", "nodes.rollout.engine.threads=1", "nodes.rollout.partial_rollout=true",
-                "nodes.learner.own_process={threads: 1}"]
+                "nodes.learner.own_process={threads: 1}",
+                # the decoupled loss's proximal forward: one more pass over each step's tokens (CostShape.passes)
+                "nodes.learner.loss={kind: ppo_clip, clip_low: 0.2, clip_high: 0.28, aggregation: token_mean, "
+                "decoupled: true, correction: {kind: tis, threshold: 2.0}}"]
 TIMING = ("queue_s", "start_s", "run_s", "seconds")
 
 
@@ -169,6 +172,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--eval-samples", type=int, default=32)
     parser.add_argument("--out", type=Path, default=ROOT / "runs/bench_code_async")
     parser.add_argument("--report-only", action="store_true", help="reprint OUT/ARM-SEED.json, run nothing")
+    parser.add_argument("--replan", action="store_true", help="with --report-only: plan's prediction from each "
+                        "sync run made anew by this tree's plan (the saved one is the measuring commit's)")
     parser.add_argument("--heldout", action="store_true", help="the held-out seeds (tools/heldout.py), defaults as committed")
     results_file.add_record_flag(parser)
     args = parser.parse_args(argv)
@@ -177,6 +182,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     if args.heldout and changed:
         raise heldout.ProtocolError(f"--heldout measures the pair as committed: no --{changed[0].replace('_', '-')}")
     args.seeds = heldout.seeds_for(BENCH, args.heldout, args.seeds) or [0]
+    if args.replan and not args.report_only:
+        parser.error("--replan re-plans runs already made: use it with --report-only")
     return args
 
 
@@ -192,6 +199,8 @@ def main(argv: list[str] | None = None) -> None:
         for arm in PIPELINES:
             saved = args.out / f"{arm}-{seed}.json"
             r = json.loads(saved.read_text()) if args.report_only else run_arm(arm, seed, args)
+            if args.replan and arm == "sync":
+                r["plan"] = plan_prediction(args.out / f"{arm}-{seed}", args.target)
             runs[arm].append(r)
             print(f"seed {seed} {arm:>5}: exit {r['exit']}, to eval >= {args.target}: {r['s_to_target']} s, "
                   f"{r['samples_to_target']} samples ({r['steps_to_target']} steps); {r['groups_per_s']} groups/s, "

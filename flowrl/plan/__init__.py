@@ -15,7 +15,7 @@ from typing import Any
 
 from flowrl.plan.changes import Scenario
 from flowrl.plan.fit import Costs
-from flowrl.plan.records import WARMUP
+from flowrl.plan.records import WARMUP, significant
 from flowrl.spec.errors import UserError
 
 MIN_STEPS = 40  # steps simulated at least, over repeats: resampled tails need a few to average
@@ -44,7 +44,7 @@ def average(runs: list[dict[str, Any]]) -> dict[str, Any]:
         for lag, count in r["staleness"].items():
             staleness[lag] = staleness.get(lag, 0) + count
     return {"step_seconds": round(sum(r["step_seconds"] for r in runs) / len(runs), 4),
-            "samples_per_s": round(sum(r["samples_per_s"] for r in runs) / len(runs), 2),
+            "samples_per_s": significant(sum(r["samples_per_s"] for r in runs) / len(runs)),
             "idle": {n: round(sum(r["idle"][n] for r in runs) / len(runs), 3) for n in runs[0]["idle"]},
             "staleness": dict(sorted(staleness.items()))}
 
@@ -82,16 +82,36 @@ def calibrate(base: Any, machine: float) -> Costs:
     """The costs fitted with the train step's interpreter lock fraction (cpu.py) under which the
     run's spans agree best with the cost models: the engine's work per iteration and the train's
     per token vary least between spans that overlapped other work and spans that did not
-    (fit.scatter). A run where training never overlaps other work cannot tell: 1 (it takes turns)."""
+    (fit.scatter). A run where training never overlaps other work cannot tell: there the share its
+    train steps measured (their spans' `lock`, runtime/lockprobe.py), else 1 (it takes turns)."""
     from flowrl.plan.fit import fit
 
     tried = [(scatter, lock, costs) for lock in LOCKS for costs, scatter in [fit(base, machine, lock, scatter=True)]]
     best = min(tried, key=lambda t: t[0])
-    if max(t[0] for t in tried) - best[0] < TOLD:
-        best = tried[0]
-        best[2].notes.append("a train step takes turns with the other stages for the interpreter (the run has too "
-                             "little overlap to tell otherwise)")
-    else:
+    if max(t[0] for t in tried) - best[0] >= TOLD:
         best[2].notes.append(f"a train step holds the interpreter lock {best[1]:.0%} of its time (fitted on how "
                              f"its spans and the engine's overlapped)")
-    return best[2]
+        return best[2]
+    measured = measured_lock(base)
+    if measured is None:
+        costs = tried[0][2]
+        costs.notes.append("a train step takes turns with the other stages for the interpreter (the run has too "
+                           "little overlap to tell otherwise, and its train spans measured no lock share)")
+        return costs
+    costs = fit(base, machine, measured)
+    costs.notes.append(f"a train step holds the interpreter lock {measured:.0%} of its time (the lock probe in the "
+                       f"run's train steps; they never overlapped other work to fit it from)")
+    return costs
+
+
+def measured_lock(base: Any) -> float | None:
+    """The median lock share of the steady train steps run in the main process; None where none
+    measured it (a run from before the probe, a trainer in a process of its own)."""
+    from statistics import median
+
+    from flowrl.plan.shapes import processes
+
+    own = processes(base.plan)
+    shares = [s.lock for s in base.spans if s.name == "train" and s.lock is not None and s.node not in own
+              and (s.step or 0) >= WARMUP]
+    return round(median(shares), 3) if shares else None

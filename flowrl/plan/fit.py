@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flowrl.plan.records import WARMUP, Baseline, Span
-from flowrl.plan.shapes import declared, engine_cores, processes, shapes
+from flowrl.plan.shapes import declared, engine_cores, processes, shapes, train_cores
 from flowrl.plan.shapes import slots as slots_of
 from flowrl.plan.solo import solo_work
 from flowrl.spec.errors import UserError
@@ -54,6 +54,8 @@ class Costs:
     flush_s: float  # the run's own work after each train step (writing its records)
     group_size: dict[str, int]  # generate node -> its group_size in the fitted run
     train_lock: float = 1.0  # the fraction of a train step that holds the interpreter lock (cpu.py)
+    train_cores: float = 1.0  # the cores a train step ran over in the fitted run (shapes.train_cores)
+    train_passes: float | None = None  # its passes over the tokens in the fitted run (CostShape.passes)
     notes: list[str] = field(default_factory=list)
 
 
@@ -76,9 +78,11 @@ def fit(base: Baseline, cores: float, train_lock: float = 1.0, scatter: bool = F
         elif node.kind != "train":
             process[name] = [work[s] for s in spans if s.name == "process"] or [0.0]
     flush = _mean([work[s] for s in work if s.node == "runtime" and s.name == "flush"])
-    sizes = {n: shape.group_size for n, shape in shapes(plan).items() if plan.nodes[n].kind == "generate"}
+    known = shapes(plan)
+    sizes = {n: shape.group_size for n, shape in known.items() if plan.nodes[n].kind == "generate"}
+    train = next(n for n, f in plan.facts.nodes.items() if f.input is not None)
     costs = Costs(engines, groups, process, fit_train(base, work, notes, spread), sync_s, flush, sizes, train_lock,
-                  notes)
+                  train_cores(plan, train, cores, known), known[train].passes, notes)
     return (costs, sum(spread)) if scatter else costs
 
 

@@ -30,6 +30,7 @@ class Span:
     end: float
     step: int | None
     sample: str | None  # args.id
+    lock: float | None = None  # the share of it its process's interpreter lock was held (lockprobe.py)
 
     @property
     def seconds(self) -> float:
@@ -88,6 +89,12 @@ def unsupported(plan: Plan, directory: Path, train: str) -> None:
                         "one (every stage in one interpreter)")
 
 
+def significant(value: float, digits: int = 4) -> float:
+    """`value` to `digits` significant digits: a rate of 0.0439 groups/s keeps its precision, which
+    two decimals would round to 0.04, and the time to a target computed from it 10 % off."""
+    return float(f"{value:.{digits}g}")
+
+
 def _rows(run: RunDir) -> list[dict[str, Any]]:
     """metrics.jsonl's rows as mappings, as a simulated run keeps them (simulate.py)."""
     file = run.file("metrics.jsonl")
@@ -112,7 +119,7 @@ def spans(events: list[TraceEvent]) -> list[Span]:
             continue
         start = e.start_us / 1e6
         out.append(Span(names[e.pid], e.tid // 100, e.name, start, start + e.dur_us / 1e6,
-                        e.args.get("step"), e.args.get("id")))
+                        e.args.get("step"), e.args.get("id"), e.args.get("lock")))
     return sorted(out, key=lambda s: s.start)
 
 
@@ -183,5 +190,5 @@ def figures(rows: list[dict[str, Any]], before: float) -> dict[str, Any]:
     total = max(sum(spans), 1e-9)  # idle weighted by each step's seconds: a step of 1 ms weighs 1 ms
     idle = {n: round(sum(r["idle"][n] * w for r, w in zip(rows, spans, strict=True)) / total, 3) for n in nodes}
     groups = sum(r.get("groups", 0) for r in rows)
-    return {"step_seconds": round(seconds, 4), "samples_per_s": round(groups / (rows[-1]["time"] - before), 2),
+    return {"step_seconds": round(seconds, 4), "samples_per_s": significant(groups / (rows[-1]["time"] - before)),
             "idle": idle, "staleness": dict(sorted(staleness.items()))}

@@ -19,7 +19,7 @@ def text(result: dict[str, Any]) -> str:
         lines.append(f"predicted with: {' '.join(result['changes'])}")
     lines.append(f"{'':22}" + "".join(f"{c:>12}" for c in columns))
     lines.append(_line("s/step", [result[c]["step_seconds"] for c in columns], "{:.4f}"))
-    lines.append(_line("samples/s", [result[c]["samples_per_s"] for c in columns], "{:.2f}"))
+    lines.append(_line("samples/s", [result[c]["samples_per_s"] for c in columns], "{:.4g}"))
     for node in result["measured"]["idle"]:
         lines.append(_line(f"idle {node}", [result[c]["idle"].get(node) for c in columns], "{:.3f}"))
     lines.append(_line("staleness", [_histogram(result[c]["staleness"]) for c in columns], "{}"))
@@ -40,7 +40,7 @@ def search_lines(found: dict[str, Any], top: int = 5) -> list[str]:
     for r in rows[:top]:
         idle = " ".join(f"{n} {v:.2f}" for n, v in r["idle"].items())
         out.append(f"{r['replicas']:>10}{r['max_staleness']:>11}{r[kind]:>8g}{r['step_seconds']:>10.4f}"
-                   f"{r['samples_per_s']:>11.2f}  {idle}")
+                   f"{r['samples_per_s']:>11.4g}  {idle}")
     return out
 
 
@@ -60,7 +60,7 @@ def target_lines(t: dict[str, Any]) -> list[str]:
         if len(name) > 33:  # a long list of changes gets a line of its own, the figures aligned below it
             out.append(name)
             name = ""
-        line = f"{name:34}{r['samples_per_s']:>10.2f}{r['mean_lag']:>6.2f}  "
+        line = f"{name:34}{r['samples_per_s']:>10.4g}{r['mean_lag']:>6.2f}  "
         if "samples" in r:
             line += (f"{_interval(r['samples'], '{:.0f}'):24} {_interval(r['seconds'], None):28} "
                      f"{_interval(r['device_hours'], '{:.3g}'):24} ")

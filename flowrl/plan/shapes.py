@@ -65,3 +65,15 @@ def engine_cores(plan: Any, node: str, cores: float, known: dict[str, CostShape]
     known = shapes(plan) if known is None else known
     others = sum(t for name, t in processes(plan, known).items() if name != node)
     return max(1.0, min(float(known[node].threads or 1), cores - others))
+
+
+def train_cores(plan: Any, node: str, cores: float, known: dict[str, CostShape] | None = None) -> float:
+    """The cores train node `node`'s step runs over: its process's threads where it has one of its own
+    (`process_threads`); in the run's process, the torch threads its embedded engine set for the whole
+    process (the largest `threads` of a generate node there; None: one). At most the machine's
+    `cores`, at least one (docs/plan.md, "Engine threads")."""
+    known = shapes(plan) if known is None else known
+    own = processes(plan, known)
+    threads = own.get(node) or max((float(s.threads) for n, s in known.items() if s.threads and n not in own),
+                                   default=1.0)
+    return max(1.0, min(threads, cores))

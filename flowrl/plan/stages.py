@@ -10,9 +10,11 @@ coordinator, its roles and the stages are the real ones (simulate.py).
   a multi-turn group also waits on its environment for its resampled wait. A weight load costs
   its mean; with partial rollout the engine pauses between iterations meanwhile.
 - reward, reference, transform: a resampled measured call (a reference scales with the model).
-- train: c + k x the batch's tokens, holding the interpreter lock the fitted fraction of it, in a
-  process of its own where the node declares one; then the run's own writing of the step's
-  records (`Flushing`), before the policy goes on and the next batch is taken.
+- train: c + k x the batch's tokens, over its threads as the engine's per-row part is
+  (shapes.train_cores), times its passes over them against the fitted run's (CostShape.passes),
+  holding the interpreter lock the fitted fraction of it, in a process of its own where the node
+  declares one; then the run's own writing of the step's records (`Flushing`), before the policy
+  goes on and the next batch is taken.
 - sync: its mean.
 """
 
@@ -28,7 +30,7 @@ from flowrl.operator import CostShape, Knobs, Operator, OperatorContext, TrainRe
 from flowrl.plan.changes import Scenario
 from flowrl.plan.cpu import MAIN, Cpu
 from flowrl.plan.fit import Costs, EngineCost
-from flowrl.plan.shapes import engine_cores, processes, shapes, slots
+from flowrl.plan.shapes import engine_cores, processes, shapes, slots, train_cores
 
 
 class Prompts:
@@ -225,7 +227,12 @@ class Train(StandIn):
         sim = self.sim
         c, k = sim.costs.train
         tokens = sum(sim.tokens.pop(g.id, 0) for g in groups)
-        work = sim.scale * (c + k * tokens) if groups else 0.0  # an empty batch: no update
+        # Its torch work runs over its threads (the fitted run's cores over the ones it gets here)
+        # and grows with its passes over the tokens (epochs, a proximal forward: CostShape.passes).
+        threads = sim.costs.train_cores / train_cores(sim.scenario.plan, self.node, sim.cores, sim.shapes)
+        fitted, passes = sim.costs.train_passes, self.config.passes
+        more = passes / fitted if passes and fitted else 1.0
+        work = sim.scale * threads * more * (c + k * tokens) if groups else 0.0  # an empty batch: no update
         if self.node in sim.own:
             await sim.work(work, self.node)
         else:

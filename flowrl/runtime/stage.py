@@ -25,6 +25,7 @@ from flowrl.runtime import ports
 from flowrl.runtime.channel import Work
 from flowrl.runtime.clock import WALL, Clock
 from flowrl.runtime.durability import faults
+from flowrl.runtime.lockprobe import LockProbe
 from flowrl.runtime.observe import node_pids, span
 from flowrl.spec.phases import UNBOUNDED_STEPS
 
@@ -63,6 +64,9 @@ class Stage:
         self._in_flight = 0
         self._failure: str | None = None
         self._reported = clock.now()
+        # A real train step's spans record the share of it its process's interpreter lock was held
+        # (`lock`, lockprobe.py): what `flowrl plan` cannot see in a run that never overlaps training.
+        self.probe = LockProbe() if self.node.kind == "train" and build is None else None
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -152,6 +156,8 @@ class Stage:
         (directory / "state.pkl").write_bytes(pickle.dumps(state))
 
     async def close(self) -> None:
+        if self.probe is not None:
+            self.probe.stop()
         if self.op is not None:
             await self.op.close()
 
@@ -303,6 +309,7 @@ class Stage:
         if self._in_flight == 0:
             self._busy_since = self.clock.now()
         self._in_flight += 1
+        opened = self.probe.open() if self.probe is not None and name == "train" else None
         start = self.clock.now()
         try:
             return await coro
@@ -318,8 +325,9 @@ class Stage:
             if self._in_flight == 0:
                 self.busy += end - self._busy_since
             self.slots.discard(slot)
+            held = {} if opened is None or (lock := self.probe.close(opened)) is None else {"lock": round(lock, 3)}
             self.events.append(span(self.pid, self.replica * 100 + slot, name, start, end, self.origin,
-                                    id=work.id, step=work.step, version=work.version))
+                                    id=work.id, step=work.step, version=work.version, **held))
             if end - self._reported > REPORT_EVERY_S:
                 await self._report()
 
