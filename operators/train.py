@@ -250,16 +250,11 @@ class Train(Operator):
 
     @classmethod
     def cost_shape(cls, config: TrainConfig) -> CostShape:
-        """A process of its own; passes: each epoch a forward and a backward (3), one more forward
-        with gradient checkpointing (it recomputes the activations), and the proximal policy's
-        forward a decoupled loss or a correction needs, once or each epoch."""
-        from flowrl_operators.training.objective import loss_config, needs_proximal
+        from flowrl_operators.training.objective import loss_config, step_passes
 
-        loss = loss_config(config.loss)
         threads = config.own_process.threads if config.own_process is not None else None
-        proximal = (config.epochs if loss.proximal_each_epoch else 1) if needs_proximal(loss) else 0
-        passes = config.epochs * (3 + config.gradient_checkpointing) + proximal
-        return msgspec.structs.replace(super().cost_shape(config), process_threads=threads, passes=float(passes))
+        passes = step_passes(loss_config(config.loss), config.epochs, config.gradient_checkpointing)
+        return msgspec.structs.replace(super().cost_shape(config), process_threads=threads, passes=passes)
 
     @classmethod
     def export_difference(cls, recorded: Path, replayed: Path) -> float | None:

@@ -71,6 +71,15 @@ def needs_proximal(loss: LossConfig) -> bool:
     return not loss.supervised and (loss.decoupled or loss.correction is not None)
 
 
+def step_passes(loss: LossConfig, epochs: int, gradient_checkpointing: bool) -> float:
+    """A train step's passes over its tokens in forward-pass units (`CostShape.passes`): each epoch a
+    forward and a backward (3), one more forward with gradient checkpointing (it recomputes the
+    activations), and the proximal policy's forward a decoupled loss or a correction needs, once or
+    each epoch."""
+    proximal = (epochs if loss.proximal_each_epoch else 1) if needs_proximal(loss) else 0
+    return float(epochs * (3 + gradient_checkpointing) + proximal)
+
+
 def needs_reference(loss: LossConfig) -> bool:
     """Whether the loss needs reference logprobs (a reference node before the trainer)."""
     return kl_config(loss).coef > 0
