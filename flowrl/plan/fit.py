@@ -81,7 +81,7 @@ def fit(base: Baseline, cores: float, train_lock: float = 1.0, scatter: bool = F
     known = shapes(plan)
     sizes = {n: shape.group_size for n, shape in known.items() if plan.nodes[n].kind == "generate"}
     train = next(n for n, f in plan.facts.nodes.items() if f.input is not None)
-    costs = Costs(engines, groups, process, fit_train(base, work, notes, spread), sync_s, flush, sizes, train_lock,
+    costs = Costs(engines, groups, process, fit_train(base, train, work, notes, spread), sync_s, flush, sizes, train_lock,
                   train_cores(plan, train, cores, known), known[train].passes, notes)
     return (costs, sum(spread)) if scatter else costs
 
@@ -196,9 +196,8 @@ def busy_periods(spans: list[Span]) -> list[list[Span]]:
     return periods
 
 
-def fit_train(base: Baseline, work: dict[Span, float], notes: list[str],
+def fit_train(base: Baseline, train: str, work: dict[Span, float], notes: list[str],
               spread: list[float] | None = None) -> tuple[float, float]:
-    train = next(n for n, f in base.plan.facts.nodes.items() if f.input is not None)
     points = [(work[s], sum(sum(base.rows_of.get(g, [])) for g in base.batches[s.step]))
               for s in work if s.node == train and s.name == "train" and s.step in base.batches]
     if not points:

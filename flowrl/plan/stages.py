@@ -223,16 +223,19 @@ class Transform(StandIn):
 
 
 class Train(StandIn):
+    def __init__(self, config: CostShape, context: OperatorContext, sim: StandIns) -> None:
+        super().__init__(config, context, sim)
+        # Its torch work runs over its threads (the fitted run's cores over the ones it gets here)
+        # and grows with its passes over the tokens (epochs, a proximal forward: CostShape.passes).
+        threads = sim.costs.train_cores / train_cores(sim.scenario.plan, self.node, sim.cores, sim.shapes)
+        fitted, passes = sim.costs.train_passes, config.passes
+        self.factor = sim.scale * threads * (passes / fitted if passes and fitted else 1.0)
+
     async def train(self, groups: list[Any], *, step: int) -> TrainResult:
         sim = self.sim
         c, k = sim.costs.train
         tokens = sum(sim.tokens.pop(g.id, 0) for g in groups)
-        # Its torch work runs over its threads (the fitted run's cores over the ones it gets here)
-        # and grows with its passes over the tokens (epochs, a proximal forward: CostShape.passes).
-        threads = sim.costs.train_cores / train_cores(sim.scenario.plan, self.node, sim.cores, sim.shapes)
-        fitted, passes = sim.costs.train_passes, self.config.passes
-        more = passes / fitted if passes and fitted else 1.0
-        work = sim.scale * threads * more * (c + k * tokens) if groups else 0.0  # an empty batch: no update
+        work = self.factor * (c + k * tokens) if groups else 0.0  # an empty batch: no update
         if self.node in sim.own:
             await sim.work(work, self.node)
         else:

@@ -309,7 +309,7 @@ class Stage:
         if self._in_flight == 0:
             self._busy_since = self.clock.now()
         self._in_flight += 1
-        opened = self.probe.open() if self.probe is not None and name == "train" else None
+        opened = self.probe.open() if self.probe is not None else None  # a train stage's: its one span kind
         start = self.clock.now()
         try:
             return await coro
@@ -325,7 +325,8 @@ class Stage:
             if self._in_flight == 0:
                 self.busy += end - self._busy_since
             self.slots.discard(slot)
-            held = {} if opened is None or (lock := self.probe.close(opened)) is None else {"lock": round(lock, 3)}
+            lock = self.probe.close(opened) if opened is not None else None
+            held = {"lock": round(lock, 3)} if lock is not None else {}
             self.events.append(span(self.pid, self.replica * 100 + slot, name, start, end, self.origin,
                                     id=work.id, step=work.step, version=work.version, **held))
             if end - self._reported > REPORT_EVERY_S:
