@@ -151,10 +151,12 @@ def _knobs_problem(op: type[Operator], config: msgspec.Struct) -> str | None:
     return None
 
 
-def _declarations_problem(op: type[Operator], config: msgspec.Struct) -> str | None:
-    """Why the operator's `cost_shape(config)` or `metric_roles(config)` is unusable, or None: the
-    planner and the health detector read them later, far from the plugin that broke them."""
-    for method, types in (("cost_shape", (CostShape,)), ("metric_roles", (MetricRoles, type(None)))):
+def _declarations_problem(op: type[Operator], config: msgspec.Struct,
+                          methods: tuple[str, ...] = ("metric_roles",)) -> str | None:
+    """Why the operator's `metric_roles(config)` or `cost_shape(config)` is unusable, or None: the
+    health detector and the planner read them later, far from the plugin that broke them."""
+    for method in methods:
+        types = {"cost_shape": (CostShape,), "metric_roles": (MetricRoles, type(None))}[method]
         try:
             value = getattr(op, method)(config)
         except Exception as e:  # noqa: BLE001 - the plugin's own bug: say whose
@@ -352,8 +354,13 @@ def _check_operators(edges, ops, configs, resources, spec, loc, problems) -> Non
         facts = GraphFacts(async_upstream=async_in, partial_rollout_upstream=partial, executor=spec.run.executor,
                            upstream_provides=provided, replicas=resources[name].replicas if name in resources else 1,
                            model_path=spec.model.path)
-        for key_path, message in rules.held(op, "check_graph", configs[name], facts):
+        found = rules.held(op, "check_graph", configs[name], facts)
+        for key_path, message in found:
             problems.append(loc.diagnostic(("nodes", name, *key_path), message))
+        # The cost shape is read from a config the operator's own checks passed: a bad loss key is
+        # reported at its own key above, not as the shape's failure.
+        if not found and (problem := _declarations_problem(op, configs[name], ("cost_shape",))):
+            problems.append(loc.diagnostic(("nodes", name, "op"), problem))
 
 
 def _ordered(problems: list[Diagnostic]) -> list[Diagnostic]:
