@@ -37,7 +37,7 @@ def phase_directory(run_dir: Path) -> Path:
 
 
 def train_node(plan: Any, directory: Path) -> str:
-    trains = [n for n, f in plan.facts.nodes.items() if f.input is not None]
+    trains = plan.facts.trains
     if len(trains) != 1:
         raise UserError(f"{directory / 'plan.json'}: replay supports a pipeline with one train node; this one has "
                         f"{len(trains)} ({', '.join(trains) or 'none'})")

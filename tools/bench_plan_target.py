@@ -95,7 +95,7 @@ def _plain(value: Any) -> Any:
 def _edges(base: Plan, other: Plan) -> list[Found]:
     """The train input edge's mode and max_staleness as `max_staleness`; its other fields, and any
     other edge that differs, refused."""
-    trains = {n for n, f in (base.facts.nodes if base.facts else {}).items() if f.input is not None}
+    trains = set(base.facts.trains if base.facts else ())
     mine = {(e.src, e.dst, e.kind): _plain(e) for e in base.edges}
     theirs = {(e.src, e.dst, e.kind): _plain(e) for e in other.edges}
     out: list[Found] = []

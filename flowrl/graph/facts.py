@@ -42,6 +42,11 @@ class Facts(msgspec.Struct, kw_only=True):
     nodes: dict[str, NodeFacts]
     limits: dict[str, int | None]  # data edge label -> staleness limit
 
+    @property
+    def trains(self) -> list[str]:
+        """The train nodes: those with a data input edge."""
+        return [n for n, f in self.nodes.items() if f.input is not None]
+
 
 def derive(nodes: dict[str, NodePlan], edges: list[EdgePlan], order: list[str]) -> Facts:
     """The facts of a graph. Raises ValueError if a train node has other than one data input

@@ -139,7 +139,7 @@ def _config_key(node: NodePlan, rest: str, value: object, item: str) -> dict[str
 
 def _staleness(plan: Plan, limit: int) -> None:
     """The train node's data input edge: sync at 0, else async with this max_staleness."""
-    trains = [n for n, f in plan.facts.nodes.items() if f.input is not None]
+    trains = plan.facts.trains
     for i, edge in enumerate(plan.edges):
         if edge.kind == "data" and edge.dst in trains:
             mode = "async" if limit > 0 else "sync"

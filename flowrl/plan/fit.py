@@ -80,7 +80,7 @@ def fit(base: Baseline, cores: float, train_lock: float = 1.0, scatter: bool = F
     flush = _mean([work[s] for s in work if s.node == "runtime" and s.name == "flush"])
     known = shapes(plan)
     sizes = {n: shape.group_size for n, shape in known.items() if plan.nodes[n].kind == "generate"}
-    train = next(n for n, f in plan.facts.nodes.items() if f.input is not None)
+    train = plan.facts.trains[0]
     costs = Costs(engines, groups, process, fit_train(base, train, work, notes, spread), sync_s, flush, sizes, train_lock,
                   train_cores(plan, train, cores, known), known[train].passes, notes)
     return (costs, sum(spread)) if scatter else costs

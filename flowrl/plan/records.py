@@ -58,7 +58,7 @@ def load(run_dir: Path) -> Baseline:
         plan = run.plan()
     except (OSError, msgspec.DecodeError, msgspec.ValidationError) as e:
         raise UserError(f"cannot read {directory / 'plan.json'}: {e}") from None
-    trains = [n for n, f in plan.facts.nodes.items() if f.input is not None]
+    trains = plan.facts.trains
     if len(trains) != 1:
         raise UserError(f"{directory / 'plan.json'}: plan simulates a pipeline with one train node; this one has "
                         f"{len(trains)} ({', '.join(trains) or 'none'})")

@@ -63,7 +63,7 @@ def check_price(price: float | None) -> None:
 
 def train_rows(run: RunDir) -> list[Any]:
     plan = run.plan()
-    trains = [n for n, f in plan.facts.nodes.items() if f.input is not None]
+    trains = plan.facts.trains
     return sorted((r for r in run.metrics() if r.node in trains[:1]), key=lambda r: r.step)
 
 

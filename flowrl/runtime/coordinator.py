@@ -66,7 +66,7 @@ class Coordinator:
         self.ins = {n: [e for e in plan.edges if e.dst == n and e.kind == "data"] for n in plan.nodes}
         self.outs = {n: [e for e in plan.edges if e.src == n] for n in plan.nodes}
         self.channels = {e.label: Channel(e, plan.facts.limits[e.label]) for e in plan.edges if e.kind == "data"}
-        self.trains = [n for n, f in plan.facts.nodes.items() if f.input is not None]
+        self.trains = plan.facts.trains
         # State that a checkpoint keeps (snapshot.py), with the roles' own.
         self.versions = {t: 0 for t in self.trains}
         self.ended: dict[str, set[int]] = {n: set() for n in plan.nodes}

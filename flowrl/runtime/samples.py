@@ -49,7 +49,7 @@ class Samples(Role):
         # Per node: the generate nodes that wait for replacements of samples lost at (or before) it.
         self.refilled_by = {n: [g for g in f.generators if self.admission[g].quota.refills]
                             for n, f in facts.nodes.items()}
-        self.trains = any(f.input is not None for f in facts.nodes.values())  # the run has train nodes
+        self.trains = bool(facts.trains)  # the run has train nodes
 
     def attach(self, node: str, replica: int, version: int) -> None:
         if version < 0:  # it died (Ray restarts it): no share of new work until it attaches again
