@@ -1,14 +1,16 @@
 """A benchmark run side by side on an earlier commit and on this tree, in one command.
 
     python tools/bench_against.py REV tools/bench_weight_sync.py --layers 2 [--rounds 2] [--logs DIR]
+    python tools/bench_against.py REV tools/bench_plan.py --from-logs DIR
 
 The earlier commit is checked out into a temporary git worktree and imported in place of this tree
 (its `flowrl/` and `operators/` put first on PYTHONPATH, for the benchmark and every process it
 starts), so both run in this environment, one after the other, `--rounds` times alternately. Each
 benchmark's last output line is its JSON summary; every number in both is printed with the ratio
 this tree / REV. The last line is one JSON object: {"rev", "bench", "figures": {key: [rev, this]}}.
-`--logs DIR` keeps each run's whole output (DIR/rev-1.log, DIR/this-1.log, ...): the rows a benchmark
-prints above its summary (bench_plan's per-configuration errors) are compared from there.
+`--logs DIR` keeps each run's whole output (DIR/rev-1.log, DIR/this-1.log, ...), and `--from-logs DIR`
+compares what such a folder kept without running anything. A summary's list of rows (bench_plan's
+`configs`) is compared row by row, each keyed by its `config` (or `name`).
 A refactor that should not change speed keeps the ratios of each summary where they were.
 """
 
@@ -53,13 +55,25 @@ def run(tree: Path, bench: str, args: list[str], path: str | None, log: Path | N
 
 
 def numbers(summary: dict, prefix: str = "") -> dict[str, float]:
+    """Every number of a summary by its dotted key; a list of rows is keyed by each row's name (its
+    `config` or `name` value, else its index), so per-configuration rows compare row by row."""
     out: dict[str, float] = {}
     for key, value in summary.items():
         if isinstance(value, dict):
             out |= numbers(value, f"{prefix}{key}.")
+        elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            for i, row in enumerate(value):
+                out |= numbers(row, f"{prefix}{key}.{row.get('config', row.get('name', i))}.")
         elif isinstance(value, int | float) and not isinstance(value, bool):
             out[prefix + key] = float(value)
     return out
+
+
+def last_line(log: Path) -> dict:
+    lines = [line for line in log.read_text().splitlines() if line.startswith("{")]
+    if not lines:
+        sys.exit(f"{log}: no JSON summary line")
+    return json.loads(lines[-1])
 
 
 def main() -> None:
@@ -68,7 +82,20 @@ def main() -> None:
     parser.add_argument("bench", help="the benchmark, a path relative to the repository root")
     parser.add_argument("--rounds", type=int, default=1, help="runs of each, alternately (medians are shown)")
     parser.add_argument("--logs", type=Path, help="keep each run's whole output in this folder")
+    parser.add_argument("--from-logs", type=Path, metavar="DIR",
+                        help="run nothing: compare the summaries an earlier --logs DIR kept")
     args, rest = parser.parse_known_args()
+    if args.from_logs is not None:
+        runs = {side: [numbers(last_line(log)) for log in sorted(args.from_logs.glob(f"{side}-*.log"))]
+                for side in ("rev", "this")}
+        if not runs["rev"] or not runs["this"]:
+            sys.exit(f"{args.from_logs}: needs rev-N.log and this-N.log files (written by --logs)")
+    else:
+        runs = measure(args, rest)
+    compare(args, runs)
+
+
+def measure(args: argparse.Namespace, rest: list[str]) -> dict[str, list[dict[str, float]]]:
     with tempfile.TemporaryDirectory(prefix="flowrl-against-") as scratch:
         tree = checkout(args.rev, Path(scratch))
         try:
@@ -79,6 +106,10 @@ def main() -> None:
                 runs["this"].append(numbers(run(ROOT, args.bench, rest, None, log["this"])))
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT, check=False)
+    return runs
+
+
+def compare(args: argparse.Namespace, runs: dict[str, list[dict[str, float]]]) -> None:
     keys = [k for k in runs["this"][0] if k in runs["rev"][0]]
     figures = {k: [statistics.median(r[k] for r in runs["rev"]), statistics.median(r[k] for r in runs["this"])]
                for k in keys}
