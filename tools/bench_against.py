@@ -84,6 +84,7 @@ def main() -> None:
     parser.add_argument("--logs", type=Path, help="keep each run's whole output in this folder")
     parser.add_argument("--from-logs", type=Path, metavar="DIR",
                         help="run nothing: compare the summaries an earlier --logs DIR kept")
+    parser.add_argument("--record", metavar="NAME", help="also keep the last line as results/NAME.json")
     args, rest = parser.parse_known_args()
     if args.from_logs is not None:
         runs = {side: [numbers(last_line(log)) for log in sorted(args.from_logs.glob(f"{side}-*.log"))]
@@ -117,7 +118,13 @@ def compare(args: argparse.Namespace, runs: dict[str, list[dict[str, float]]]) -
     for key, (old, new) in figures.items():
         ratio = f"{new / old:9.3f}" if old else f"{'-':>9}"
         print(f"{key:<44} {old:12.4g} {new:12.4g} {ratio}")
-    print(json.dumps({"rev": args.rev, "bench": args.bench, "figures": figures}))
+    result = {"rev": args.rev, "bench": args.bench, "figures": figures}
+    print(json.dumps(result))
+    if args.record:
+        sys.path.insert(0, str(ROOT / "tools"))
+        import results_file  # only here: the tool also runs in a repository without it (its test)
+
+        print(f"recorded {results_file.save(args.record, result, 'bench_against').relative_to(ROOT)}", file=sys.stderr)
 
 
 if __name__ == "__main__":
