@@ -54,8 +54,11 @@ def test_medians_over_repeats_with_spread_and_worst():
             row("batch_size_32", "sync", 1, 0.03, 0.05),
             row("sync", "sync", 2, 0.04, 0.00, True), row("async_staleness_1", "sync", 2, 0.09, 0.02),
             row("batch_size_32", "sync", 2, 0.01, 0.06),
-            row("sync", "async", 0, 0.5, 0.5)]  # another baseline's row: not in sync's figures
+            row("sync", "async", 0, 0.5, 0.5),  # another baseline's row: not in sync's figures
+            {**row("sync", "sync", 0, 0.01, 0.003, True), "replay": True},  # the baseline against itself
+            {**row("sync", "sync", 1, 0.03, 0.001, True), "replay": True}]
     s = b.summarise(rows, ["sync"])["sync"]
+    assert s["replay_step_error"]["median"] == 0.02 and s["replay_idle_error"]["worst"] == 0.003
     assert s["recorded_step_error"] == {"median": 0.04, "spread": [0.02, 0.06], "worst": 0.06,
                                         "values": [0.02, 0.06, 0.04]}
     assert s["max_step_time_error"]["values"] == [0.20, 0.08, 0.09]  # each repeat's largest what-if
@@ -97,13 +100,17 @@ def test_a_tiny_real_invocation(tmp_path, capsys, monkeypatch):
     result = json.loads(out.strip().splitlines()[-1])
     assert saved == [("plan-test", "bench_plan")]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["async_staleness_2-0", "grpo-async-baseline-0", "sync-0"]
-    assert [(r["config"], r["recorded"]) for r in result["rows"]] == [("sync", False), ("async_staleness_2", True)]
+    assert [(r["config"], r["recorded"], r["replay"]) for r in result["rows"]] == [
+        ("async_staleness_2", True, True), ("sync", False, False), ("async_staleness_2", True, False)]
     s = result["baselines"]["async"]
-    recorded = result["rows"][1]
+    replay, recorded = result["rows"][0], result["rows"][2]
+    assert recorded["predicted_step_s"] == replay["predicted_step_s"]  # one prediction, two runs to compare with
+    assert s["replay_step_error"]["median"] == replay["step_time_error"] == pytest.approx(
+        abs(replay["predicted_step_s"] / replay["measured_step_s"] - 1), abs=1e-4)
     assert s["recorded_step_error"]["median"] == recorded["step_time_error"] == pytest.approx(
         abs(recorded["predicted_step_s"] / recorded["measured_step_s"] - 1), abs=1e-4)
     assert set(recorded["predicted_staleness"]) <= {"0", "1", "2"}
-    assert set(result["rows"][0]["predicted_staleness"]) == {"0"}  # sync: every sample fresh
+    assert set(result["rows"][1]["predicted_staleness"]) == {"0"}  # sync: every sample fresh
     assert result["bars"]["async/max_step_time_error"] == (s["max_step_time_error"]["median"] <= 0.10)
     assert result["longtail_steps"] == 4 and result["only"] == ["sync"]
     assert "from the async baseline" in out and "sync (recorded)" not in out
