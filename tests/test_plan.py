@@ -406,3 +406,20 @@ def test_rates_keep_their_precision_however_slow_the_run():
 
     assert significant(0.043912) == 0.04391 and significant(0.0325) == 0.0325
     assert significant(123.456) == 123.5 and significant(0.0) == 0.0
+
+
+def test_a_train_step_beside_multi_turn_groups_is_fitted_as_long_as_it_took(async_run, grpo_run):
+    """Multi-turn groups' busy stretches are mostly waits on their environments, and the simulation
+    gives their engine no work: counted as work holding the lock, they shrank the train steps that
+    overlapped them, and the long-tail async run replayed 12-17 % fast (docs/plan.md)."""
+    from flowrl.plan import records
+    from flowrl.plan.fit import fit
+
+    def per_token(run: Path, group_size: int | None) -> float:
+        base = records.load(run)
+        if group_size is not None:  # 8 trajectories a group > 4: read as multi-turn groups
+            base.plan.nodes["rollout"].config = {**base.plan.nodes["rollout"].config, "group_size": group_size}
+        return fit(base, 2, 1.0).train[1]
+
+    assert per_token(async_run, 4) > per_token(async_run, None)  # its train steps overlapped generation
+    assert per_token(grpo_run, 4) == pytest.approx(per_token(grpo_run, None))  # sync: nothing overlapped

@@ -100,7 +100,7 @@ def calibrate(base: Any, machine: float) -> Costs:
         return costs
     costs = fit(base, machine, measured)
     costs.notes.append(f"a train step holds the interpreter lock {measured:.0%} of its time (the lock probe in the "
-                       f"run's train steps; they never overlapped other work to fit it from)")
+                       f"run's train steps; no work the model times overlapped them to fit it from)")
     return costs
 
 

@@ -64,14 +64,16 @@ def fit(base: Baseline, cores: float, train_lock: float = 1.0, scatter: bool = F
     train step holding the interpreter lock `train_lock` of its time. With `scatter`: (costs, the
     relative scatter of the engine's and the train's spans about their fits, summed)."""
     plan, notes, spread = base.plan, [], []
-    work = _work(base, cores, train_lock)
-    engines, groups, process, sync_s = {}, {}, {}, {}
+    steady = _steady(base)
+    groups = {name: group_pool(base, name, [s for s in steady if s.node == name and s.name == "generate"], notes)
+              for name, node in plan.nodes.items() if node.kind == "generate"}
+    waits = {name for name, pool in groups.items() if any(wait > 0 for _, wait in pool)}
+    work = _work(base, steady, cores, train_lock, waits)
+    engines, process, sync_s = {}, {}, {}
     for name, node in plan.nodes.items():
         spans = [s for s in work if s.node == name]
         if node.kind == "generate":
-            groups[name] = group_pool(base, name, [s for s in spans if s.name == "generate"], notes)
-            multi_turn = any(wait > 0 for _, wait in groups[name])
-            engines[name] = fit_engine(base, name, work, notes, multi_turn, spread)
+            engines[name] = fit_engine(base, name, work, notes, name in waits, spread)
             engines[name].cores = engine_cores(plan, name, cores)
         elif node.kind == "sync":
             sync_s[name] = _mean([work[s] for s in spans if s.name == "sync"])
@@ -89,16 +91,24 @@ def fit(base: Baseline, cores: float, train_lock: float = 1.0, scatter: bool = F
 CPU_SPANS = {"generate", "process", "train", "sync", "update_weights", "flush"}
 
 
-def _work(base: Baseline, cores: float, train_lock: float) -> dict[Span, float]:
+def _steady(base: Baseline) -> list[Span]:
+    """The spans that use the cores, from the end of the warm-up steps on."""
+    begin = base.rows[WARMUP - 1]["time"]
+    return [s for s in base.spans if s.name in CPU_SPANS and s.start >= begin]
+
+
+def _work(base: Baseline, spans: list[Span], cores: float, train_lock: float,
+          waits: set[str]) -> dict[Span, float]:
     """The work (solo.py) of each steady span that uses the cores; a generate replica's busy periods
-    count once each (one engine), as a span named `period`."""
+    count once each (one engine), as a span named `period`. A node whose groups wait on their
+    environments (`waits`: multi-turn) has no periods: its busy stretches are mostly those waits,
+    not work, and the simulation gives its engine none (fit_engine); counting them as work that
+    held the lock would shrink what overlapped them (a train step) to less than it ever took."""
     from flowrl.plan.cpu import MAIN
 
-    begin = base.rows[WARMUP - 1]["time"]
-    spans = [s for s in base.spans if s.name in CPU_SPANS and s.start >= begin]
     own = processes(base.plan)
     periods = []
-    for node, replica in sorted({(s.node, s.replica) for s in spans if s.name == "generate"}):
+    for node, replica in sorted({(s.node, s.replica) for s in spans if s.name == "generate" and s.node not in waits}):
         mine = [s for s in spans if (s.node, s.replica, s.name) == (node, replica, "generate")]
         periods += [Span(node, replica, "period", p[0].start, max(s.end for s in p), None, None)
                     for p in busy_periods(mine)]
