@@ -48,10 +48,10 @@ def run(tree: Path, bench: str, args: list[str], path: str | None, log: Path | N
     if log is not None:
         log.parent.mkdir(parents=True, exist_ok=True)
         log.write_text(proc.stdout + proc.stderr)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode != 0 or not lines:
+    summary = last_line(proc.stdout)
+    if proc.returncode != 0 or summary is None:
         sys.exit(f"{bench} on {tree} failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
-    return json.loads(lines[-1])
+    return summary
 
 
 def numbers(summary: dict, prefix: str = "") -> dict[str, float]:
@@ -69,11 +69,17 @@ def numbers(summary: dict, prefix: str = "") -> dict[str, float]:
     return out
 
 
-def last_line(log: Path) -> dict:
-    lines = [line for line in log.read_text().splitlines() if line.startswith("{")]
-    if not lines:
+def last_line(output: str) -> dict | None:
+    """A benchmark's summary: the last line of its output that is a JSON object; None without one."""
+    lines = [line for line in output.splitlines() if line.startswith("{")]
+    return json.loads(lines[-1]) if lines else None
+
+
+def kept(log: Path) -> dict[str, float]:
+    summary = last_line(log.read_text())
+    if summary is None:
         sys.exit(f"{log}: no JSON summary line")
-    return json.loads(lines[-1])
+    return numbers(summary)
 
 
 def main() -> None:
@@ -87,7 +93,7 @@ def main() -> None:
     parser.add_argument("--record", metavar="NAME", help="also keep the last line as results/NAME.json")
     args, rest = parser.parse_known_args()
     if args.from_logs is not None:
-        runs = {side: [numbers(last_line(log)) for log in sorted(args.from_logs.glob(f"{side}-*.log"))]
+        runs = {side: [kept(log) for log in sorted(args.from_logs.glob(f"{side}-*.log"))]
                 for side in ("rev", "this")}
         if not runs["rev"] or not runs["this"]:
             sys.exit(f"{args.from_logs}: needs rev-N.log and this-N.log files (written by --logs)")

@@ -132,7 +132,7 @@ def _read_nodes(nodes: dict[str, Any], loc, problems: list[Diagnostic]
         except msgspec.ValidationError as e:
             problems.append(validation_diagnostic(e, body, node_path, loc, op.Config))
             continue
-        problem = _knobs_problem(op, configs[name]) or _declarations_problem(op, configs[name])
+        problem = _knobs_problem(op, configs[name]) or _declaration_problem(op, configs[name], "metric_roles")
         if problem is not None:
             problems.append(loc.diagnostic((*node_path, "op"), problem))
     return ops, configs, resources
@@ -151,19 +151,21 @@ def _knobs_problem(op: type[Operator], config: msgspec.Struct) -> str | None:
     return None
 
 
-def _declarations_problem(op: type[Operator], config: msgspec.Struct,
-                          methods: tuple[str, ...] = ("metric_roles",)) -> str | None:
-    """Why the operator's `metric_roles(config)` or `cost_shape(config)` is unusable, or None: the
-    health detector and the planner read them later, far from the plugin that broke them."""
-    for method in methods:
-        types = {"cost_shape": (CostShape,), "metric_roles": (MetricRoles, type(None))}[method]
-        try:
-            value = getattr(op, method)(config)
-        except Exception as e:  # noqa: BLE001 - the plugin's own bug: say whose
-            return f"{rules.who(op)}: its {method}() failed: {type(e).__name__}: {e}"
-        if not isinstance(value, types):
-            return (f"{rules.who(op)}: its {method}() returned {type(value).__name__}; it must return "
-                    f"{' or '.join('None' if t is type(None) else 'flowrl.operator.' + t.__name__ for t in types)}")
+# What an operator declares from its config, and the types it may return: the health detector and
+# the planner read them later, far from the plugin that broke them.
+DECLARED = {"metric_roles": (MetricRoles, type(None)), "cost_shape": (CostShape,)}
+
+
+def _declaration_problem(op: type[Operator], config: msgspec.Struct, method: str) -> str | None:
+    """Why the operator's declaration `method(config)` (one of DECLARED) is unusable, or None."""
+    types = DECLARED[method]
+    try:
+        value = getattr(op, method)(config)
+    except Exception as e:  # noqa: BLE001 - the plugin's own bug: say whose
+        return f"{rules.who(op)}: its {method}() failed: {type(e).__name__}: {e}"
+    if not isinstance(value, types):
+        return (f"{rules.who(op)}: its {method}() returned {type(value).__name__}; it must return "
+                f"{' or '.join('None' if t is type(None) else 'flowrl.operator.' + t.__name__ for t in types)}")
     return None
 
 
@@ -359,7 +361,7 @@ def _check_operators(edges, ops, configs, resources, spec, loc, problems) -> Non
             problems.append(loc.diagnostic(("nodes", name, *key_path), message))
         # The cost shape is read from a config the operator's own checks passed: a bad loss key is
         # reported at its own key above, not as the shape's failure.
-        if not found and (problem := _declarations_problem(op, configs[name], ("cost_shape",))):
+        if not found and (problem := _declaration_problem(op, configs[name], "cost_shape")):
             problems.append(loc.diagnostic(("nodes", name, "op"), problem))
 
 
