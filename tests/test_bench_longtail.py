@@ -54,3 +54,17 @@ def test_grpo_phase_alone_with_a_tail_setting(name):
                                     "data.options.tail=0.0"])
     [phase] = loaded.spec.phases
     assert (phase.name, phase.seconds) == ("grpo", 42.0) and loaded.spec.data.options["tail"] == 0.0
+
+
+def test_runs_folder_kept_and_refused_unless_empty(tmp_path):
+    """`--runs DIR` keeps the run folders for tools/bench_plan_target.py; a folder holding runs is
+    refused (its runs would be resumed, not run afresh)."""
+    b = bench()
+    with b.run_root(str(tmp_path / "new")) as root:
+        (Path(root) / "sync-1.0-1000").mkdir()
+    assert (tmp_path / "new/sync-1.0-1000").is_dir()  # kept after the block
+    with pytest.raises(SystemExit, match="not empty"):
+        b.run_root(str(tmp_path / "new"))
+    with b.run_root(None) as temporary:
+        assert Path(temporary).is_dir()
+    assert not Path(temporary).exists()

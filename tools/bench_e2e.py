@@ -33,6 +33,7 @@ reached the target first), hand_s_to_target, sync_over_hand, and per contender t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import signal
 import statistics
@@ -95,6 +96,19 @@ def summary(evals: list[dict], warmup: float, wall: float, args: argparse.Namesp
             "s_to_target": round(warmup + hit["time"], 1) if hit else None,
             "mean_eval": round(statistics.mean(e["eval_reward"] for e in evals), 4) if evals else None,
             "s_to": {t: round(warmup + e["time"], 1) if e else None for t, e in hits.items() if t != args.target}}
+
+
+def run_root(folder: str | None) -> contextlib.AbstractContextManager[str]:
+    """Where the runs go: `--runs DIR`, kept for `flowrl plan` and tools/bench_plan_target.py to read
+    (refused unless empty: a run folder already there would be resumed, not run afresh), else a
+    temporary folder removed at the end."""
+    if folder is None:
+        return tempfile.TemporaryDirectory()
+    path = Path(folder)
+    if path.exists() and any(path.iterdir()):
+        raise SystemExit(f"--runs {folder}: not empty; name an empty or new folder")
+    path.mkdir(parents=True, exist_ok=True)
+    return contextlib.nullcontext(str(path))
 
 
 def warmup_policy(seed: int, args: argparse.Namespace) -> Path:
@@ -198,6 +212,7 @@ def main() -> None:
     parser.add_argument("--full", action="store_true", help="run every budget out instead of stopping at the target")
     parser.add_argument("--threads", type=int, help="torch threads of the plain loop and of the pipelines' engines")
     parser.add_argument("--warmups", help="folder of per-seed warm-ups (made once): run the GRPO phases alone from them")
+    parser.add_argument("--runs", help="keep the run folders here (<name>-<seed>; default: removed at the end)")
     parser.add_argument("--grpo-steps", type=int, help="GRPO phases of this many steps, run out in full")
     parser.add_argument("--async-set", action="append", default=[], metavar="KEY=VALUE",
                         help="an override of the async pipeline (repeatable)")
@@ -219,7 +234,7 @@ def main() -> None:
         parser.error("give --grpo-steps or --grpo-seconds, not both")
     args.full = args.full or bool(args.grpo_steps)  # a fixed number of steps is run out
     results: dict[str, list[dict]] = {n: [] for n in names}
-    with tempfile.TemporaryDirectory() as tmp:
+    with run_root(args.runs) as tmp:
         for seed in args.seeds:
             for name in names:
                 run_dir = Path(tmp) / f"{name}-{seed}"

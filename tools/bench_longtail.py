@@ -1,6 +1,6 @@
 """Async where it pays: sync and async GRPO on the long-tail agentic task, at several tail settings.
 
-    python tools/bench_longtail.py --warmups DIR [--seeds 0,1,2,3,4] [--tails 0,0.5,1] [--target 0.4]
+    python tools/bench_longtail.py --warmups DIR [--runs DIR] [--seeds 0,1,2,3,4] [--tails 0,0.5,1] [--target 0.4]
                                    [--grpo-seconds 240] [--eval-every 5] [--async-set KEY=VALUE ...]
                                    [--sync-set KEY=VALUE ...]
 
@@ -28,13 +28,12 @@ import argparse
 import signal
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import heldout  # noqa: E402
 import results_file  # noqa: E402
-from bench_e2e import first_hit, grpo_phase, median_time, read_jsonl, supervise, warmup_policy  # noqa: E402
+from bench_e2e import first_hit, grpo_phase, median_time, read_jsonl, run_root, supervise, warmup_policy  # noqa: E402
 
 from flowrl.records import RecordError, RunDir  # noqa: E402
 
@@ -116,6 +115,7 @@ def main() -> None:
     parser.add_argument("--target", type=float, default=0.4)
     parser.add_argument("--grpo-seconds", type=float, default=240)
     parser.add_argument("--eval-every", type=int, default=5)
+    parser.add_argument("--runs", help="keep the run folders here (<name>-<tail>-<seed>; default: removed at the end)")
     parser.add_argument("--warmup-steps", type=int, default=650, help="steps of a warm-up made here (bench_e2e's)")
     parser.add_argument("--async-set", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--sync-set", action="append", default=[], metavar="KEY=VALUE")
@@ -128,7 +128,7 @@ def main() -> None:
     args.seeds = heldout.seeds_for("bench_longtail", args.heldout, args.seeds) or [0, 1, 2, 3, 4]
     args.full = False  # bench_e2e.supervise: stop at the target
     results: dict[float, dict[str, list[dict]]] = {t: {"sync": [], "async": []} for t in args.tails}
-    with tempfile.TemporaryDirectory() as tmp:
+    with run_root(args.runs) as tmp:
         for seed in args.seeds:
             for tail in args.tails:
                 for name in ("sync", "async"):
