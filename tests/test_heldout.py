@@ -69,6 +69,8 @@ def test_heldout_seeds_need_heldout_and_a_clean_tree(heldout, tmp_path, capsys, 
     assert screening.value.code == 2 and "held out" in capsys.readouterr().err
     assert heldout.seeds_for("bench_e2e", False, [3, 4]) == [3, 4]
     assert heldout.seeds_for("bench_e2e", True, None) == list(range(1000, 1020))
+    # another claim on the same runs has seeds of its own, none of them the first claim's
+    assert not set(heldout.seeds_for("bench_e2e:plan_target", True, None)) & set(range(1000, 1020))
     with pytest.raises(SystemExit):
         heldout.seeds_for("bench_e2e", True, [5])  # not a held-out seed
     (tmp_path / "recipe.yaml").write_text("lr: 2\n")  # an uncommitted change to the recipe

@@ -127,14 +127,29 @@ def test_the_staleness_cost_of_a_synthetic_pair_is_its_stretch():
     assert reverse.multiplier(1.0, 0.0) == pytest.approx(1 / 1.5, rel=0.1)
 
 
-def test_a_pair_that_cannot_tell_or_no_pair_is_said_and_widens_the_interval():
+def test_a_pair_that_cannot_tell_or_no_pair_takes_the_measured_prior_and_says_so():
     data = noisy(KNOWN, np.arange(0, 480, 24.0), 0.01)
     same = lag.paired(data, 0.0, data, 0.0, draws=100)
-    assert same.source == "assumed" and "trained at the run's mean lag" in same.notes[0]
-    alone = lag.assumed(200, "one run")
-    assert alone.slope == 0.0 and "staleness cost unknown (one run)" in alone.notes[0]
-    lo, hi = curve.percentiles([alone.multiplier(0.0, 1.0, s) for s in alone.slopes])
-    assert lo < 0.8 and hi > 1.2  # +-25 % per unit of lag, not a silent 1
+    assert same.source == "prior" and "trained at the run's mean lag" in same.notes[0]
+    alone = lag.prior(200, "one run")
+    assert "not measured for this task (one run)" in alone.notes[0]
+    slopes = sorted(m.slope for m in lag.MEASURED)
+    assert slopes[0] < alone.slope < slopes[-1]  # pair-weighted: between the tasks' own
+    lo, hi = curve.percentiles(alone.slopes)
+    assert slopes[0] <= lo < alone.slope < hi <= slopes[-1]
+    assert alone.multiplier(0.0, 1.0) == pytest.approx(1 + alone.slope)  # not a silent 1
+    assert alone.multiplier(1.0, 1.0) == 1.0  # the run's own lag: its own samples
+
+
+@pytest.mark.parametrize("measured", lag.MEASURED, ids=lambda m: m.results)
+def test_the_prior_is_the_recorded_figures(measured):
+    """Each task's ratio is the one its results file holds: re-measuring the task without updating
+    MEASURED fails here."""
+    recorded = json.loads((ROOT / measured.results).read_text())["result"]
+    for part in measured.ratio_key.split("/"):
+        recorded = recorded[part]
+    assert recorded == measured.ratio
+    assert measured.pairs == len(json.loads((ROOT / measured.results).read_text())["result"]["seeds"])
 
 
 def test_samples_become_seconds_device_hours_and_dollars():
@@ -175,7 +190,7 @@ def test_plan_predicts_the_time_to_target_of_each_configuration(runs, capsys):
     assert main(["plan", str(runs["sync_learns"]), "--target", "eval_reward=0.9", "--price", "2", "--search",
                  "--max-replicas", "2", "--max-staleness", "1", "--format", "json"]) == 0
     found = json.loads(capsys.readouterr().out)["target"]
-    assert found["unit"] == "core-hours" and found["price"] == 2.0 and found["staleness"]["source"] == "assumed"
+    assert found["unit"] == "core-hours" and found["price"] == 2.0 and found["staleness"]["source"] == "prior"
     assert found["samples_from"] == "curve"  # the run stops short of 0.9: its curve tells
     rows = found["configurations"]
     assert len(rows) == 5 and rows[0]["seconds"][1] == min(r["seconds"][1] for r in rows)

@@ -3,6 +3,7 @@
     python tools/bench_e2e.py [--seeds 0,1,2] [--warmup-steps 650] [--grpo-seconds S | --grpo-steps N] [--target 0.9]
                               [--also 0.7,0.8] [--only hand,sync,async] [--full] [--threads N]
                               [--warmups DIR [--grpo-steps N]] [--async-set KEY=VALUE ...] [--sync-set ...]
+                              [--runs DIR] [--heldout [--heldout-set plan_target]]
 
 For each seed, runs `tools/hand_grpo.py`, `pipelines/quickstart.yaml` and
 `pipelines/quickstart_async.yaml` one after the other (never together: they would share the two
@@ -23,7 +24,9 @@ differ in length and, async, in which samples they train on, so this compares th
 one). `--grpo-steps N` (with `--warmups`) runs each GRPO phase for N steps instead of seconds, run
 out in full: the per-step view, `mean_eval` (the mean of a run's greedy evals, every `--eval-every`
 steps: the area under its learning curve) compares variants with less noise than the first step at
-the target. The last line is one JSON object: `<name>_mean_eval` (over seeds) and, with both sync
+the target. `--runs DIR` keeps the run folders (`<name>-<seed>`: tools/bench_plan_target.py reads
+them); `--heldout --heldout-set plan_target` runs the held-out seeds of plan's time-to-target
+claim (tools/heldout.py), not the quickstart's. The last line is one JSON object: `<name>_mean_eval` (over seeds) and, with both sync
 and async, `mean_eval_ratio` (async's over sync's), sync_s_to_target, async_s_to_target (medians; null
 where the median run missed), async_over_sync (their ratio), async_wins (seeds where async
 reached the target first), hand_s_to_target, sync_over_hand, and per contender the per-seed figures
@@ -220,10 +223,16 @@ def main() -> None:
                         help="an override of the sync pipeline (repeatable)")
     parser.add_argument("--heldout", action="store_true",
                         help="measure the committed recipe on the held-out seeds (tools/heldout.py)")
+    parser.add_argument("--heldout-set", choices=["plan_target"],
+                        help="with --heldout: the held-out seeds of another claim made on these runs "
+                             "(tools/heldout.py's HELDOUT['bench_e2e:NAME'])")
     results_file.add_record_flag(parser)
     args = parser.parse_args()
     names = args.only.split(",")
-    args.seeds = heldout.seeds_for("bench_e2e", args.heldout, args.seeds) or [0, 1, 2]
+    if args.heldout_set and not args.heldout:
+        parser.error("--heldout-set names held-out seeds: give --heldout too")
+    args.bench = "bench_e2e" + (f":{args.heldout_set}" if args.heldout_set else "")
+    args.seeds = heldout.seeds_for(args.bench, args.heldout, args.seeds) or [0, 1, 2]
     if args.heldout and (args.async_set or args.sync_set):
         parser.error("--heldout measures the pipelines as committed: no --sync-set / --async-set")
     if args.warmups and "hand" in names:
@@ -296,7 +305,7 @@ def report(results: dict[str, list[dict]], names: list[str], args: argparse.Name
                          f"(95% {spread[n + '_reached_rate']['ci95']}), median {spread[n + '_steps_to_target_spread']['median']} "
                          f"steps (95% {spread[n + '_steps_to_target_spread']['ci95']})" for n, r in reach.items())
     result = {"headline": headline, **mean_evals, **{k: v for r in reach.values() for k, v in r.items()}, **spread,
-              "protocol": heldout.stamp("bench_e2e", args.heldout, args.seeds),
+              "protocol": heldout.stamp(args.bench, args.heldout, args.seeds),
               "sync_s_to_target": medians.get("sync"), "async_s_to_target": medians.get("async"),
               "async_over_sync": ratio("async", "sync"), "async_wins": wins,
               "hand_s_to_target": medians.get("hand"), "sync_over_hand": ratio("sync", "hand"),

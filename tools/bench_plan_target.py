@@ -48,7 +48,7 @@ import results_file  # noqa: E402
 from flowrl.graph.plan import Plan  # noqa: E402
 from flowrl.plan import plan_run  # noqa: E402
 from flowrl.plan.changes import apply  # noqa: E402
-from flowrl.plan.target import parse, time_to_target, train_rows  # noqa: E402
+from flowrl.plan.target import parse, time_to_target, train_rows, trained_lag  # noqa: E402
 from flowrl.records import RunDir  # noqa: E402
 from flowrl.spec.errors import UserError  # noqa: E402
 from flowrl.spec.stop_when import EVAL  # noqa: E402
@@ -190,8 +190,10 @@ def predict(run_dir: Path, overrides: list[str], target: str) -> dict[str, Any]:
     if "seconds" not in row:
         return {"impossible": found["notes"][0]}
     as_run = next(r for r in found["configurations"] if r["configuration"] == "as run")
+    cost = found["staleness"]
     return {"seconds": row["seconds"], "samples": row["samples"], "samples_per_s": row["samples_per_s"],
-            "as_run_seconds": as_run["seconds"][1], "as_run_samples_per_s": as_run["samples_per_s"]}
+            "as_run_seconds": as_run["seconds"][1], "as_run_samples_per_s": as_run["samples_per_s"],
+            "lag": row["mean_lag"], "staleness": f"{cost['source']} {cost['per_lag']:+.0%} samples per unit of lag"}
 
 
 def pairs(folder: Path, keys: list[str] | None) -> dict[str, dict[str, Path]]:
@@ -217,7 +219,8 @@ def one_pair(runs: dict[str, Path], source: str, goal: str, target: str) -> dict
     out: dict[str, Any] = {"overrides": overrides, "not_simulated": refused,
                            "measured_s": measured(runs[goal], metric, value),
                            "source_measured_s": measured(runs[source], metric, value),
-                           "measured_samples": samples_to(runs[goal], metric, value)}
+                           "measured_samples": samples_to(runs[goal], metric, value),
+                           "measured_lag": round(trained_lag(train_rows(RunDir(runs[goal]).last())), 3)}
     out.update(predict(runs[source], overrides, target))
     if "seconds" in out:
         out["error"] = relative_error(out["seconds"][1], out["measured_s"])
@@ -289,11 +292,13 @@ def _s(x: float | None) -> str:
 def print_direction(name: str, rows: dict[str, dict[str, Any]], s: dict[str, Any]) -> None:
     source, goal = DIRECTIONS[name]
     print(f"\n{source} -> {goal}: {goal}'s time to target predicted from the {source} run alone")
-    for what in ("overrides", "not_simulated"):
+    labels = {"overrides": "plan overrides", "not_simulated": "not simulated (plan cannot express it)",
+              "staleness": "staleness cost"}
+    for what, label in labels.items():
         seen: dict[str, int] = {}
         for r in rows.values():
-            seen["; ".join(r[what]) or "none"] = seen.get("; ".join(r[what]) or "none", 0) + 1
-        label = "plan overrides" if what == "overrides" else "not simulated (plan cannot express it)"
+            text = (r[what] if isinstance(r.get(what), str) else "; ".join(r.get(what) or [])) or "none"
+            seen[text] = seen.get(text, 0) + 1
         for text, n in seen.items():
             print(f"  {label} ({n} of {len(rows)} pairs): {text}")
     print(f"  {'pair':<12} {'predicted s [interval]':>30} {'measured s':>11} {'error':>8}  covered  ({source}'s own s: measured / plan as run)")
@@ -322,7 +327,7 @@ def _pct(x: float | None) -> str:
 
 
 PER_PAIR = ("seconds", "measured_s", "source_measured_s", "error", "covered", "samples", "measured_samples",
-            "samples_error", "as_run_seconds", "as_run_error")
+            "samples_error", "as_run_seconds", "as_run_error", "lag", "measured_lag")
 
 
 def _rounded(x: Any) -> Any:
@@ -336,8 +341,8 @@ def per_pair(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
     and the distinct override sets and what plan could not express, each with its count of pairs."""
     out: dict[str, Any] = {"pair_keys": list(rows)}
     out.update({f"{f}_by_pair": [_rounded(r.get(f)) for r in rows.values()] for f in PER_PAIR})
-    for what in ("overrides", "not_simulated"):
-        texts = ["; ".join(r[what]) for r in rows.values()]
+    for what in ("overrides", "not_simulated", "staleness"):
+        texts = [r[what] if isinstance(r.get(what), str) else "; ".join(r.get(what) or []) for r in rows.values()]
         out[what] = [[t, texts.count(t)] for t in dict.fromkeys(texts)]
     return out
 

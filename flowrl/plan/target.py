@@ -211,13 +211,18 @@ def time_to_target(run_dir: Path, text: str, result: dict[str, Any], price: floa
 
 def staleness(data: list[tuple[float, float]], rows: list[Any], metric: str, paired_dir: Path | None,
               seed: int) -> lag.StalenessCost:
-    measured = lag.mean_lag(_histogram(rows))
+    measured = trained_lag(rows)
     if paired_dir is None:
-        return lag.assumed(curve.DRAWS, "one run trains at one lag; --paired RUN_DIR of the same task at another "
-                           "lag measures it", seed)
+        return lag.prior(curve.DRAWS, "one run trains at one lag; --paired RUN_DIR of the same task at another "
+                         "lag measures it", seed)
     other = RunDir(paired_dir).last()
     return lag.paired(data, measured, points(paired_dir, metric, "the paired run"),
-                      lag.mean_lag(_histogram(train_rows(other))), curve.DRAWS, seed)
+                      trained_lag(train_rows(other)), curve.DRAWS, seed)
+
+
+def trained_lag(rows: list[Any]) -> float:
+    """The mean lag of the samples a run trained on (its train rows' staleness histograms)."""
+    return lag.mean_lag(_histogram(rows))
 
 
 def _histogram(rows: list[Any]) -> dict[int, int]:
