@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from flowrl.cli import main
-from flowrl.plan import curve, lag
+from flowrl.plan import curve, lag, suggest
 from flowrl.plan.report import target_lines
 from flowrl.plan.suggest import suggestion
 from flowrl.plan.target import crossing, curve_notes, points, reach, to_target
@@ -202,9 +202,10 @@ def test_plan_predicts_the_time_to_target_of_each_configuration(runs, capsys):
         assert r["devices"] == 2.0  # the cluster's 2 cpus: held whatever the configuration uses
         assert r["cost"] == pytest.approx([2.0 * h for h in r["device_hours"]])
         assert r["device_hours"] == pytest.approx([2.0 * s / 3600 for s in r["seconds"]])
-    stale = next(r for r in rows if r["mean_lag"] > 0.5)  # another lag: the unknown cost widens it
+    stale = next(r for r in rows if r["mean_lag"] > 0.5)  # another lag: the measured prior's cost, and its spread
+    assert stale["samples"][1] > as_run["samples"][1] * (1 + 0.2 * stale["mean_lag"])
     assert stale["samples"][2] / stale["samples"][0] > as_run["samples"][2] / as_run["samples"][0] + 0.2
-    assert any("staleness cost unknown" in n for n in found["notes"])
+    assert any("staleness cost not measured for this task" in n for n in found["notes"])
 
 
 def test_a_target_the_run_reached_is_read_at_its_own_crossing(runs, capsys):
@@ -287,11 +288,15 @@ def inspect(run_dir: Path, capsys, *more: str) -> str:
     return capsys.readouterr().out
 
 
-def test_inspect_ends_with_the_suggestion_where_a_configuration_is_clearly_sooner(runs, capsys):
+def test_inspect_ends_with_the_suggestion_where_a_configuration_is_clearly_sooner(runs, capsys, monkeypatch):
+    # The toy long-tail run's async configurations decode ~1.9x its samples/s (the sync run waits on
+    # its slowest episode), less the measured prior's staleness cost (~1.45x the samples at their lag):
+    # ~1.2x sooner, short of inspect's 1.3, so the bar is moved below it here.
+    monkeypatch.setattr(suggest, "SOONER", 1.1)
     last = inspect(runs["tail_learns"], capsys).splitlines()[-1]
     assert last.startswith("plan: replicas ") and "max_staleness" in last and "to reach eval_reward 0.9" in last
     ratio = float(last.split("x sooner")[0].split()[-1])
-    assert ratio >= 1.3  # the long-tail sync run waits on its slowest episode: async does not
+    assert ratio >= 1.1
     assert suggestion(runs["tail_learns"], sooner=ratio + 0.2) is None  # the bar decides
     assert "plan:" not in inspect(runs["tail_learns"], capsys, "--format", "json")
 
