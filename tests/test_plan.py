@@ -115,6 +115,9 @@ def test_plan_follows_the_runtimes_rules_and_keeps_none_of_its_own(grpo_run, mon
                         record.version < version)
     dropped = plan_run(grpo_run, ["max_staleness=2"])["predicted"]
     assert set(dropped["staleness"]) <= {0} and dropped["samples_per_s"] < 0.8 * before["predicted"]["samples_per_s"]
+    # on_stale=keep: the coordinator trains on what that rule calls stale instead of dropping it
+    kept = plan_run(grpo_run, ["max_staleness=2", "on_stale=keep"])["predicted"]
+    assert set(kept["staleness"]) - {0} and kept["samples_per_s"] > 1.2 * dropped["samples_per_s"]
 
 
 def test_an_async_run_predicts_its_sync_configuration(async_run):
@@ -159,6 +162,7 @@ def test_text_output_shows_measured_simulated_and_predicted(grpo_run, capsys):
     ("data.batch_size=0", "expected an integer >= 1"),
     ("nodes.rollout.loss.kind=cispo", "plan cannot simulate 'nodes.rollout.loss.kind'"),
     ("max_staleness", "expected key=value"),
+    ("on_stale=maybe", "expected drop or keep"),
 ])
 def test_an_override_plan_cannot_simulate_is_a_located_error(grpo_run, override, words, capsys):
     assert main(["plan", str(grpo_run), override]) == 1

@@ -133,10 +133,11 @@ def test_a_pair_that_cannot_tell_or_no_pair_takes_the_measured_prior_and_says_so
     assert same.source == "prior" and "trained at the run's mean lag" in same.notes[0]
     alone = lag.prior(200, "one run")
     assert "not measured for this task (one run)" in alone.notes[0]
-    slopes = sorted(m.slope for m in lag.MEASURED)
+    slopes = sorted(m.slope() for m in lag.MEASURED)
     assert slopes[0] < alone.slope < slopes[-1]  # pair-weighted: between the tasks' own
     lo, hi = curve.percentiles(alone.slopes)
-    assert slopes[0] <= lo < alone.slope < hi <= slopes[-1]
+    assert lo < 0.0 < alone.slope < hi  # over the tasks' intervals: "no cost" is not ruled out
+    assert lo >= min(m.slope(m.ci95[0]) for m in lag.MEASURED) and hi <= max(m.slope(m.ci95[1]) for m in lag.MEASURED)
     assert alone.multiplier(0.0, 1.0) == pytest.approx(1 + alone.slope)  # not a silent 1
     assert alone.multiplier(1.0, 1.0) == 1.0  # the run's own lag: its own samples
 
@@ -145,25 +146,28 @@ def test_a_pair_that_cannot_tell_or_no_pair_takes_the_measured_prior_and_says_so
 def test_the_prior_is_the_recorded_figures(measured):
     """Each task's ratio is the one its results file holds: re-measuring the task without updating
     MEASURED fails here."""
-    recorded = json.loads((ROOT / measured.results).read_text())["result"]
-    for part in measured.ratio_key.split("/"):
-        recorded = recorded[part]
-    assert recorded == measured.ratio
-    assert measured.pairs == len(json.loads((ROOT / measured.results).read_text())["result"]["seeds"])
+    result = json.loads((ROOT / measured.results).read_text())["result"]
+    *path, last = measured.ratio_key.split("/")
+    parent = result
+    for part in path:
+        parent = parent[part]
+    assert parent[last] == measured.ratio
+    assert tuple(parent.get(f"{last}_ci95") or parent["ci95"]) == measured.ci95
+    assert measured.pairs == len(result["seeds"])
 
 
 def test_samples_become_seconds_device_hours_and_dollars():
     fit = curve.Fit(KNOWN, [KNOWN] * curve.DRAWS, 0.0, 10, 100.0, 0.5)
     cost = lag.StalenessCost("paired", 0.5, [0.5] * curve.DRAWS)
-    out = reach(to_target([(0.0, 0.0)] * 4, fit, 0.8, 0), cost, 0.0, 1.0, rate=2.0, setup=(10.0, 16.0), spread=np.zeros(curve.DRAWS),
+    out = reach(to_target([(0.0, 0.0)] * 4, fit, 0.8, 0), cost, 0.0, 1.0, rate=2.0, overhead=2.0, spread=np.zeros(curve.DRAWS),
                 devices=8.0, price=3.0)
     samples = KNOWN.samples_to(0.8) * 1.5  # lag 1 at +50 % per unit of lag
-    seconds = 10.0 + (samples - 16.0) / 2.0
+    seconds = 2.0 + samples / 2.0  # the overhead, then every sample at the rate
     assert out["samples"] == pytest.approx([samples] * 3)
     assert out["seconds"] == pytest.approx([seconds] * 3)
     assert out["device_hours"] == pytest.approx([8 * seconds / 3600] * 3)
     assert out["cost"] == pytest.approx([3 * 8 * seconds / 3600] * 3)
-    never = reach(to_target([(0.0, 0.0)] * 4, fit, 0.99, 0), cost, 0.0, 0.0, 2.0, (10.0, 16.0), np.zeros(curve.DRAWS), 8.0, None)
+    never = reach(to_target([(0.0, 0.0)] * 4, fit, 0.99, 0), cost, 0.0, 0.0, 2.0, 2.0, np.zeros(curve.DRAWS), 8.0, None)
     assert never["seconds"] == [None, None, None] and "cost" not in never
 
 
@@ -174,7 +178,7 @@ def test_a_run_that_reached_the_target_is_read_at_its_own_crossing_not_on_the_cu
     base = to_target(data, edge, 0.9, 0)
     assert base.source == "measured" and base.grid == 10.0 and all(30.0 <= n <= 40.0 for n in base.draws)
     cost = lag.StalenessCost("paired", 0.5, [0.25 + 0.5 * i / curve.DRAWS for i in range(curve.DRAWS)])
-    args = dict(rate=2.0, setup=(0.0, 0.0), spread=np.zeros(curve.DRAWS), devices=1.0, price=None)
+    args = dict(rate=2.0, overhead=0.0, spread=np.zeros(curve.DRAWS), devices=1.0, price=None)
     as_run = reach(base, cost, 0.0, 0.0, **args)
     assert as_run["samples"] == [40.0, 40.0, 40.0]  # its own evaluation at the target, exactly
     stale = reach(base, cost, 0.0, 1.0, **args)  # 1.25-1.75x the samples, seen at the next evaluation
@@ -198,7 +202,10 @@ def test_plan_predicts_the_time_to_target_of_each_configuration(runs, capsys):
     truth = KNOWN.samples_to(0.9)
     as_run = next(r for r in rows if r["configuration"] == "as run")
     assert as_run["samples"][0] <= truth * 1.02 and as_run["samples"][2] >= truth * 0.98
+    assert 0.0 < found["overhead_s"] < 30.0
     for r in rows:
+        # every configuration pays the run's overhead, then all its samples at its own rate
+        assert r["seconds"][1] == pytest.approx(found["overhead_s"] + r["samples"][1] / r["samples_per_s"], rel=0.01)
         assert r["devices"] == 2.0  # the cluster's 2 cpus: held whatever the configuration uses
         assert r["cost"] == pytest.approx([2.0 * h for h in r["device_hours"]])
         assert r["device_hours"] == pytest.approx([2.0 * s / 3600 for s in r["seconds"]])

@@ -8,8 +8,8 @@ RUNS holds paired run folders `sync-<key>/` and `async-<key>/` as tools/bench_e2
 tools/bench_longtail.py (`<tail>-<seed>`) write them. For each pair and direction, the changes
 from one arm to the other are read off the two runs' own compiled plans (plan.json: what ran) and
 expressed as `flowrl plan` overrides (`derive`): the train input edge's mode and max_staleness
-(`max_staleness=N`), a node's replicas, a node config key where plan accepts it (partial rollout,
-a trainer's own process, an engine's threads, ...), data.batch_size. A difference plan refuses (a
+(`max_staleness=N`) and on_stale (`on_stale=keep`), a node's replicas, a node config key where plan
+accepts it (partial rollout, a trainer's own process, an engine's threads, ...), data.batch_size. A difference plan refuses (a
 loss, an edge's on_stale) is listed with plan's own reason: the prediction is made without it.
 Then `flowrl.plan.plan_run` and `time_to_target` on the one arm alone (no `--paired`: the other
 arm is what is predicted) give the other configuration's wall time to the target with its stated
@@ -93,8 +93,8 @@ def _plain(value: Any) -> Any:
 
 
 def _edges(base: Plan, other: Plan) -> list[Found]:
-    """The train input edge's mode and max_staleness as `max_staleness`; its other fields, and any
-    other edge that differs, refused."""
+    """The train input edge's mode and max_staleness as `max_staleness`, its on_stale as `on_stale`;
+    its other fields, and any other edge that differs, refused."""
     trains = set(base.facts.trains if base.facts else ())
     mine = {(e.src, e.dst, e.kind): _plain(e) for e in base.edges}
     theirs = {(e.src, e.dst, e.kind): _plain(e) for e in other.edges}
@@ -108,8 +108,10 @@ def _edges(base: Plan, other: Plan) -> list[Found]:
         if key[1] in trains and key[2] == "data":
             if (a["mode"], a["max_staleness"]) != (b["mode"], b["max_staleness"]):
                 out.append(("max_staleness", b["max_staleness"] if b["mode"] == "async" else 0, None))
-            a = {**a, "mode": b["mode"], "max_staleness": b["max_staleness"]}
-        out += [(f"{label}.{field}", b[field], "plan sets only the train input edge's mode and max_staleness")
+            if a["on_stale"] != b["on_stale"]:
+                out.append(("on_stale", b["on_stale"], None))
+            a = {**a, "mode": b["mode"], "max_staleness": b["max_staleness"], "on_stale": b["on_stale"]}
+        out += [(f"{label}.{field}", b[field], "plan sets only the train input edge's mode, max_staleness and on_stale")
                 for field in sorted(a) if a[field] != b[field]]
     return out
 

@@ -11,6 +11,7 @@
                                          its operator declares, e.g. engine.max_batch, engine.threads
                                          (a plugin's own too)
     max_staleness=N                      the train node's input edge: 0 sync, N > 0 async with N
+    on_stale=drop|keep                   the train node's input edge: a sample staler than N dropped or kept
     scale=F                              the model's FLOPs and bytes times F (engine, train, sync)
 
 The node fields are those of the cost shape (flowrl.operator.CostShape) plan simulates, set on the
@@ -35,7 +36,7 @@ from flowrl.spec.errors import UserError
 
 KEYS = ("data.batch_size", "run.steps", "nodes.NODE.resources.replicas", "nodes.NODE.group_size",
         "nodes.NODE.slots", "nodes.NODE.partial_rollout", "nodes.NODE.concurrency", "nodes.NODE.KEY (a config key "
-        "that changes the node's declared cost shape)", "max_staleness", "scale")
+        "that changes the node's declared cost shape)", "max_staleness", "on_stale", "scale")
 GENERATE_FIELDS = ("group_size", "slots", "partial_rollout")  # cost-shape fields of generate nodes only
 
 
@@ -83,6 +84,10 @@ def _set(scenario: Scenario, key: str, value: object, item: str) -> None:
         plan.run = {**plan.run, "steps": _number(value, item, int, 4)}  # WARMUP steps and two to measure
     elif key == "max_staleness":
         _staleness(plan, _number(value, item, int, 0))
+    elif key == "on_stale":
+        if value not in ("drop", "keep"):
+            raise UserError(f"override {item!r}: expected drop or keep")
+        _train_edge(plan, on_stale=value)
     elif len(parts) >= 3 and parts[0] == "nodes":
         _node(scenario, parts[1], ".".join(parts[2:]), value, item)
     else:
@@ -139,11 +144,15 @@ def _config_key(node: NodePlan, rest: str, value: object, item: str) -> dict[str
 
 def _staleness(plan: Plan, limit: int) -> None:
     """The train node's data input edge: sync at 0, else async with this max_staleness."""
+    _train_edge(plan, mode="async" if limit > 0 else "sync", max_staleness=limit)
+
+
+def _train_edge(plan: Plan, **fields: Any) -> None:
+    """Set `fields` on the train node's data input edges (the runtime's coordinator applies them)."""
     trains = plan.facts.trains
     for i, edge in enumerate(plan.edges):
         if edge.kind == "data" and edge.dst in trains:
-            mode = "async" if limit > 0 else "sync"
-            plan.edges[i] = msgspec.structs.replace(edge, mode=mode, max_staleness=limit)
+            plan.edges[i] = msgspec.structs.replace(edge, **fields)
 
 
 def _number(value: object, item: str, kind: type, least: float) -> int | float:

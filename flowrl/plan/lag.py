@@ -7,7 +7,8 @@ task at different lags tells s: the second run's curve is the first's stretched 
 k = m(L2) / m(L1), k fitted (curve.stretch) and resampled with both runs' residuals. One run alone
 trains at one lag and cannot tell s; then s is neither assumed 0 nor guessed: it is the cost flowrl
 measured on its own tasks' held-out sync/async pairs (MEASURED), their pair-weighted mean, the
-interval spanning the tasks' own slopes, and the output says so. A pair on the user's task replaces it.
+interval spanning the tasks' own 95 % intervals, and the output says so. A pair on the user's task
+replaces it.
 """
 
 from __future__ import annotations
@@ -26,27 +27,29 @@ LEAST = 0.1  # m(L) kept at least this: a fitted s must not make samples free
 @dataclass(frozen=True)
 class Measured:
     """One task's staleness cost as a benchmark measured it on held-out seeds: the async arm's
-    median samples to the target over the sync arm's (`ratio`, at `ratio_key` in the results file:
-    tests/test_plan_target.py reads it there), the async arm's mean lag and the pairs measured."""
+    median samples to the target over the sync arm's (`ratio`, at `ratio_key` in the results file,
+    and its 95 % interval over seeds at `ratio_key`'s `_ci95` sibling or `ci95` child:
+    tests/test_plan_target.py reads both there), the async arm's mean lag and the pairs measured."""
 
     task: str
     results: str
     ratio_key: str
     ratio: float
+    ci95: tuple[float, float]
     lag: float
     pairs: int
 
-    @property
-    def slope(self) -> float:
-        return (self.ratio - 1.0) / self.lag
+    def slope(self, ratio: float | None = None) -> float:
+        return ((self.ratio if ratio is None else ratio) - 1.0) / self.lag
 
 
 # The quickstart's async arm is one-step-off for ~200 steps (mean lag 1.0 to two figures); the code
 # task's trains 6 steps, the first at lag 0 (5/6).
 MEASURED = (
     Measured("the quickstart's digits", "results/quickstart-heldout.json", "async_over_sync_steps_to_target/ratio",
-             1.215, 1.0, 20),
-    Measured("code with a sandboxed tool", "results/code-async-heldout.json", "sample_ratio", 1.667, 0.833, 5),
+             1.215, (0.743, 1.86), 1.0, 20),
+    Measured("code with a sandboxed tool", "results/code-async-heldout.json", "sample_ratio", 1.667, (0.667, 2.0),
+             0.833, 5),
 )
 
 
@@ -72,15 +75,18 @@ def mean_lag(histogram: dict[int, int] | dict[str, int]) -> float:
 
 
 def prior(draws: int, why: str, seed: int = 0) -> StalenessCost:
-    """The cost measured on flowrl's own tasks (MEASURED), for a run without a pair that can tell its own."""
-    slopes = [m.slope for m in MEASURED]
-    point = sum(m.slope * m.pairs for m in MEASURED) / sum(m.pairs for m in MEASURED)
-    drawn = np.random.default_rng(seed).uniform(min(slopes), max(slopes), draws).tolist()
-    tasks = ", ".join(f"{m.task} {m.slope:+.0%} ({m.results})" for m in MEASURED)
+    """The cost measured on flowrl's own tasks (MEASURED), for a run without a pair that can tell its
+    own: the pair-weighted mean of their slopes, drawn across all their 95 % intervals (a task's
+    own cost may lie anywhere the measured ones might)."""
+    point = sum(m.slope() * m.pairs for m in MEASURED) / sum(m.pairs for m in MEASURED)
+    low = min(m.slope(m.ci95[0]) for m in MEASURED)
+    high = max(m.slope(m.ci95[1]) for m in MEASURED)
+    drawn = np.random.default_rng(seed).uniform(low, high, draws).tolist()
+    tasks = ", ".join(f"{m.task} {m.slope():+.0%} ({m.results})" for m in MEASURED)
     return StalenessCost("prior", point, drawn, [
         f"staleness cost not measured for this task ({why}): flowrl's own tasks' held-out pairs give "
-        f"{point:+.0%} samples per unit of mean lag [{min(slopes):+.0%}..{max(slopes):+.0%}] ({tasks}); "
-        "it applies where a configuration trains at another mean lag than the run"])
+        f"{point:+.0%} samples per unit of mean lag ({tasks}), drawn over their 95 % intervals "
+        f"[{low:+.0%}..{high:+.0%}]; it applies where a configuration trains at another mean lag than the run"])
 
 
 def slope_of(k: float, base_lag: float, other_lag: float) -> float:

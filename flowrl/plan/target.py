@@ -6,8 +6,10 @@ samples to target  where the run reached the target: its own measured crossing (
                    curve against samples (curve.py, the fit); times the staleness cost of the
                    configuration's mean lag against the run's (lag.py), and read off at that
                    configuration's next evaluation (a run tells its crossing only there)
-wall time          the run's own setup (its first WARMUP steps, measured) plus the remaining
-                   samples at the simulated samples/s (`predict`)
+wall time          the run's own overhead (its first WARMUP steps as measured, less those steps'
+                   samples at its simulated samples/s: loading, the first batch) plus every sample
+                   at the configuration's simulated samples/s: a faster configuration is faster
+                   from its first step
 device-hours       the devices the configuration holds (its cluster's GPUs, or CPU cores on a CPU
                    pipeline; more where it asks for more) times the wall time; cost: times --price
 
@@ -173,11 +175,16 @@ def time_to_target(run_dir: Path, text: str, result: dict[str, Any], price: floa
     base_lag = lag.mean_lag(result["simulated"]["staleness"])
     cost = staleness(data, rows, metric, paired_dir, seed)
     error = abs(result["simulated"]["samples_per_s"] / max(result["measured"]["samples_per_s"], 1e-9) - 1)
+    # What the run spent beyond its samples at its own rate (loading, the first batch): every
+    # configuration pays it; its samples, the first steps' too, go at the configuration's rate.
+    first = float(sum(r.groups for r in rows[:WARMUP]))
+    overhead = max(0.0, rows[WARMUP - 1].time - first / max(result["simulated"]["samples_per_s"], 1e-9))
     notes += cost.notes + [
         f"throughput within +-{error:.0%} (the simulator's error on the run as it ran; other configurations "
         "err more, docs/plan.md)",
-        f"wall time: the run's own setup (its first {WARMUP} steps, {rows[WARMUP - 1].time:.1f} s measured) plus the "
-        "rest at the simulated samples/s; evaluations and checkpoints cost what they did in the run"]
+        f"wall time: the run's own overhead ({overhead:.1f} s: its first {WARMUP} steps, {rows[WARMUP - 1].time:.1f} s "
+        "measured, less their samples at its simulated samples/s) plus every sample at the configuration's "
+        "simulated samples/s; evaluations and checkpoints cost what they did in the run"]
     base = to_target(data, fit, value, seed)
     if base is not None and base.source == "measured":
         low, high = crossing(data, value) or (0.0, 0.0)
@@ -186,7 +193,6 @@ def time_to_target(run_dir: Path, text: str, result: dict[str, Any], price: floa
                      "cost and read it off at their next evaluation")
     elif base is not None:
         notes.insert(told, "samples to target: the fitted learning curve (the run did not reach the target)")
-    setup = (rows[WARMUP - 1].time, float(sum(r.groups for r in rows[:WARMUP])))
     plan = run.plan()
     kind = budget_kind(plan)
     rng = np.random.default_rng(seed + 7)
@@ -198,11 +204,12 @@ def time_to_target(run_dir: Path, text: str, result: dict[str, Any], price: floa
         row = {"configuration": name, "changes": changes, "samples_per_s": figures["samples_per_s"],
                "mean_lag": round(lag.mean_lag(figures["staleness"]), 3), "devices": devices}
         if base is not None:
-            row.update(reach(base, cost, base_lag, row["mean_lag"], figures["samples_per_s"], setup, spread,
+            row.update(reach(base, cost, base_lag, row["mean_lag"], figures["samples_per_s"], overhead, spread,
                              devices, price))
         out.append(row)
     out.sort(key=lambda r: (_finite(r.get("seconds", [None, None])[1]), r["configuration"]))
     return {"metric": metric, "value": value, "unit": UNITS[kind], "price": price, "notes": notes,
+            "overhead_s": round(overhead, 3),
             "samples_from": None if base is None else base.source, "curve": describe(fit, data),
             "staleness": {"source": cost.source, "per_lag": round(cost.slope, 4),
                           "interval": list(curve.percentiles(cost.slopes))},
@@ -244,10 +251,10 @@ def candidates(result: dict[str, Any]) -> list[tuple[str, list[str], dict[str, A
 
 
 def reach(base: ToTarget, cost: lag.StalenessCost, base_lag: float, mean_lag: float, rate: float,
-          setup: tuple[float, float], spread: np.ndarray, devices: float, price: float | None) -> dict[str, Any]:
+          overhead: float, spread: np.ndarray, devices: float, price: float | None) -> dict[str, Any]:
     """[low, point, high] samples, seconds, device-hours (and cost) of one configuration."""
     def seconds(samples: float, speed: float) -> float:
-        return setup[0] + max(0.0, samples - setup[1]) / max(speed, 1e-9) if math.isfinite(samples) else math.inf
+        return overhead + samples / max(speed, 1e-9) if math.isfinite(samples) else math.inf
 
     point = base.at(base.point * cost.multiplier(base_lag, mean_lag))
     samples = [base.at(n * cost.multiplier(base_lag, mean_lag, s)) for n, s in zip(base.draws, cost.slopes, strict=True)]
