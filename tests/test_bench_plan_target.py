@@ -52,16 +52,21 @@ def test_the_quickstart_pair_s_changes_as_plan_overrides_both_ways():
     assert refused_back == []
 
 
-def test_the_longtail_pair_says_what_plan_cannot_express():
-    overrides, refused = bench().derive(last_phase("longtail_sync.yaml"), last_phase("longtail_async.yaml"))
-    # The correction adds the proximal policy's forward to each step (CostShape.passes); decoupled,
-    # tried after it, adds nothing more.
-    assert sorted(overrides) == ["max_staleness=1", 'nodes.learner.loss.correction={"kind": "tis", "threshold": 2.0}',
-                                 'nodes.learner.own_process={"threads": 1}', "nodes.rollout.engine.threads=1",
-                                 "nodes.rollout.partial_rollout=true"]
-    keys = sorted(r.split(" ")[0] for r in refused)
-    assert keys == ["edges.score", "nodes.learner.loss.decoupled"]
-    assert any("on_stale" in r and "train input edge" in r for r in refused)
+def test_the_longtail_pair_s_changes_both_ways_its_loss_as_one_key():
+    b = bench()
+    sync, stale = last_phase("longtail_sync.yaml"), last_phase("longtail_async.yaml")
+    overrides, refused = b.derive(sync, stale)
+    # The loss's decoupled and correction differ together: set as the whole loss (each alone is
+    # refused by the config); the correction adds the proximal policy's forward (CostShape.passes).
+    loss = [o for o in overrides if o.startswith("nodes.learner.loss=")]
+    assert len(loss) == 1 and '"decoupled": true' in loss[0] and '"correction": {"kind": "tis"' in loss[0]
+    assert sorted(o for o in overrides if o not in loss) == [
+        "max_staleness=1", 'nodes.learner.own_process={"threads": 1}', "nodes.rollout.engine.threads=1",
+        "nodes.rollout.partial_rollout=true", 'on_stale="keep"']
+    assert refused == []
+    back, refused_back = b.derive(stale, sync)
+    assert 'on_stale="drop"' in back and "max_staleness=0" in back and refused_back == []
+    assert any(o.startswith("nodes.learner.loss=") and "decoupled" not in o for o in back)
 
 
 def test_batch_size_and_replicas_are_overrides_and_identical_plans_have_none():

@@ -9,8 +9,9 @@ tools/bench_longtail.py (`<tail>-<seed>`) write them. For each pair and directio
 from one arm to the other are read off the two runs' own compiled plans (plan.json: what ran) and
 expressed as `flowrl plan` overrides (`derive`): the train input edge's mode and max_staleness
 (`max_staleness=N`) and on_stale (`on_stale=keep`), a node's replicas, a node config key where plan
-accepts it (partial rollout, a trainer's own process, an engine's threads, ...), data.batch_size. A difference plan refuses (a
-loss, an edge's on_stale) is listed with plan's own reason: the prediction is made without it.
+accepts it (partial rollout, a trainer's own process, an engine's threads, a loss, ...; a config key
+differing in several leaves is set whole), data.batch_size. A difference plan refuses (another
+edge, a node's CPUs, the model) is listed with plan's own reason: the prediction is made without it.
 Then `flowrl.plan.plan_run` and `time_to_target` on the one arm alone (no `--paired`: the other
 arm is what is predicted) give the other configuration's wall time to the target with its stated
 interval (5th-95th percentile).
@@ -125,7 +126,14 @@ def _node(base: Plan, other: Plan, name: str) -> list[Found]:
     a, b = base.nodes.get(name), other.nodes.get(name)
     if a is None or b is None or (a.kind, a.op) != (b.kind, b.op):
         return [(f"nodes.{name}", b.op if b else None, "plan simulates the run's own nodes and operators")]
-    out: list[Found] = [(f"nodes.{name}.{k}", v, None) for k, v in _leaves(_plain(a.config), _plain(b.config))]
+    out: list[Found] = []
+    mine, theirs = _plain(a.config), _plain(b.config)
+    for key in sorted(set(mine) | set(theirs)):
+        # One leaf that differs is set alone (engine.threads); several, the whole key at once: a loss's
+        # decoupled and correction are valid only together, each alone refused by the config.
+        leaves = _leaves(mine.get(key), theirs.get(key), f"{key}.")
+        whole = len(leaves) > 1 and isinstance(theirs.get(key), dict)
+        out += [(f"nodes.{name}.{k}", v, None) for k, v in ([(key, theirs.get(key))] if whole else leaves)]
     out += [(f"nodes.{name}.resources.{k}", v, None if k == "replicas" else "plan simulates replicas only")
             for k, v in _leaves(_plain(a.resources), _plain(b.resources))]
     return out
