@@ -100,11 +100,11 @@ def paired(base: list[tuple[float, float]], base_lag: float, other: list[tuple[f
     """s fitted on the run (`base`, its points and mean lag) and a paired run of the same task."""
     if abs(other_lag - base_lag) < SAME_LAG:
         return prior(draws, f"the paired run trained at the run's mean lag ({other_lag:.2f} against "
-                       f"{base_lag:.2f}) and cannot tell it", seed)
+                     f"{base_lag:.2f}) and cannot tell it", seed)
     first, second = curve.fit(base, draws=1), curve.fit(other, draws=1)
     if first is None or second is None:
         return prior(draws, f"{'the run' if first is None else 'the paired run'} has fewer than "
-                       f"{curve.MIN_POINTS} points to fit", seed)
+                     f"{curve.MIN_POINTS} points to fit", seed)
     c1, y1 = (np.array(v, dtype=float) for v in zip(*base, strict=True))
     c2, y2 = (np.array(v, dtype=float) for v in zip(*other, strict=True))
     k = float(curve.stretch(c1, c2, np.concatenate([y1, y2])[None, :], FACTORS, first.curve)[0])
