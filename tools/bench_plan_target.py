@@ -307,7 +307,7 @@ def print_direction(name: str, rows: dict[str, dict[str, Any]], s: dict[str, Any
     for what, label in labels.items():
         seen: dict[str, int] = {}
         for r in rows.values():
-            text = (r[what] if isinstance(r.get(what), str) else "; ".join(r.get(what) or [])) or "none"
+            text = _listed(r, what) or "none"
             seen[text] = seen.get(text, 0) + 1
         for text, n in seen.items():
             print(f"  {label} ({n} of {len(rows)} pairs): {text}")
@@ -332,6 +332,13 @@ def print_direction(name: str, rows: dict[str, dict[str, Any]], s: dict[str, Any
           f"curve's error where it was fitted)")
 
 
+def _listed(row: dict[str, Any], what: str) -> str:
+    """A pair's overrides, what plan could not express (lists) or its staleness cost (a line) as one
+    line; empty where the pair has none (plan could not predict it: no staleness cost)."""
+    value = row.get(what) or []
+    return value if isinstance(value, str) else "; ".join(value)
+
+
 def _pct(x: float | None) -> str:
     return "undefined" if x is None else f"{x:+.1%}"
 
@@ -352,7 +359,7 @@ def per_pair(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {"pair_keys": list(rows)}
     out.update({f"{f}_by_pair": [_rounded(r.get(f)) for r in rows.values()] for f in PER_PAIR})
     for what in ("overrides", "not_simulated", "staleness"):
-        texts = [r[what] if isinstance(r.get(what), str) else "; ".join(r.get(what) or []) for r in rows.values()]
+        texts = [_listed(r, what) for r in rows.values()]
         out[what] = [[t, texts.count(t)] for t in dict.fromkeys(texts)]
     return out
 
