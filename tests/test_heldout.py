@@ -71,6 +71,7 @@ def test_heldout_seeds_need_heldout_and_a_clean_tree(heldout, tmp_path, capsys, 
     assert heldout.seeds_for("bench_e2e", True, None) == list(range(1000, 1020))
     # another claim on the same runs has seeds of its own, none of them the first claim's
     assert not set(heldout.seeds_for("bench_e2e:plan_target", True, None)) & set(range(1000, 1020))
+    assert not set(heldout.seeds_for("bench_longtail:plan_target", True, None)) & set(range(1000, 1005))
     with pytest.raises(SystemExit):
         heldout.seeds_for("bench_e2e", True, [5])  # not a held-out seed
     (tmp_path / "recipe.yaml").write_text("lr: 2\n")  # an uncommitted change to the recipe
@@ -94,3 +95,23 @@ def test_ledger_shows_the_screening_figure_beside_the_heldout_one(heldout, tmp_p
     out = capsys.readouterr().out
     assert "screening at this commit (seeds [0]): 10 of 10" in out and "held-out (seeds [1000]): 15 of 20" in out
     assert [json.loads(line)["headline"] for line in ledger.read_text().splitlines()] == ["9 of 10", "10 of 10", "15 of 20"]
+
+
+def test_a_held_out_set_names_another_claims_seeds_and_needs_heldout(heldout):
+    """`--heldout-set NAME` offers the sets HELDOUT holds for the benchmark (`bench:NAME`) and picks
+    their key; without --heldout it is refused (exit 2, one line)."""
+    import argparse
+
+    for bench in ("bench_e2e", "bench_longtail"):
+        parser = argparse.ArgumentParser()
+        parser.add_argument("--heldout", action="store_true")
+        heldout.add_set_flag(parser, bench)
+        assert heldout.bench_of(parser, parser.parse_args(["--heldout", "--heldout-set", "plan_target"]), bench) \
+            == f"{bench}:plan_target"
+        assert heldout.bench_of(parser, parser.parse_args(["--heldout"]), bench) == bench
+        with pytest.raises(SystemExit) as unknown:
+            parser.parse_args(["--heldout", "--heldout-set", "no_such_claim"])
+        assert unknown.value.code == 2
+        with pytest.raises(SystemExit) as alone:
+            heldout.bench_of(parser, parser.parse_args(["--heldout-set", "plan_target"]), bench)
+        assert alone.value.code == 2

@@ -223,15 +223,11 @@ def main() -> None:
                         help="an override of the sync pipeline (repeatable)")
     parser.add_argument("--heldout", action="store_true",
                         help="measure the committed recipe on the held-out seeds (tools/heldout.py)")
-    parser.add_argument("--heldout-set", choices=["plan_target"],
-                        help="with --heldout: the held-out seeds of another claim made on these runs "
-                             "(tools/heldout.py's HELDOUT['bench_e2e:NAME'])")
+    heldout.add_set_flag(parser, "bench_e2e")
     results_file.add_record_flag(parser)
     args = parser.parse_args()
     names = args.only.split(",")
-    if args.heldout_set and not args.heldout:
-        parser.error("--heldout-set names held-out seeds: give --heldout too")
-    args.bench = "bench_e2e" + (f":{args.heldout_set}" if args.heldout_set else "")
+    args.bench = heldout.bench_of(parser, args, "bench_e2e")
     args.seeds = heldout.seeds_for(args.bench, args.heldout, args.seeds) or [0, 1, 2]
     if args.heldout and (args.async_set or args.sync_set):
         parser.error("--heldout measures the pipelines as committed: no --sync-set / --async-set")

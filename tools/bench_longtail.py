@@ -2,7 +2,7 @@
 
     python tools/bench_longtail.py --warmups DIR [--runs DIR] [--seeds 0,1,2,3,4] [--tails 0,0.5,1] [--target 0.4]
                                    [--grpo-seconds 240] [--eval-every 5] [--async-set KEY=VALUE ...]
-                                   [--sync-set KEY=VALUE ...]
+                                   [--sync-set KEY=VALUE ...] [--heldout [--heldout-set plan_target]]
 
 For each seed and tail setting (`data.options.tail` of builtin:longtail_digits, 0 uniform .. 1 heavy:
 operators/tasks/longtail.py), runs the GRPO phase of `pipelines/longtail_sync.yaml` and
@@ -20,6 +20,9 @@ seconds to the target over async's), `sample_ratio` (async's median samples to t
 sync's), `async_wins` (seeds where async got there first) and the per-seed figures; and at the top
 level the heaviest setting's `wall_speedup`, `sample_ratio` and `async_wins`. A run that missed the
 target counts as slower (and hungrier) than any that reached it; a median that is a miss is null.
+`--heldout --heldout-set plan_target` runs the held-out seeds of plan's time-to-target check on the
+long-tail pair (tools/heldout.py's `HELDOUT["bench_longtail:plan_target"]`; `--runs DIR` keeps the
+runs for tools/bench_plan_target.py).
 """
 
 from __future__ import annotations
@@ -121,11 +124,13 @@ def main() -> None:
     parser.add_argument("--sync-set", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--heldout", action="store_true",
                         help="measure the committed pipelines on the held-out seeds (tools/heldout.py)")
+    heldout.add_set_flag(parser, "bench_longtail")
     results_file.add_record_flag(parser)
     args = parser.parse_args()
     if args.heldout and (args.async_set or args.sync_set):
         parser.error("--heldout measures the pipelines as committed: no --sync-set / --async-set")
-    args.seeds = heldout.seeds_for("bench_longtail", args.heldout, args.seeds) or [0, 1, 2, 3, 4]
+    args.bench = heldout.bench_of(parser, args, "bench_longtail")
+    args.seeds = heldout.seeds_for(args.bench, args.heldout, args.seeds) or [0, 1, 2, 3, 4]
     args.full = False  # bench_e2e.supervise: stop at the target
     results: dict[float, dict[str, list[dict]]] = {t: {"sync": [], "async": []} for t in args.tails}
     with run_root(args.runs) as tmp:
@@ -155,7 +160,7 @@ def main() -> None:
               "wall_speedup": heaviest["wall_speedup"], "wall_speedup_ci95": heaviest["wall_speedup_ci95"],
               "sample_ratio": heaviest["sample_ratio"], "sample_ratio_ci95": heaviest["sample_ratio_ci95"],
               "async_wins": heaviest["async_wins"], "heaviest_tail": max(args.tails), "target": args.target,
-              "protocol": heldout.stamp("bench_longtail", args.heldout, args.seeds), "seeds": args.seeds,
+              "protocol": heldout.stamp(args.bench, args.heldout, args.seeds), "seeds": args.seeds,
               "by_tail": by_tail}
     heldout.record(result)
     results_file.emit(args.record, "bench_longtail", result)

@@ -25,6 +25,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 LEDGER = ROOT / "runs/bench-ledger.jsonl"
@@ -40,6 +41,8 @@ HELDOUT = {
     # whose runs did not inform the staleness cost's prior (flowrl/plan/lag.py MEASURED); 1020-1027
     # the first check, 1028-1033 the second (after the thread-gain probe, plan/threads.py)
     "bench_e2e:plan_target": list(range(1020, 1034)),
+    # and on the long-tail pair: its first check re-ran bench_longtail's own seeds (1000-1004)
+    "bench_longtail:plan_target": list(range(1020, 1025)),
 }
 Z95 = 1.959964
 
@@ -157,6 +160,22 @@ def seeds_for(bench: str, heldout: bool, seeds: list[int] | None) -> list[int]:
         raise ProtocolError(f"seeds from {FIRST_HELDOUT} up are held out: screen on seeds below it, "
                             "or measure a frozen recipe with --heldout")
     return seeds or []
+
+
+def add_set_flag(parser: Any, bench: str) -> None:
+    """`--heldout-set NAME`: with --heldout, the held-out seeds of another claim made on `bench`'s
+    runs (`HELDOUT[f"{bench}:NAME"]`), e.g. plan's time to target on bench_e2e's pairs."""
+    names = sorted(key.partition(":")[2] for key in HELDOUT if key.startswith(f"{bench}:"))
+    parser.add_argument("--heldout-set", choices=names,
+                        help=f"with --heldout: the held-out seeds of another claim made on these runs "
+                             f"(tools/heldout.py's HELDOUT['{bench}:NAME'])")
+
+
+def bench_of(parser: Any, args: Any, bench: str) -> str:
+    """The HELDOUT key the run's seeds come from: `bench`, or `bench:NAME` with --heldout-set."""
+    if args.heldout_set and not args.heldout:
+        parser.error("--heldout-set names held-out seeds: give --heldout too")
+    return bench + (f":{args.heldout_set}" if args.heldout_set else "")
 
 
 def stamp(bench: str, heldout: bool, seeds: list[int]) -> dict:
