@@ -326,6 +326,7 @@ def test_engine_threads_speed_its_per_row_work_with_the_cores_they_get(grpo_run)
     engine = costs.engines["rollout"]
     assert engine.cores == 1.0  # what the run's engine had: its one thread
     engine.a, engine.b = 1e-4, 2e-4  # engine iterations dominated by their per-row work
+    costs.parallel["rollout"] = 1.0  # linear, not timed here (threads.py): the share of the cores is tested
 
     def step(*changes: str) -> float:
         return predict(apply(base.plan, list(changes), 8), costs, 2.0)["step_seconds"]
@@ -400,7 +401,53 @@ def test_a_train_step_runs_over_its_threads_and_grows_with_its_passes(grpo_run):
     assert step(decoupled) - plain == pytest.approx(0.5 / 3, rel=0.1)  # 4 passes for 3
     assert step("nodes.learner.gradient_checkpointing=true") - plain == pytest.approx(0.5 / 3, rel=0.1)
     costs.train_cores = 2.0  # as if fitted on a trainer that ran over two threads: here it gets one
+    costs.parallel["learner"] = 1.0  # linear: twice the time on half the threads
     assert step() - plain == pytest.approx(0.5, rel=0.1)
+    costs.parallel["learner"] = 0.5  # half of it parallel (Amdahl): 1 thread takes 1 / 0.75 of 2 threads' time
+    assert step() - plain == pytest.approx(0.5 / 3, rel=0.1)
+    costs.parallel["learner"] = 0.0  # none of it parallel: the threads do not matter
+    assert step() == pytest.approx(plain, rel=0.02)
+
+
+def test_amdahls_law_through_two_timings():
+    from flowrl.plan.threads import LINEAR, amdahl
+
+    assert amdahl(1.0, 0.5, 2) == 1.0 and amdahl(1.0, 1.0, 2) == 0.0
+    assert amdahl(1.0, 0.75, 2) == pytest.approx(0.5) and amdahl(1.0, 0.625, 4) == pytest.approx(0.5)
+    assert amdahl(1.0, 1.2, 2) == 0.0 and amdahl(1.0, 0.4, 2) == 1.0  # timing noise, clipped to [0, 1]
+    assert amdahl(1.0, 0.5, 1) == LINEAR  # one thread tells nothing
+
+
+def test_the_thread_gain_is_timed_on_the_runs_model_only_when_a_what_if_changes_threads(grpo_run):
+    """A what-if that gives the engine two threads (the run had one) times the run's model on one and
+    two threads (threads.py), once per process; a what-if that changes no threads times nothing; a
+    model that cannot be loaded here keeps the linear law and says why."""
+    from flowrl.plan import calibrate, predict, records
+    from flowrl.plan.changes import apply
+    from flowrl.plan.threads import LINEAR, Probe
+
+    base = records.load(grpo_run)
+    costs = calibrate(base, 2.0)
+    assert costs.model == "builtin:tiny-qwen2" and costs.probes["learner"].kind == "train"
+    model_tokens = [t for rows in base.rows_of.values() for t in rows]
+    assert base.row_length > sum(model_tokens) / len(model_tokens)  # the rows as trained: prompt included
+    assert costs.probes["learner"].length == round(base.row_length)
+    assert costs.probes["rollout"] == Probe("decode", min(costs.engines["rollout"].slots,
+                                                           costs.probes["learner"].rows), 1)
+    predict(apply(base.plan, ["max_staleness=1"], 8), costs, 2.0)
+    assert costs.parallel == {}  # no threads changed: nothing timed
+    two = "nodes.rollout.engine={kind: embedded, threads: 2}"
+    result = plan_run(grpo_run, [two])
+    # the in-process engine's threads are the whole process's: the trainer's too
+    assert set(result["model"]["parallel"]) == {"rollout", "learner"}
+    assert all(0.0 <= p <= 1.0 for p in result["model"]["parallel"].values())
+    assert any("rollout: an engine iteration's per-row work runs" in n and "as fast on 2 threads" in n
+               for n in result["model"]["notes"])
+    assert any(n.startswith("learner: a train step runs") for n in result["model"]["notes"])
+    costs.model = str(grpo_run / "no-such-model")
+    predict(apply(base.plan, [two], 8), costs, 2.0)
+    assert costs.parallel["rollout"] == LINEAR
+    assert any("threads scale linearly (assumed: its model could not be timed here" in n for n in costs.notes)
 
 
 def test_rates_keep_their_precision_however_slow_the_run():

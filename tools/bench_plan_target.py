@@ -14,7 +14,8 @@ differing in several leaves is set whole), data.batch_size. A difference plan re
 edge, a node's CPUs, the model) is listed with plan's own reason: the prediction is made without it.
 Then `flowrl.plan.plan_run` and `time_to_target` on the one arm alone (no `--paired`: the other
 arm is what is predicted) give the other configuration's wall time to the target with its stated
-interval (5th-95th percentile).
+interval (5th-95th percentile), and the parallel fractions plan timed where the pair's arms differ
+in threads (flowrl/plan/threads.py).
 
 Measured: the time of the other arm's first record reaching the target in its last phase, from
 that phase's start (eval.jsonl's `time` for eval_reward, metrics.jsonl's for reward / train.KEY):
@@ -192,7 +193,8 @@ def predict(run_dir: Path, overrides: list[str], target: str) -> dict[str, Any]:
     """plan's wall time to `target` of the run under `overrides`, from that run alone: `seconds`
     [low, point, high] (None: never reached on its curve), or `impossible` with plan's reason."""
     try:
-        found = time_to_target(run_dir, target, plan_run(run_dir, overrides))
+        result = plan_run(run_dir, overrides)
+        found = time_to_target(run_dir, target, result)
     except UserError as e:
         return {"impossible": str(e)}
     name = " ".join(overrides) if overrides else "as run"
@@ -203,7 +205,8 @@ def predict(run_dir: Path, overrides: list[str], target: str) -> dict[str, Any]:
     cost = found["staleness"]
     return {"seconds": row["seconds"], "samples": row["samples"], "samples_per_s": row["samples_per_s"],
             "as_run_seconds": as_run["seconds"][1], "as_run_samples_per_s": as_run["samples_per_s"],
-            "lag": row["mean_lag"], "staleness": f"{cost['source']} {cost['per_lag']:+.0%} samples per unit of lag"}
+            "lag": row["mean_lag"], "staleness": f"{cost['source']} {cost['per_lag']:+.0%} samples per unit of lag",
+            "threads": [f"{node} parallel fraction {p:.2f}" for node, p in sorted(result["model"]["parallel"].items())]}
 
 
 def pairs(folder: Path, keys: list[str] | None) -> dict[str, dict[str, Path]]:
@@ -303,7 +306,7 @@ def print_direction(name: str, rows: dict[str, dict[str, Any]], s: dict[str, Any
     source, goal = DIRECTIONS[name]
     print(f"\n{source} -> {goal}: {goal}'s time to target predicted from the {source} run alone")
     labels = {"overrides": "plan overrides", "not_simulated": "not simulated (plan cannot express it)",
-              "staleness": "staleness cost"}
+              "staleness": "staleness cost", "threads": "threads timed (flowrl/plan/threads.py)"}
     for what, label in labels.items():
         seen: dict[str, int] = {}
         for r in rows.values():
@@ -333,8 +336,8 @@ def print_direction(name: str, rows: dict[str, dict[str, Any]], s: dict[str, Any
 
 
 def _listed(row: dict[str, Any], what: str) -> str:
-    """A pair's overrides, what plan could not express (lists) or its staleness cost (a line) as one
-    line; empty where the pair has none (plan could not predict it: no staleness cost)."""
+    """A pair's overrides, what plan could not express, the parallel fractions plan timed (lists) or
+    its staleness cost (a line) as one line; empty where the pair has none."""
     value = row.get(what) or []
     return value if isinstance(value, str) else "; ".join(value)
 
@@ -358,7 +361,7 @@ def per_pair(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
     and the distinct override sets and what plan could not express, each with its count of pairs."""
     out: dict[str, Any] = {"pair_keys": list(rows)}
     out.update({f"{f}_by_pair": [_rounded(r.get(f)) for r in rows.values()] for f in PER_PAIR})
-    for what in ("overrides", "not_simulated", "staleness"):
+    for what in ("overrides", "not_simulated", "staleness", "threads"):
         texts = [_listed(r, what) for r in rows.values()]
         out[what] = [[t, texts.count(t)] for t in dict.fromkeys(texts)]
     return out

@@ -31,9 +31,11 @@ def predict(scenario: Scenario, costs: Costs, machine_cores: float) -> dict[str,
     enough repeats (seeds) to cover MIN_STEPS steps. Each repeat runs the scenario's own number of
     steps, so the end of a run (its last, possibly short batches) weighs as it does in a real run."""
     from flowrl.plan.simulate import run
+    from flowrl.plan.threads import measure
 
     if scenario.steps < WARMUP + 2:
         raise UserError(f"simulate at least {WARMUP + 2} steps (run.steps): the first {WARMUP} are warm-up")
+    measure(costs, scenario, machine_cores)
     repeats = -(-MIN_STEPS // scenario.steps)
     return average([run(scenario, costs, machine_cores, seed) for seed in range(repeats)])
 
@@ -61,7 +63,8 @@ def plan_run(run_dir: Path, overrides: list[str], search: bool = False, budget: 
     costs = calibrate(base, machine)
     result: dict[str, Any] = {
         "run": str(run_dir), "name": base.plan.name, "steps": [WARMUP, len(base.rows) - 1], "changes": list(overrides),
-        "model": {"notes": costs.notes, "cores": machine, "train_lock": costs.train_lock},
+        "model": {"notes": costs.notes, "cores": machine, "train_lock": costs.train_lock,
+                  "parallel": costs.parallel},  # filled as the simulations time threads (threads.py)
         "measured": measured,
         "simulated": predict(apply(base.plan, [], steps), costs, machine),
     }

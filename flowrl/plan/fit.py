@@ -29,6 +29,7 @@ from flowrl.plan.records import WARMUP, Baseline, Span
 from flowrl.plan.shapes import declared, engine_cores, processes, shapes, train_cores
 from flowrl.plan.shapes import slots as slots_of
 from flowrl.plan.solo import solo_work
+from flowrl.plan.threads import Probe
 from flowrl.spec.errors import UserError
 
 FLAT = 0.05  # relative spread of a feature below which its intercept is not identifiable
@@ -57,6 +58,9 @@ class Costs:
     train_cores: float = 1.0  # the cores a train step ran over in the fitted run (shapes.train_cores)
     train_passes: float | None = None  # its passes over the tokens in the fitted run (CostShape.passes)
     notes: list[str] = field(default_factory=list)
+    model: str | None = None  # the run's model.path, which threads.py times where a what-if changes threads
+    probes: dict[str, Probe] = field(default_factory=dict)  # node -> the pass threads.py times for it
+    parallel: dict[str, float] = field(default_factory=dict)  # node -> its parallel fraction, once measured
 
 
 def fit(base: Baseline, cores: float, train_lock: float = 1.0, scatter: bool = False) -> Any:
@@ -84,8 +88,20 @@ def fit(base: Baseline, cores: float, train_lock: float = 1.0, scatter: bool = F
     sizes = {n: shape.group_size for n, shape in known.items() if plan.nodes[n].kind == "generate"}
     train = plan.facts.trains[0]
     costs = Costs(engines, groups, process, fit_train(base, train, work, notes, spread), sync_s, flush, sizes, train_lock,
-                  train_cores(plan, train, cores, known), known[train].passes, notes)
+                  train_cores(plan, train, cores, known), known[train].passes, notes, plan.model.get("path"),
+                  probes(base, train, engines))
     return (costs, sum(spread)) if scatter else costs
+
+
+def probes(base: Baseline, train: str, engines: dict[str, EngineCost]) -> dict[str, Probe]:
+    """The passes threads.py times, shaped like the run's: a train step over a batch's rows (their
+    mean count and tokens, prompt included), an engine iteration over as many rows as its slots
+    hold of a batch."""
+    rows = round(statistics.mean(sum(len(base.rows_of.get(g, [])) for g in ids) for ids in base.batches.values())
+                 if base.batches else 1)
+    out = {train: Probe("train", max(rows, 1), max(round(base.row_length), 1))}
+    out.update({name: Probe("decode", min(engine.slots, rows), 1) for name, engine in engines.items()})
+    return out
 
 
 CPU_SPANS = {"generate", "process", "train", "sync", "update_weights", "flush"}

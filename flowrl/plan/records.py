@@ -45,6 +45,7 @@ class Baseline:
     spans: list[Span]
     rows_of: dict[str, list[int]]  # sample id -> tokens of each of its trajectories (the rollout store)
     batches: dict[int, list[str]]  # train step -> the sample ids it trained on
+    row_length: float = 1.0  # a trained row's mean tokens, prompt included (the shape threads.py times)
 
     def spans_named(self, node: str, name: str) -> list[Span]:
         return [s for s in self.spans if s.node == node and s.name == name]
@@ -123,22 +124,24 @@ def spans(events: list[TraceEvent]) -> list[Span]:
     return sorted(out, key=lambda s: s.start)
 
 
-def _group_rows(directory: Path, node: str) -> tuple[dict[str, list[int]], dict[int, list[str]]]:
+def _group_rows(directory: Path, node: str) -> tuple[dict[str, list[int]], dict[int, list[str]], float]:
     """Per sample id (a group), the model tokens of each trajectory (what its engine decoded); per
-    train step, the sample ids of its batch."""
+    train step, the sample ids of its batch; a trajectory's mean tokens, prompt included."""
     from flowrl.runtime.durability import rollouts
 
     steps = rollouts.load(directory, node, "plan reads each group's token counts from the rollout store "
                           "(run.record_rollouts: false turns it off)")
     out: dict[str, list[int]] = {}
     batches: dict[int, list[str]] = {}
+    lengths = []
     for step in steps:
         for group in step.groups:
             if group.trajectories:
                 sample = group.trajectories[0].sample_id
                 out[sample] = [max(1, sum(t.loss_mask)) for t in group.trajectories]
                 batches.setdefault(step.step, []).append(sample)
-    return out, batches
+                lengths += [len(t.prompt_ids) + len(t.response_ids) for t in group.trajectories]
+    return out, batches, sum(lengths) / len(lengths) if lengths else 1.0
 
 
 TIMED = {"generate", "process", "train", "sync"}  # the spans a stage's busy time counts (stage.py _timed)

@@ -6,12 +6,13 @@ coordinator, its roles and the stages are the real ones (simulate.py).
 - generate: the group's rows (resampled from the run's groups, fit.group_pool) join the replica's
   engine, which decodes one token for every row in its slots per iteration (a + b x rows seconds;
   the per-row part b runs over the engine's threads, so it scales with the cores they get against
-  the cores the fitted run's engine had: shapes.engine_cores, docs/plan.md "Engine threads");
+  the cores the fitted run's engine had, as threads.py measured it scales: shapes.engine_cores,
+  docs/plan.md "Engine threads");
   a multi-turn group also waits on its environment for its resampled wait. A weight load costs
   its mean; with partial rollout the engine pauses between iterations meanwhile.
 - reward, reference, transform: a resampled measured call (a reference scales with the model).
 - train: c + k x the batch's tokens, over its threads as the engine's per-row part is
-  (shapes.train_cores), times its passes over them against the fitted run's (CostShape.passes),
+  (shapes.train_cores, threads.py), times its passes over them against the fitted run's (CostShape.passes),
   holding the interpreter lock the fitted fraction of it, in a process of its own where the node
   declares one; then the run's own writing of the step's records (`Flushing`), before the policy
   goes on and the next batch is taken.
@@ -31,6 +32,7 @@ from flowrl.plan.changes import Scenario
 from flowrl.plan.cpu import MAIN, Cpu
 from flowrl.plan.fit import Costs, EngineCost
 from flowrl.plan.shapes import engine_cores, processes, shapes, slots, train_cores
+from flowrl.plan.threads import factor
 
 
 class Prompts:
@@ -140,7 +142,7 @@ class Generate(StandIn):
         super().__init__(config, context, sim)
         self.cost: EngineCost = sim.costs.engines[self.node]
         cores = engine_cores(sim.scenario.plan, self.node, sim.cores, sim.shapes)
-        self.engine = Engine(sim, self.cost, slots(config), self.cost.cores / cores)
+        self.engine = Engine(sim, self.cost, slots(config), factor(sim.costs, self.node, self.cost.cores, cores))
         self.group_size = config.group_size
         self.fitted_size = int(sim.costs.group_size.get(self.node, config.group_size))
 
@@ -181,7 +183,7 @@ class Engine:
 
     def __init__(self, sim: StandIns, cost: EngineCost, slots: int, per_row: float = 1.0) -> None:
         self.sim, self.cost, self.slots = sim, cost, slots
-        self.per_row = per_row  # the fitted per-row cost's factor: fitted cores / this engine's cores
+        self.per_row = per_row  # the fitted per-row cost's factor on this engine's cores (threads.factor)
         self.waiting: deque[list[Any]] = deque()  # [tokens left, its group's [rows left, future]]
         self.active: list[list[Any]] = []
         self.running = asyncio.Event()  # cleared while paused (partial rollout's weight load)
@@ -225,9 +227,11 @@ class Transform(StandIn):
 class Train(StandIn):
     def __init__(self, config: CostShape, context: OperatorContext, sim: StandIns) -> None:
         super().__init__(config, context, sim)
-        # Its torch work runs over its threads (the fitted run's cores over the ones it gets here)
-        # and grows with its passes over the tokens (epochs, a proximal forward: CostShape.passes).
-        threads = sim.costs.train_cores / train_cores(sim.scenario.plan, self.node, sim.cores, sim.shapes)
+        # Its torch work runs over its threads (as threads.py measured they scale, from the fitted
+        # run's cores to the ones it gets here) and grows with its passes over the tokens (epochs, a
+        # proximal forward: CostShape.passes).
+        cores = train_cores(sim.scenario.plan, self.node, sim.cores, sim.shapes)
+        threads = factor(sim.costs, self.node, sim.costs.train_cores, cores)
         fitted, passes = sim.costs.train_passes, config.passes
         self.factor = sim.scale * threads * (passes / fitted if passes and fitted else 1.0)
 

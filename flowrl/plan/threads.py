@@ -1,0 +1,151 @@
+"""How much faster a train step or an engine iteration runs on more threads, measured on this machine.
+
+The fits (fit.py) give a train step's work and an engine iteration's per-row work at the threads the
+run had. A what-if that gives them other threads (an engine's `threads`, a trainer's own process)
+needs the work at those. Linear scaling (twice the threads, half the time) is what large matmuls
+approach; a small model's do not: the quickstart's tiny model trains 1.6x faster on two threads than
+on one, and plan charged its one-thread async trainer twice the two-thread sync one's time
+(docs/plan.md, "Threads"). One run, at one thread count, cannot tell the curve. So plan times it, as
+Vidur profiles a model's operators on the hardware it predicts for: the run's model, on a batch shaped
+like the run's (`Probe`), on one thread and on n, and takes Amdahl's law through the two,
+
+    time(threads) = time(1) x ((1 - p) + p / threads),   p the parallel fraction, in [0, 1].
+
+A train step is a forward and backward pass; an engine iteration a forward pass of one token a row.
+The probe runs once per model and shape in a process (`_timed`), before the simulation, only
+where a what-if changes a node's threads (`measure`). A model plan cannot load here keeps the linear law (p = 1), and the notes say so.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+LINEAR = 1.0  # the parallel fraction where none was measured: time falls as 1 / threads
+MAX_TOKENS = 4096  # a probe batch's tokens at most: a large model's step would take minutes
+REPEATS = 7  # timed calls per thread count (the median), after one untimed
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What to time for a node: `kind` "train" (forward and backward) or "decode" (a forward of one
+    token a row), over `rows` rows of `length` tokens."""
+
+    kind: str
+    rows: int
+    length: int
+
+
+def measure(costs: Any, scenario: Any, cores: float) -> None:
+    """Time the thread gain of each node whose cores `scenario` changes from the fitted run's (an
+    engine's, the trainer's), once per costs. Called before the simulation, outside its event loop:
+    the runtime's threads there (the lock probe's knocks) would be timed too."""
+    from flowrl.plan.shapes import engine_cores, train_cores
+
+    plan, known = scenario.plan, scenario.shapes
+    changed = {name: (engine.cores, engine_cores(plan, name, cores, known)) for name, engine in costs.engines.items()}
+    train = plan.facts.trains[0]
+    changed[train] = (costs.train_cores, train_cores(plan, train, cores, known))
+    for node, (fitted, now) in changed.items():
+        if not math.isclose(fitted, now) and node not in costs.parallel:
+            costs.parallel[node] = _parallel(costs, node, max(fitted, now))
+
+
+def factor(costs: Any, node: str, fitted: float, cores: float) -> float:
+    """A node's work on `cores` cores over its work on the `fitted` run's: g(cores) / g(fitted),
+    g(n) = (1 - p) + p / n, with the node's parallel fraction p (`measure`; a test may set it)."""
+    if math.isclose(fitted, cores):
+        return 1.0
+    p = costs.parallel[node]
+    return ((1.0 - p) + p / cores) / ((1.0 - p) + p / fitted)
+
+
+def amdahl(one: float, many: float, threads: int) -> float:
+    """The parallel fraction p that makes a step of `one` seconds on one thread take `many` on
+    `threads`, clipped to [0, 1] (timing noise can put it outside)."""
+    if threads <= 1 or one <= 0:
+        return LINEAR
+    return min(1.0, max(0.0, (1.0 - many / one) / (1.0 - 1.0 / threads)))
+
+
+def _parallel(costs: Any, node: str, cores: float) -> float:
+    probe = costs.probes.get(node)
+    threads = min(math.ceil(cores), os.cpu_count() or 1)
+    if probe is None or not costs.model or threads < 2:
+        return LINEAR
+    try:
+        one, many = _timed(costs.model, probe, threads)
+    except Exception as e:  # a model transformers cannot load as a causal LM here (a VL policy, a missing folder)
+        costs.notes.append(f"{node}: its threads scale linearly (assumed: its model could not be timed here: "
+                           f"{type(e).__name__}: {str(e)[:120]})")
+        return LINEAR
+    p = amdahl(one, many, threads)
+    what = "a train step" if probe.kind == "train" else "an engine iteration's per-row work"
+    costs.notes.append(f"{node}: {what} runs {one / many:.2f}x as fast on {threads} threads as on 1 (parallel "
+                       f"fraction {p:.2f}: timed here, {probe.rows} rows of {probe.length} tokens)")
+    return p
+
+
+_SECONDS: dict[tuple[str, Probe, int], tuple[float, float]] = {}
+_MODELS: dict[str, Any] = {}
+
+
+def _timed(model: str, probe: Probe, threads: int) -> tuple[float, float]:
+    """The median seconds of the probe's pass on one torch thread and on `threads`, once per
+    process. The two alternate, call by call, so a drift in the machine's speed meets both."""
+    key = (model, probe, threads)
+    if key not in _SECONDS:
+        import torch
+
+        once = _pass(_load(model), probe)
+        before = torch.get_num_threads()
+        times: dict[int, list[float]] = {1: [], threads: []}
+        try:
+            for repeat in range(REPEATS + 1):
+                for n in times:
+                    torch.set_num_threads(n)
+                    took = once()
+                    if repeat:  # the first of each: untimed (the thread pool starts)
+                        times[n].append(took)
+        finally:
+            torch.set_num_threads(before)
+        _SECONDS[key] = (statistics.median(times[1]), statistics.median(times[threads]))
+    return _SECONDS[key]
+
+
+def _pass(net: Any, probe: Probe) -> Any:
+    """A function that runs the probe's pass once and returns its seconds."""
+    import torch
+
+    rows = max(1, min(probe.rows, MAX_TOKENS // max(probe.length, 1)))
+    ids = torch.randint(0, net.config.vocab_size, (rows, max(probe.length, 1)))
+
+    def once() -> float:
+        start = time.perf_counter()
+        if probe.kind == "train":
+            net(ids).logits.float().logsumexp(-1).mean().backward()
+            net.zero_grad(set_to_none=True)
+        else:
+            with torch.no_grad():
+                net(ids[:, :1])
+        return time.perf_counter() - start
+
+    return once
+
+
+def _load(model: str) -> Any:
+    if model not in _MODELS:
+        import torch
+        import transformers
+
+        from flowrl.data.models import folder
+
+        transformers.utils.logging.disable_progress_bar()
+        transformers.utils.logging.set_verbosity_error()
+        _MODELS[model] = transformers.AutoModelForCausalLM.from_pretrained(
+            str(folder(model)), local_files_only=True, dtype=torch.float32)
+    return _MODELS[model]
