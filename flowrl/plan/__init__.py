@@ -64,7 +64,7 @@ def plan_run(run_dir: Path, overrides: list[str], search: bool = False, budget: 
     result: dict[str, Any] = {
         "run": str(run_dir), "name": base.plan.name, "steps": [WARMUP, len(base.rows) - 1], "changes": list(overrides),
         "model": {"notes": costs.notes, "cores": machine, "train_lock": costs.train_lock,
-                  "parallel": costs.parallel},  # filled as the simulations time threads (threads.py)
+                  "parallel": costs.parallel},  # filled where a what-if's threads were timed (threads.measure)
         "measured": measured,
         "simulated": predict(apply(base.plan, [], steps), costs, machine),
     }

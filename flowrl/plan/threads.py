@@ -3,8 +3,8 @@
 The fits (fit.py) give a train step's work and an engine iteration's per-row work at the threads the
 run had. A what-if that gives them other threads (an engine's `threads`, a trainer's own process)
 needs the work at those. Linear scaling (twice the threads, half the time) is what large matmuls
-approach; a small model's do not: the quickstart's tiny model trains 1.6x faster on two threads than
-on one, and plan charged its one-thread async trainer twice the two-thread sync one's time
+approach; a small model's do not: the quickstart's tiny model trains about 1.45x faster on two threads
+than on one, and plan charged its one-thread async trainer twice the two-thread sync one's time
 (docs/plan.md, "Threads"). One run, at one thread count, cannot tell the curve. So plan times it, as
 Vidur profiles a model's operators on the hardware it predicts for: the run's model, on a batch shaped
 like the run's (`Probe`), on one thread and on n, and takes Amdahl's law through the two,
@@ -13,7 +13,8 @@ like the run's (`Probe`), on one thread and on n, and takes Amdahl's law through
 
 A train step is a forward and backward pass; an engine iteration a forward pass of one token a row.
 The probe runs once per model and shape in a process (`_timed`), before the simulation, only
-where a what-if changes a node's threads (`measure`). A model plan cannot load here keeps the linear law (p = 1), and the notes say so.
+where a what-if changes a node's threads (`measure`). A model plan cannot load here keeps the
+linear law (p = 1), and the notes say so.
 """
 
 from __future__ import annotations
@@ -23,7 +24,11 @@ import os
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # fit.py imports Probe from here
+    from flowrl.plan.changes import Scenario
+    from flowrl.plan.fit import Costs
 
 LINEAR = 1.0  # the parallel fraction where none was measured: time falls as 1 / threads
 MAX_TOKENS = 4096  # a probe batch's tokens at most: a large model's step would take minutes
@@ -40,10 +45,10 @@ class Probe:
     length: int
 
 
-def measure(costs: Any, scenario: Any, cores: float) -> None:
+def measure(costs: Costs, scenario: Scenario, cores: float) -> None:
     """Time the thread gain of each node whose cores `scenario` changes from the fitted run's (an
-    engine's, the trainer's), once per costs. Called before the simulation, outside its event loop:
-    the runtime's threads there (the lock probe's knocks) would be timed too."""
+    engine's, the trainer's), once per costs. Called before the simulation starts, so the model is
+    timed alone, not beside the runtime's own threads."""
     from flowrl.plan.shapes import engine_cores, train_cores
 
     plan, known = scenario.plan, scenario.shapes
@@ -55,7 +60,7 @@ def measure(costs: Any, scenario: Any, cores: float) -> None:
             costs.parallel[node] = _parallel(costs, node, max(fitted, now))
 
 
-def factor(costs: Any, node: str, fitted: float, cores: float) -> float:
+def factor(costs: Costs, node: str, fitted: float, cores: float) -> float:
     """A node's work on `cores` cores over its work on the `fitted` run's: g(cores) / g(fitted),
     g(n) = (1 - p) + p / n, with the node's parallel fraction p (`measure`; a test may set it)."""
     if math.isclose(fitted, cores):
@@ -72,7 +77,7 @@ def amdahl(one: float, many: float, threads: int) -> float:
     return min(1.0, max(0.0, (1.0 - many / one) / (1.0 - 1.0 / threads)))
 
 
-def _parallel(costs: Any, node: str, cores: float) -> float:
+def _parallel(costs: Costs, node: str, cores: float) -> float:
     probe = costs.probes.get(node)
     threads = min(math.ceil(cores), os.cpu_count() or 1)
     if probe is None or not costs.model or threads < 2:
