@@ -7,6 +7,7 @@ default resources. The runtime instantiates it inside a stage with the validated
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -244,6 +245,16 @@ class Operator:
         (what its `close()` wrote), for `flowrl replay`'s reproduction check; raises ValueError where
         they hold different parameters. None (the default): it writes none that can be compared."""
         del recorded, replayed
+        return None
+
+    @classmethod
+    def pass_timer(cls, model: str, rows: int, length: int) -> Callable[[int], float] | None:
+        """For `flowrl plan`'s thread gain (flowrl/plan/threads.py): a function `threads -> seconds`
+        that runs this node's torch work once on that many torch threads (a train step: a forward
+        and backward pass; an engine iteration: a forward pass) over `rows` rows of `length` tokens
+        of the model at `model` (a folder or `builtin:<name>`). None (the default): nothing to
+        time, and plan scales the node's work linearly with its threads."""
+        del model, rows, length
         return None
 
     @classmethod

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -57,6 +58,14 @@ class Generate(Operator):
         return CostShape(concurrency=config.max_concurrency, partial_rollout=config.partial_rollout,
                          group_size=config.group_size, slots=engine.max_batch,
                          threads=engine.threads if engine.kind == "embedded" and engine.device != "cuda" else None)
+
+    @classmethod
+    def pass_timer(cls, model: str, rows: int, length: int) -> Callable[[int], float]:
+        """An engine iteration's per-row work for plan's thread gain: a forward pass (plan asks for
+        one token a row, what a decoding iteration runs)."""
+        from flowrl_operators.timing import pass_timer
+
+        return pass_timer(model, rows, length, backward=False)
 
     @classmethod
     def check_graph(cls, config: GenerateConfig, facts: GraphFacts) -> list[tuple[tuple[str, ...], str]]:

@@ -26,6 +26,7 @@ process (flowrl_operators.training.process), and the node only passes trajectori
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -255,6 +256,13 @@ class Train(Operator):
         threads = config.own_process.threads if config.own_process is not None else None
         passes = step_passes(loss_config(config.loss), config.epochs, config.gradient_checkpointing)
         return msgspec.structs.replace(super().cost_shape(config), process_threads=threads, passes=passes)
+
+    @classmethod
+    def pass_timer(cls, model: str, rows: int, length: int) -> Callable[[int], float]:
+        """A step's torch work for plan's thread gain: a forward and backward pass over the batch."""
+        from flowrl_operators.timing import pass_timer
+
+        return pass_timer(model, rows, length, backward=True)
 
     @classmethod
     def export_difference(cls, recorded: Path, replayed: Path) -> float | None:

@@ -419,21 +419,21 @@ def test_amdahls_law_through_two_timings():
 
 
 def test_the_thread_gain_is_timed_on_the_runs_model_only_when_a_what_if_changes_threads(grpo_run):
-    """A what-if that gives the engine two threads (the run had one) times the run's model on one and
-    two threads (threads.py), once per process; a what-if that changes no threads times nothing; a
-    model that cannot be loaded here keeps the linear law and says why."""
+    """A what-if that gives the engine two threads (the run had one) has the nodes' operators time
+    the run's model on one and two threads (threads.py), once per process; a what-if that changes no
+    threads times nothing; a model that cannot be loaded here keeps the linear law and says why."""
     from flowrl.plan import calibrate, predict, records
     from flowrl.plan.changes import apply
     from flowrl.plan.threads import LINEAR, Probe
 
     base = records.load(grpo_run)
     costs = calibrate(base, 2.0)
-    assert costs.model == "builtin:tiny-qwen2" and costs.probes["learner"].kind == "train"
+    assert costs.model == "builtin:tiny-qwen2" and costs.probes["learner"].op == base.plan.nodes["learner"].op
     model_tokens = [t for rows in base.rows_of.values() for t in rows]
     assert base.row_length > sum(model_tokens) / len(model_tokens)  # the rows as trained: prompt included
     assert costs.probes["learner"].length == round(base.row_length)
-    assert costs.probes["rollout"] == Probe("decode", min(costs.engines["rollout"].slots,
-                                                           costs.probes["learner"].rows), 1)
+    assert costs.probes["rollout"] == Probe(base.plan.nodes["rollout"].op, min(costs.engines["rollout"].slots,
+                                                                               costs.probes["learner"].rows), 1)
     predict(apply(base.plan, ["max_staleness=1"], 8), costs, 2.0)
     assert costs.parallel == {}  # no threads changed: nothing timed
     two = "nodes.rollout.engine={kind: embedded, threads: 2}"
@@ -441,13 +441,54 @@ def test_the_thread_gain_is_timed_on_the_runs_model_only_when_a_what_if_changes_
     # the in-process engine's threads are the whole process's: the trainer's too
     assert set(result["model"]["parallel"]) == {"rollout", "learner"}
     assert all(0.0 <= p <= 1.0 for p in result["model"]["parallel"].values())
-    assert any("rollout: an engine iteration's per-row work runs" in n and "as fast on 2 threads" in n
-               for n in result["model"]["notes"])
-    assert any(n.startswith("learner: a train step runs") for n in result["model"]["notes"])
+    for node in ("rollout", "learner"):
+        assert any(n.startswith(f"{node}: its torch work runs") and "as fast on 2 threads" in n
+                   for n in result["model"]["notes"])
     costs.model = str(grpo_run / "no-such-model")
     predict(apply(base.plan, [two], 8), costs, 2.0)
     assert costs.parallel["rollout"] == LINEAR
     assert any("threads scale linearly (assumed: its model could not be timed here" in n for n in costs.notes)
+
+
+@pytest.mark.parametrize("op", ["train", "generate"])
+def test_the_built_in_operators_time_their_pass_on_the_threads_asked(op):
+    """`Operator.pass_timer` (a contract: default None) of the built-ins runs the model's pass on the
+    threads asked and returns its seconds."""
+    from flowrl import registry
+    from flowrl.operator import Operator
+
+    assert Operator.pass_timer("builtin:tiny-qwen2", 4, 3) is None
+    once = registry.resolve(op).pass_timer("builtin:tiny-qwen2", 4, 3)
+    assert all(0.0 < once(n) < 30.0 for n in (1, 2, 1))
+
+
+def test_plan_takes_amdahls_fraction_from_the_operators_timings(grpo_run, monkeypatch):
+    """threads.py alternates one thread and two over the operator's timer, takes the medians and
+    Amdahl's law through them; an operator that times nothing keeps the linear law and says so."""
+    from flowrl import registry
+    from flowrl.plan import calibrate, predict, records, threads
+    from flowrl.plan.changes import apply
+
+    calls, real = [], registry.resolve
+
+    def timing(timer):
+        """The real operators, their pass timed by `timer` (a plugin's own pass_timer)."""
+        return lambda op: type("Timed", (real(op),), {"pass_timer": classmethod(lambda cls, m, r, n: timer)})
+
+    # half of it parallel: two threads take 0.75 of one's time
+    monkeypatch.setattr(registry, "resolve", timing(lambda n: calls.append(n) or {1: 1.0, 2: 0.75}[n]))
+    monkeypatch.setattr(threads, "_SECONDS", {})
+    base = records.load(grpo_run)
+    costs = calibrate(base, 2.0)
+    predict(apply(base.plan, ["nodes.rollout.engine={kind: embedded, threads: 2}"], 8), costs, 2.0)
+    assert costs.parallel == {"rollout": 0.5, "learner": 0.5}
+    assert calls[:4] == [1, 2, 1, 2] and len(calls) == 2 * 2 * (threads.REPEATS + 1)
+    monkeypatch.setattr(registry, "resolve", timing(None))
+    monkeypatch.setattr(threads, "_SECONDS", {})
+    costs = calibrate(base, 2.0)
+    predict(apply(base.plan, ["nodes.rollout.engine={kind: embedded, threads: 2}"], 8), costs, 2.0)
+    assert costs.parallel == {"rollout": threads.LINEAR, "learner": threads.LINEAR}
+    assert any("its operator times no pass" in n for n in costs.notes)
 
 
 def test_rates_keep_their_precision_however_slow_the_run():

@@ -29,7 +29,7 @@ from flowrl.plan.records import WARMUP, Baseline, Span
 from flowrl.plan.shapes import declared, engine_cores, processes, shapes, train_cores
 from flowrl.plan.shapes import slots as slots_of
 from flowrl.plan.solo import solo_work
-from flowrl.plan.threads import Probe
+from flowrl.plan.threads import MAX_TOKENS, Probe
 from flowrl.spec.errors import UserError
 
 FLAT = 0.05  # relative spread of a feature below which its intercept is not identifiable
@@ -95,12 +95,13 @@ def fit(base: Baseline, cores: float, train_lock: float = 1.0, scatter: bool = F
 
 def probes(base: Baseline, train: str, engines: dict[str, EngineCost]) -> dict[str, Probe]:
     """The passes threads.py times, shaped like the run's: a train step over a batch's rows (their
-    mean count and tokens, prompt included), an engine iteration over as many rows as its slots
-    hold of a batch."""
+    mean count and tokens, prompt included; MAX_TOKENS at most), an engine iteration over as many
+    rows as its slots hold of a batch, one token each."""
     rows = round(statistics.mean(sum(len(base.rows_of.get(g, [])) for g in ids) for ids in base.batches.values())
                  if base.batches else 1)
-    out = {train: Probe("train", max(rows, 1), max(round(base.row_length), 1))}
-    out.update({name: Probe("decode", min(engine.slots, rows), 1) for name, engine in engines.items()})
+    nodes, length = base.plan.nodes, max(round(base.row_length), 1)
+    out = {train: Probe(nodes[train].op, max(1, min(rows, MAX_TOKENS // length)), length)}
+    out.update({name: Probe(nodes[name].op, min(engine.slots, rows), 1) for name, engine in engines.items()})
     return out
 
 

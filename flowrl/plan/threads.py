@@ -6,15 +6,16 @@ needs the work at those. Linear scaling (twice the threads, half the time) is wh
 approach; a small model's do not: the quickstart's tiny model trains about 1.45x faster on two threads
 than on one, and plan charged its one-thread async trainer twice the two-thread sync one's time
 (docs/plan.md, "Threads"). One run, at one thread count, cannot tell the curve. So plan times it, as
-Vidur profiles a model's operators on the hardware it predicts for: the run's model, on a batch shaped
-like the run's (`Probe`), on one thread and on n, and takes Amdahl's law through the two,
+Vidur profiles a model's operators on the hardware it predicts for: the node's operator runs its torch
+work on the run's model (`Operator.pass_timer`; the built-ins: operators/timing.py), on a batch shaped
+like the run's (`Probe`), on one thread and on n, and plan takes Amdahl's law through the two,
 
     time(threads) = time(1) x ((1 - p) + p / threads),   p the parallel fraction, in [0, 1].
 
 A train step is a forward and backward pass; an engine iteration a forward pass of one token a row.
-The probe runs once per model and shape in a process (`_timed`), before the simulation, only
-where a what-if changes a node's threads (`measure`). A model plan cannot load here keeps the
-linear law (p = 1), and the notes say so.
+The probe runs once per operator, model and shape in a process (`_timed`), before the simulation,
+only where a what-if changes a node's threads (`measure`). An operator that times nothing, or a
+model it cannot load here, keeps the linear law (p = 1), and the notes say so.
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ from __future__ import annotations
 import math
 import os
 import statistics
-import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # fit.py imports Probe from here
     from flowrl.plan.changes import Scenario
@@ -37,10 +38,10 @@ REPEATS = 7  # timed calls per thread count (the median), after one untimed
 
 @dataclass(frozen=True)
 class Probe:
-    """What to time for a node: `kind` "train" (forward and backward) or "decode" (a forward of one
-    token a row), over `rows` rows of `length` tokens."""
+    """What to time for a node: its operator's (`op`, the registry's name) pass over `rows` rows of
+    `length` tokens."""
 
-    kind: str
+    op: str
     rows: int
     length: int
 
@@ -83,74 +84,42 @@ def _parallel(costs: Costs, node: str, cores: float) -> float:
     if probe is None or not costs.model or threads < 2:
         return LINEAR
     try:
-        one, many = _timed(costs.model, probe, threads)
-    except Exception as e:  # a model transformers cannot load as a causal LM here (a VL policy, a missing folder)
+        timed = _timed(costs.model, probe, threads)
+    except Exception as e:  # a model the operator cannot load here (a VL policy, a missing folder)
         costs.notes.append(f"{node}: its threads scale linearly (assumed: its model could not be timed here: "
                            f"{type(e).__name__}: {str(e)[:120]})")
         return LINEAR
+    if timed is None:
+        costs.notes.append(f"{node}: its threads scale linearly (assumed: its operator times no pass)")
+        return LINEAR
+    one, many = timed
     p = amdahl(one, many, threads)
-    what = "a train step" if probe.kind == "train" else "an engine iteration's per-row work"
-    costs.notes.append(f"{node}: {what} runs {one / many:.2f}x as fast on {threads} threads as on 1 (parallel "
-                       f"fraction {p:.2f}: timed here, {probe.rows} rows of {probe.length} tokens)")
+    costs.notes.append(f"{node}: its torch work runs {one / many:.2f}x as fast on {threads} threads as on 1 "
+                       f"(parallel fraction {p:.2f}: timed here, {probe.rows} rows of {probe.length} tokens)")
     return p
 
 
-_SECONDS: dict[tuple[str, Probe, int], tuple[float, float]] = {}
-_MODELS: dict[str, Any] = {}
+_SECONDS: dict[tuple[str, Probe, int], tuple[float, float] | None] = {}
 
 
-def _timed(model: str, probe: Probe, threads: int) -> tuple[float, float]:
+def _timed(model: str, probe: Probe, threads: int) -> tuple[float, float] | None:
     """The median seconds of the probe's pass on one torch thread and on `threads`, once per
-    process. The two alternate, call by call, so a drift in the machine's speed meets both."""
+    process; None where its operator times none. The two alternate, call by call, so a drift
+    in the machine's speed meets both."""
     key = (model, probe, threads)
     if key not in _SECONDS:
-        import torch
+        from flowrl import registry
 
-        once = _pass(_load(model), probe)
-        before = torch.get_num_threads()
-        times: dict[int, list[float]] = {1: [], threads: []}
-        try:
-            for repeat in range(REPEATS + 1):
-                for n in times:
-                    torch.set_num_threads(n)
-                    took = once()
-                    if repeat:  # the first of each: untimed (the thread pool starts)
-                        times[n].append(took)
-        finally:
-            torch.set_num_threads(before)
-        _SECONDS[key] = (statistics.median(times[1]), statistics.median(times[threads]))
+        once = registry.resolve(probe.op).pass_timer(model, probe.rows, probe.length)
+        _SECONDS[key] = None if once is None else _alternating(once, threads)
     return _SECONDS[key]
 
 
-def _pass(net: Any, probe: Probe) -> Any:
-    """A function that runs the probe's pass once and returns its seconds."""
-    import torch
-
-    rows = max(1, min(probe.rows, MAX_TOKENS // max(probe.length, 1)))
-    ids = torch.randint(0, net.config.vocab_size, (rows, max(probe.length, 1)))
-
-    def once() -> float:
-        start = time.perf_counter()
-        if probe.kind == "train":
-            net(ids).logits.float().logsumexp(-1).mean().backward()
-            net.zero_grad(set_to_none=True)
-        else:
-            with torch.no_grad():
-                net(ids[:, :1])
-        return time.perf_counter() - start
-
-    return once
-
-
-def _load(model: str) -> Any:
-    if model not in _MODELS:
-        import torch
-        import transformers
-
-        from flowrl.data.models import folder
-
-        transformers.utils.logging.disable_progress_bar()
-        transformers.utils.logging.set_verbosity_error()
-        _MODELS[model] = transformers.AutoModelForCausalLM.from_pretrained(
-            str(folder(model)), local_files_only=True, dtype=torch.float32)
-    return _MODELS[model]
+def _alternating(once: Callable[[int], float], threads: int) -> tuple[float, float]:
+    times: dict[int, list[float]] = {1: [], threads: []}
+    for repeat in range(REPEATS + 1):
+        for n in times:
+            took = once(n)
+            if repeat:  # the first of each: untimed (the thread pool starts)
+                times[n].append(took)
+    return statistics.median(times[1]), statistics.median(times[threads])

@@ -1,0 +1,51 @@
+"""One pass of a node's torch work, timed on a given number of threads, for `flowrl plan`'s thread
+gain (`Operator.pass_timer`; flowrl/plan/threads.py alternates the thread counts and takes medians).
+
+A train step is a forward and backward pass over its batch; an engine iteration's per-row work a
+forward of one token a row. The model is loaded once per process, as transformers' causal LM (a
+vision-language policy raises: plan then keeps linear scaling and says why).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+_MODELS: dict[str, Any] = {}
+
+
+def pass_timer(model: str, rows: int, length: int, backward: bool) -> Callable[[int], float]:
+    """A function `threads -> seconds` of one pass over `rows` rows of `length` tokens (random ids),
+    with a backward pass where `backward`."""
+    import torch
+
+    net = _load(model)
+    ids = torch.randint(0, net.config.vocab_size, (max(rows, 1), max(length, 1)))
+
+    def once(threads: int) -> float:
+        torch.set_num_threads(threads)
+        start = time.perf_counter()
+        if backward:
+            net(ids).logits.float().logsumexp(-1).mean().backward()
+            net.zero_grad(set_to_none=True)
+        else:
+            with torch.no_grad():
+                net(ids)
+        return time.perf_counter() - start
+
+    return once
+
+
+def _load(model: str) -> Any:
+    if model not in _MODELS:
+        import torch
+        import transformers
+
+        from flowrl_operators.models import resolve_model
+
+        transformers.utils.logging.disable_progress_bar()
+        transformers.utils.logging.set_verbosity_error()
+        _MODELS[model] = transformers.AutoModelForCausalLM.from_pretrained(
+            str(resolve_model(model)), local_files_only=True, dtype=torch.float32)
+    return _MODELS[model]
