@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -26,6 +25,7 @@ from flowrl.operator import (
 )
 from flowrl_operators.config import EngineConfig, GenerateConfig
 from flowrl_operators.inference import SamplingParams
+from flowrl_operators.timing import engine_pass
 from flowrl_operators.waits import Episodes
 
 KEPT_ERRORS = 8  # episode errors buffered between two errors() calls; the rest are counted only
@@ -59,13 +59,7 @@ class Generate(Operator):
                          group_size=config.group_size, slots=engine.max_batch,
                          threads=engine.threads if engine.kind == "embedded" and engine.device != "cuda" else None)
 
-    @classmethod
-    def pass_timer(cls, model: str, rows: int, length: int) -> Callable[[int], float]:
-        """An engine iteration's per-row work for plan's thread gain: a forward pass (plan asks for
-        one token a row, what a decoding iteration runs)."""
-        from flowrl_operators.timing import pass_timer
-
-        return pass_timer(model, rows, length, backward=False)
+    pass_timer = classmethod(engine_pass)  # plan's thread gain: a forward pass
 
     @classmethod
     def check_graph(cls, config: GenerateConfig, facts: GraphFacts) -> list[tuple[tuple[str, ...], str]]:

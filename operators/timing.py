@@ -37,6 +37,19 @@ def pass_timer(model: str, rows: int, length: int, backward: bool) -> Callable[[
     return once
 
 
+def train_pass(cls: type, model: str, rows: int, length: int) -> Callable[[int], float]:
+    """`Operator.pass_timer` of the train node: a forward and backward pass over the batch."""
+    del cls
+    return pass_timer(model, rows, length, backward=True)
+
+
+def engine_pass(cls: type, model: str, rows: int, length: int) -> Callable[[int], float]:
+    """`Operator.pass_timer` of the generate node: a forward pass (plan asks for one token a row,
+    what a decoding iteration runs)."""
+    del cls
+    return pass_timer(model, rows, length, backward=False)
+
+
 def _load(model: str) -> Any:
     if model not in _MODELS:
         import torch

@@ -26,7 +26,6 @@ process (flowrl_operators.training.process), and the node only passes trajectori
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -47,6 +46,7 @@ from flowrl.operator import (
     TrainResult,
 )
 from flowrl_operators.config import OptimConfig, TrainConfig
+from flowrl_operators.timing import train_pass
 from flowrl_operators.training.vocabulary import out_of_vocabulary, vocab_size
 
 
@@ -257,12 +257,7 @@ class Train(Operator):
         passes = step_passes(loss_config(config.loss), config.epochs, config.gradient_checkpointing)
         return msgspec.structs.replace(super().cost_shape(config), process_threads=threads, passes=passes)
 
-    @classmethod
-    def pass_timer(cls, model: str, rows: int, length: int) -> Callable[[int], float]:
-        """A step's torch work for plan's thread gain: a forward and backward pass over the batch."""
-        from flowrl_operators.timing import pass_timer
-
-        return pass_timer(model, rows, length, backward=True)
+    pass_timer = classmethod(train_pass)  # plan's thread gain: a forward and backward pass
 
     @classmethod
     def export_difference(cls, recorded: Path, replayed: Path) -> float | None:
