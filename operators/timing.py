@@ -2,8 +2,8 @@
 gain (`Operator.pass_timer`; flowrl/plan/threads.py alternates the thread counts and takes medians).
 
 A train step is a forward and backward pass over its batch; an engine iteration's per-row work a
-forward of one token a row. The model is loaded once per process, as transformers' causal LM (a
-vision-language policy raises: plan then keeps linear scaling and says why).
+forward of one token a row. The model is loaded once per process, as the trainer loads it (a model
+that cannot be loaded or run here raises: plan then keeps linear scaling and says why).
 """
 
 from __future__ import annotations
@@ -51,14 +51,10 @@ def engine_pass(cls: type, model: str, rows: int, length: int) -> Callable[[int]
 
 
 def _load(model: str) -> Any:
+    """The policy as its trainer loads it (training/model_load.py), once per process."""
     if model not in _MODELS:
-        import torch
-        import transformers
-
         from flowrl_operators.models import resolve_model
+        from flowrl_operators.training.model_load import load_model
 
-        transformers.utils.logging.disable_progress_bar()
-        transformers.utils.logging.set_verbosity_error()
-        _MODELS[model] = transformers.AutoModelForCausalLM.from_pretrained(
-            str(resolve_model(model)), local_files_only=True, dtype=torch.float32)
+        _MODELS[model] = load_model(resolve_model(model), "policy")
     return _MODELS[model]

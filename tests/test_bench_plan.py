@@ -89,6 +89,16 @@ def test_the_command_line_refuses_what_it_cannot_run(args, words, capsys):
     assert words in capsys.readouterr().err
 
 
+def test_out_refuses_a_folder_that_holds_files(tmp_path, capsys):
+    """Old run folders under --out would be read back with the new ones: an empty or new folder only."""
+    assert bench().parse_args(["--out", str(tmp_path)]).out == str(tmp_path)
+    assert bench().parse_args(["--out", str(tmp_path / "new")]).out == str(tmp_path / "new")
+    (tmp_path / "sync-0").mkdir()
+    with pytest.raises(SystemExit):
+        bench().parse_args(["--out", str(tmp_path)])
+    assert "holds files already" in capsys.readouterr().err
+
+
 def test_a_tiny_real_invocation(tmp_path, capsys, monkeypatch):
     """The async baseline: its own configuration re-run (recorded) and sync (a what-if), 5 steps once."""
     b = bench()

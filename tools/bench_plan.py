@@ -238,6 +238,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.steps < 4 or args.longtail_steps < 4:
         parser.error("--repeats at least 1, --steps and --longtail-steps at least 4 (plan measures from step 2)")
+    if args.out and Path(args.out).is_dir() and any(Path(args.out).iterdir()):
+        parser.error(f"--out {args.out}: the folder holds files already; give an empty or new one (a run "
+                     "folder's old records would mix with the new run's)")
     return args
 
 
