@@ -115,6 +115,7 @@ def test_a_tiny_real_invocation(tmp_path, capsys, monkeypatch):
     s = result["baselines"]["async"]
     replay, recorded = result["rows"][0], result["rows"][2]
     assert recorded["predicted_step_s"] == replay["predicted_step_s"]  # one prediction, two runs to compare with
+    assert any("interpreter lock" in n for n in replay["notes"]) and "notes" not in recorded
     assert s["replay_step_error"]["median"] == replay["step_time_error"] == pytest.approx(
         abs(replay["predicted_step_s"] / replay["measured_step_s"] - 1), abs=1e-4)
     assert s["recorded_step_error"]["median"] == recorded["step_time_error"] == pytest.approx(

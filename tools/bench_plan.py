@@ -27,7 +27,8 @@ A 2-core machine shared with other work is noisy: everything (baselines and conf
 `--repeats` times, each repeat predicting from its own baselines, and every figure is the median
 over repeats, with its spread (lowest, highest) and the worst. `--only` runs the named
 configurations (the baselines' own always run: the recorded error needs them). The last line is one
-JSON object: per baseline `replay_step_error`, `recorded_step_error`, `max_step_time_error` and `max_idle_error` (the
+JSON object (each replay row with the baseline's fit notes: its costs, and the lock and how it was
+told): per baseline `replay_step_error`, `recorded_step_error`, `max_step_time_error` and `max_idle_error` (the
 largest over the what-ifs in each repeat), each as median and worst over repeats, per configuration
 the same, and issue #46's bars (recorded <= 5 %, what-ifs <= 10 % step time and <= 0.07 idle, on the
 medians) with pass or fail.
@@ -128,7 +129,8 @@ def one_repeat(family: str, args: argparse.Namespace, out: Path, repeat: int) ->
         print(f"repeat {repeat} {family} {kind} baseline (load {load}): " + "; ".join(itself["model"]["notes"]),
               flush=True)
         rows.append({**compare(own[kind], itself["simulated"], itself["measured"]), "baseline": kind,
-                     "family": family, "repeat": repeat, "recorded": True, "replay": True, "load": load})
+                     "family": family, "repeat": repeat, "recorded": True, "replay": True, "load": load,
+                     "notes": itself["model"]["notes"]})  # the fits, the lock and how it was told
         print_row(rows[-1])
     measured = {}
     for name in selected(family, args.baseline, args.only):
