@@ -353,23 +353,62 @@ def with_locks(run: Path, into: Path, lock: float | None) -> Path:
     return into
 
 
-def test_a_sync_run_is_planned_with_the_lock_share_its_train_steps_measured(grpo_run, tmp_path):
-    """A sync run never overlaps training with generation, so the lock share of a train step comes
-    from the probe in its spans (runtime/lockprobe.py); the less it holds, the more async overlaps."""
+def timed_by(timer):
+    """registry.resolve giving the real operators, their pass timed by `timer` (a plugin's own
+    pass_timer: threads -> seconds; None: the operator times none)."""
+    from flowrl import registry
+
+    real = registry.resolve
+    return lambda op: type("Timed", (real(op),), {"pass_timer": classmethod(lambda cls, m, r, n: timer)})
+
+
+def test_a_sync_run_is_planned_with_the_lock_share_outside_its_timed_pass(grpo_run, tmp_path, monkeypatch):
+    """A sync run never overlaps training with generation, so the lock share of a train step is its
+    time outside the forward and backward pass its operator times here (lock.py); the less it holds,
+    the more async overlaps. Where nothing can be timed: the lock probe in its spans
+    (runtime/lockprobe.py), else 1 (the stages take turns)."""
+    from statistics import mean
+
+    from flowrl import registry
+    from flowrl.plan import lock, records, threads
+
+    step = mean(s.seconds for s in lock.main_process_trains(records.load(grpo_run)))
+
+    def planned(timer, run: Path = grpo_run) -> dict:
+        monkeypatch.setattr(registry, "resolve", timed_by(timer))
+        monkeypatch.setattr(threads, "_SECONDS", {})
+        return plan_run(run, ["max_staleness=1"])
+
+    held, free = planned(lambda n: step / 4), planned(lambda n: 0.9 * step)
+    assert held["model"]["train_lock"] == pytest.approx(0.75) and free["model"]["train_lock"] == pytest.approx(0.1)
+    assert any("its time outside the forward and backward pass" in n for n in held["model"]["notes"])
+    assert free["predicted"]["step_seconds"] < 0.95 * held["predicted"]["step_seconds"]
+    assert planned(lambda n: 2 * step)["model"]["train_lock"] == 0.0  # a pass timed longer than the step: clipped
+
     trains = [e for e in json.loads((grpo_run / "trace.json").read_text())["traceEvents"] if e["name"] == "train"]
     measured = [e["args"]["lock"] for e in trains if "lock" in e["args"]]  # a step the probe never knocked in has none
-    assert len(measured) >= len(trains) - 1 and all(0.0 <= lock <= 1.0 for lock in measured)
-    result = plan_run(grpo_run, [])
-    assert any("the lock probe in the run's train steps" in note for note in result["model"]["notes"])
-
-    def planned(lock: float | None) -> dict:
-        return plan_run(with_locks(grpo_run, tmp_path / f"lock-{lock}", lock), ["max_staleness=1"])
-
-    held, free, unmeasured = planned(1.0), planned(0.1), planned(None)
-    assert (held["model"]["train_lock"], free["model"]["train_lock"]) == (1.0, 0.1)
-    assert free["predicted"]["step_seconds"] < 0.95 * held["predicted"]["step_seconds"]
+    assert len(measured) >= len(trains) - 1 and all(0.0 <= share <= 1.0 for share in measured)
+    probed = planned(None, with_locks(grpo_run, tmp_path / "probed", 0.2))  # the operator times no pass
+    assert probed["model"]["train_lock"] == 0.2
+    assert any("the lock probe in the run's train steps" in n for n in probed["model"]["notes"])
+    unmeasured = planned(None, with_locks(grpo_run, tmp_path / "unmeasured", None))
     assert unmeasured["model"]["train_lock"] == 1.0  # a run from before the probe: the stages take turns
     assert any("takes turns" in note for note in unmeasured["model"]["notes"])
+
+
+def test_a_sync_runs_lock_is_timed_on_its_real_pass_only_where_a_scenario_overlaps_training(grpo_run):
+    """The built-in train operator's pass on the run's tiny model, timed here for an async what-if
+    (a share in [0, 1]); a sync what-if times nothing and keeps 1."""
+    from flowrl.plan import threads
+
+    threads._SECONDS.clear()
+    synced = plan_run(grpo_run, ["nodes.rollout.group_size=4"])
+    assert synced["model"]["train_lock"] == 1.0 and threads._SECONDS == {}
+    assert any("cannot tell how much of a train step holds the interpreter lock" in n for n in synced["model"]["notes"])
+    result = plan_run(grpo_run, ["max_staleness=1"])
+    assert any("its time outside the forward and backward pass" in n and "timed here" in n
+               for n in result["model"]["notes"])
+    assert 0.0 <= result["model"]["train_lock"] <= 1.0 and len(threads._SECONDS) == 1
 
 
 def test_a_train_step_runs_over_its_threads_and_grows_with_its_passes(grpo_run):
@@ -469,21 +508,17 @@ def test_plan_takes_amdahls_fraction_from_the_operators_timings(grpo_run, monkey
     from flowrl.plan import calibrate, predict, records, threads
     from flowrl.plan.changes import apply
 
-    calls, real = [], registry.resolve
-
-    def timing(timer):
-        """The real operators, their pass timed by `timer` (a plugin's own pass_timer)."""
-        return lambda op: type("Timed", (real(op),), {"pass_timer": classmethod(lambda cls, m, r, n: timer)})
-
+    calls = []
     # half of it parallel: two threads take 0.75 of one's time
-    monkeypatch.setattr(registry, "resolve", timing(lambda n: calls.append(n) or {1: 1.0, 2: 0.75}[n]))
+    monkeypatch.setattr(registry, "resolve", timed_by(lambda n: calls.append(n) or {1: 1.0, 2: 0.75}[n]))
     monkeypatch.setattr(threads, "_SECONDS", {})
     base = records.load(grpo_run)
-    costs = calibrate(base, 2.0)
+    costs = calibrate(base, 2.0)  # times the pass on one thread (lock.py) and keeps it
+    calls.clear()
     predict(apply(base.plan, ["nodes.rollout.engine={kind: embedded, threads: 2}"], 8), costs, 2.0)
     assert costs.parallel == {"rollout": 0.5, "learner": 0.5}
     assert calls[:4] == [1, 2, 1, 2] and len(calls) == 2 * 2 * (threads.REPEATS + 1)
-    monkeypatch.setattr(registry, "resolve", timing(None))
+    monkeypatch.setattr(registry, "resolve", timed_by(None))
     monkeypatch.setattr(threads, "_SECONDS", {})
     costs = calibrate(base, 2.0)
     predict(apply(base.plan, ["nodes.rollout.engine={kind: embedded, threads: 2}"], 8), costs, 2.0)

@@ -10,9 +10,9 @@ machine's cores (if not, every rate is scaled down alike).
 
 The in-process executor runs every stage in one interpreter. The engine's decode loop, rewards,
 the run's own bookkeeping hold the lock all their time (lock 1: small models spend their time in
-the interpreter): two of them take turns. The train step's fraction is the one number the run's
-own overlaps can tell (fit.py `calibrate`); where the run has no overlap to tell it from, 1. A
-trainer with `own_process` is a process (and a lock) of its own.
+the interpreter): two of them take turns. The train step's fraction is learnt from the run's own
+overlaps, or timed where it has none (lock.py). A trainer with `own_process` is a process (and a
+lock) of its own.
 """
 
 from __future__ import annotations

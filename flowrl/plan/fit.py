@@ -61,6 +61,9 @@ class Costs:
     model: str | None = None  # the run's model.path, which threads.py times where a what-if changes threads
     probes: dict[str, Probe] = field(default_factory=dict)  # node -> the pass threads.py times for it
     parallel: dict[str, float] = field(default_factory=dict)  # node -> its parallel fraction, once measured
+    # Where the run's overlaps could not tell train_lock: (its mean train step's seconds, its lock
+    # probe's share or None), until lock.measure learns it.
+    untold: tuple[float, float | None] | None = None
 
 
 def fit(base: Baseline, cores: float, train_lock: float = 1.0, scatter: bool = False) -> Any:

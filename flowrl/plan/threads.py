@@ -99,6 +99,23 @@ def _parallel(costs: Costs, node: str, cores: float) -> float:
     return p
 
 
+def pass_seconds(costs: Costs, node: str, cores: float) -> float | None:
+    """The median seconds of `node`'s pass (its probe) on the torch threads of `cores` here; None,
+    with a note, where its operator times none or its model cannot be loaded (lock.py)."""
+    probe = costs.probes.get(node)
+    if probe is None or not costs.model:
+        return None
+    threads = max(1, min(round(cores), os.cpu_count() or 1))
+    try:
+        timed = _timed(costs.model, probe, threads)
+    except Exception as e:  # a model the operator cannot load here (a VL policy, a missing folder)
+        costs.notes.append(f"{node}: its pass could not be timed here ({type(e).__name__}: {str(e)[:120]})")
+        return None
+    if timed is None:
+        costs.notes.append(f"{node}: its operator times no pass")
+    return None if timed is None else timed[1]
+
+
 _SECONDS: dict[tuple[str, Probe, int], tuple[float, float] | None] = {}
 
 
