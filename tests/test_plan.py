@@ -526,6 +526,22 @@ def test_plan_takes_amdahls_fraction_from_the_operators_timings(grpo_run, monkey
     assert any("its operator times no pass" in n for n in costs.notes)
 
 
+def test_a_long_pass_is_timed_once_after_its_warm_up():
+    """A large model's pass (over threads.LONG_S untimed) is timed once per thread count, not
+    REPEATS times: plan's timing costs a few of its steps."""
+    from flowrl.plan import threads
+
+    calls = []
+    assert threads._alternating(lambda n: calls.append(n) or {1: 3.0, 2: 2.0}[n], 2) == (3.0, 2.0)
+    assert calls == [1, 2, 1, 2]
+    calls.clear()
+    threads._alternating(lambda n: calls.append(n) or 0.01, 2)
+    assert len(calls) == 2 * (threads.REPEATS + 1)
+    calls.clear()
+    threads._alternating(lambda n: calls.append(n) or 3.0, 1)  # one thread count (lock.py's pass)
+    assert calls == [1, 1]
+
+
 def test_rates_keep_their_precision_however_slow_the_run():
     """A real model's run makes 0.04 groups a second: two decimals would round 0.0439 and 0.0325 to
     0.04 and 0.03, and the time to a target computed from them 10-25 % off."""

@@ -34,6 +34,7 @@ if TYPE_CHECKING:  # fit.py imports Probe from here
 LINEAR = 1.0  # the parallel fraction where none was measured: time falls as 1 / threads
 MAX_TOKENS = 4096  # a probe batch's tokens at most: a large model's step would take minutes
 REPEATS = 7  # timed calls per thread count (the median), after one untimed
+LONG_S = 1.0  # an untimed call longer than this: one timed call per thread count is enough
 
 
 @dataclass(frozen=True)
@@ -133,10 +134,18 @@ def _timed(model: str, probe: Probe, threads: int) -> tuple[float, float] | None
 
 
 def _alternating(once: Callable[[int], float], threads: int) -> tuple[float, float]:
+    """The medians of REPEATS timed calls on each thread count, after one untimed call each (the
+    thread pool starts); one timed call each where the untimed one took over LONG_S, so timing a
+    large model costs a few of its steps, not fifteen."""
     times: dict[int, list[float]] = {1: [], threads: []}
+    repeats = REPEATS
     for repeat in range(REPEATS + 1):
         for n in times:
             took = once(n)
-            if repeat:  # the first of each: untimed (the thread pool starts)
+            if repeat:
                 times[n].append(took)
+            elif took > LONG_S:
+                repeats = 1
+        if repeat >= repeats:
+            break
     return statistics.median(times[1]), statistics.median(times[threads])
