@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from flowrl.plan.fit import Costs, fit
 from flowrl.plan.records import WARMUP, Baseline
 from flowrl.plan.shapes import processes
+from flowrl.plan.threads import pass_seconds
 
 if TYPE_CHECKING:
     from flowrl.plan.changes import Scenario
@@ -77,8 +78,6 @@ def measure(costs: Costs, scenario: Scenario) -> None:
     `scenario` needs it."""
     if costs.untold is None or not overlaps(scenario):
         return
-    from flowrl.plan.threads import pass_seconds
-
     step, probed = costs.untold
     costs.untold = None
     passed = pass_seconds(costs, scenario.plan.facts.trains[0], costs.train_cores)

@@ -80,21 +80,17 @@ def amdahl(one: float, many: float, threads: int) -> float:
 
 
 def _parallel(costs: Costs, node: str, cores: float) -> float:
-    probe = costs.probes.get(node)
     threads = min(math.ceil(cores), os.cpu_count() or 1)
-    if probe is None or not costs.model or threads < 2:
+    if threads < 2:
         return LINEAR
-    try:
-        timed = _timed(costs.model, probe, threads)
-    except Exception as e:  # a model the operator cannot load here (a VL policy, a missing folder)
-        costs.notes.append(f"{node}: its threads scale linearly (assumed: its model could not be timed here: "
-                           f"{type(e).__name__}: {str(e)[:120]})")
-        return LINEAR
-    if timed is None:
-        costs.notes.append(f"{node}: its threads scale linearly (assumed: its operator times no pass)")
+    timed = _attempt(costs, node, threads)
+    if not isinstance(timed, tuple):
+        if timed:
+            costs.notes.append(f"{node}: its threads scale linearly (assumed: {timed})")
         return LINEAR
     one, many = timed
     p = amdahl(one, many, threads)
+    probe = costs.probes[node]
     costs.notes.append(f"{node}: its torch work runs {one / many:.2f}x as fast on {threads} threads as on 1 "
                        f"(parallel fraction {p:.2f}: timed here, {probe.rows} rows of {probe.length} tokens)")
     return p
@@ -102,19 +98,26 @@ def _parallel(costs: Costs, node: str, cores: float) -> float:
 
 def pass_seconds(costs: Costs, node: str, cores: float) -> float | None:
     """The median seconds of `node`'s pass (its probe) on the torch threads of `cores` here; None,
-    with a note, where its operator times none or its model cannot be loaded (lock.py)."""
+    with a note saying why, where it cannot be timed (lock.py)."""
+    timed = _attempt(costs, node, max(1, min(round(cores), os.cpu_count() or 1)))
+    if not isinstance(timed, tuple):
+        if timed:
+            costs.notes.append(f"{node}: its pass was not timed ({timed})")
+        return None
+    return timed[1]
+
+
+def _attempt(costs: Costs, node: str, threads: int) -> tuple[float, float] | str | None:
+    """`_timed` for `node`'s probe; else why it cannot be timed here, or None where plan has no
+    probe or model for it (nothing to say)."""
     probe = costs.probes.get(node)
     if probe is None or not costs.model:
         return None
-    threads = max(1, min(round(cores), os.cpu_count() or 1))
     try:
         timed = _timed(costs.model, probe, threads)
     except Exception as e:  # a model the operator cannot load here (a VL policy, a missing folder)
-        costs.notes.append(f"{node}: its pass could not be timed here ({type(e).__name__}: {str(e)[:120]})")
-        return None
-    if timed is None:
-        costs.notes.append(f"{node}: its operator times no pass")
-    return None if timed is None else timed[1]
+        return f"its model could not be timed here: {type(e).__name__}: {str(e)[:120]}"
+    return "its operator times no pass" if timed is None else timed
 
 
 _SECONDS: dict[tuple[str, Probe, int], tuple[float, float] | None] = {}
@@ -136,7 +139,7 @@ def _timed(model: str, probe: Probe, threads: int) -> tuple[float, float] | None
 def _alternating(once: Callable[[int], float], threads: int) -> tuple[float, float]:
     """The medians of REPEATS timed calls on each thread count, after one untimed call each (the
     thread pool starts); one timed call each where the untimed one took over LONG_S, so timing a
-    large model costs a few of its steps, not fifteen."""
+    large model costs a few of its steps, not sixteen."""
     times: dict[int, list[float]] = {1: [], threads: []}
     repeats = REPEATS
     for repeat in range(REPEATS + 1):
