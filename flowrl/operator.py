@@ -258,6 +258,15 @@ class Operator:
         return None
 
     @classmethod
+    def handoff(cls, model: str, rows: int) -> float | None:
+        """For `flowrl plan`'s interpreter lock (flowrl/plan/cpu.py): how fast two of this node's
+        engines, each decoding `rows` rows of the model at `model`, run in two threads of one process
+        against the same work in turns (1: handing the lock over costs nothing; below 1, it costs
+        that share). None (the default): nothing to time, and plan takes handoffs as free."""
+        del model, rows
+        return None
+
+    @classmethod
     def oversampling(cls, config: msgspec.Struct) -> tuple[float, float] | None:
         """A filter that drops groups may ask generate to over-sample: (samples issued per step at
         first, at most) as multiples of data.batch_size (see flowrl/runtime/coordinator.py)."""

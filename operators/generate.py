@@ -25,7 +25,7 @@ from flowrl.operator import (
 )
 from flowrl_operators.config import EngineConfig, GenerateConfig
 from flowrl_operators.inference import SamplingParams
-from flowrl_operators.timing import engine_pass
+from flowrl_operators.timing import engine_handoff, engine_pass
 from flowrl_operators.waits import Episodes
 
 KEPT_ERRORS = 8  # episode errors buffered between two errors() calls; the rest are counted only
@@ -60,6 +60,7 @@ class Generate(Operator):
                          threads=engine.threads if engine.kind == "embedded" and engine.device != "cuda" else None)
 
     pass_timer = classmethod(engine_pass)  # plan's thread gain: a forward pass
+    handoff = classmethod(engine_handoff)  # plan's lock handoff: two engines side by side
 
     @classmethod
     def check_graph(cls, config: GenerateConfig, facts: GraphFacts) -> list[tuple[tuple[str, ...], str]]:
@@ -332,11 +333,21 @@ class Generate(Operator):
         return self.last_eval
 
     def metrics(self) -> dict[str, float]:
-        """Cumulative counters since setup (episodes, episode_errors, rejected_samples, ...), and
-        the episodes slow now (`slow_episode_s`)."""
+        """Cumulative counters since setup (episodes, episode_errors, rejected_samples, ...), the
+        episodes slow now (`slow_episode_s`), and the embedded engine's step counters (`engine/`:
+        its steps, those that prefilled, the requests admitted, their seconds; an SGLang engine
+        reports none)."""
         evaluation = {"eval/reward": self.last_eval["eval_reward"]} if self.last_eval else {}
         slow = {"generate/slow_episodes": float(len(self.episodes.slow()))}
-        return {f"generate/{k}": float(v) for k, v in self.counts.items()} | slow | self.last_sync | evaluation
+        counts = {f"generate/{k}": float(v) for k, v in self.counts.items()}
+        return counts | slow | self.last_sync | evaluation | self._engine_steps()
+
+    def _engine_steps(self) -> dict[str, float]:
+        from flowrl_operators.engine.embedded.engine import EmbeddedEngine
+
+        if not isinstance(self.engine, EmbeddedEngine):
+            return {}
+        return {f"engine/{k}": float(v) for k, v in self.engine.step_stats.as_dict().items()}
 
     def waits(self) -> list[dict[str, Any]]:
         """The episodes awaiting one thing for `slow_episode_s` or longer now, longest first

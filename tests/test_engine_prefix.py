@@ -177,13 +177,35 @@ def test_generate_node_submits_a_group_together(checkpoint):
         await op.setup()
         try:
             group = await op.generate(reverse_digits(seed=0).sample(0, 1), step=0, sample_id="0:1")
-            return group, op.engine.stats()
+            return group, op.engine.stats(), op.metrics()
         finally:
             await op.close()
 
-    group, stats = asyncio.run(run())
+    group, stats, metrics = asyncio.run(run())
     assert len(group.trajectories) == 8
     assert (stats["prefills"], stats["prefill_forks"]) == (1, 7)
+    # The node reports its engine's step counters (flowrl plan fits a prefill's cost on them).
+    assert (metrics["engine/admitted"], metrics["engine/prefill_steps"]) == (8, 1)
+    assert metrics["engine/steps"] == stats["steps"] >= 4 and metrics["engine/step_seconds"] > 0
+
+
+def test_the_engine_counts_its_steps_those_that_prefill_and_their_seconds(checkpoint):
+    """Three requests of four tokens in two slots: a step admits two and prefills them (their first
+    token), three decode; the third is admitted when they finish, prefilled, and decoded three more."""
+    requests = [GenerateRequest(request_id=f"r{i}", input_ids=[30 + i, 31, 32], sampling=SamplingParams(
+        temperature=1.0, max_new_tokens=4, ignore_eos=True, seed=i)) for i in range(3)]
+
+    async def run():
+        engine = EmbeddedEngine(checkpoint, max_slots=2)
+        try:
+            await asyncio.gather(*[engine.generate(r) for r in requests])
+            return engine.stats()
+        finally:
+            await engine.close()
+
+    stats = asyncio.run(run())
+    assert (stats["steps"], stats["prefill_steps"], stats["admitted"]) == (8, 2, 3)
+    assert 0 < stats["prefill_step_seconds"] < stats["step_seconds"]
 
 
 def test_new_prompts_with_a_long_common_prefix_compute_it_once(checkpoint):

@@ -46,9 +46,48 @@ def async_run(tmp_path_factory) -> Path:
 
 # ---- the pieces ----------------------------------------------------------------------------------
 
-def test_the_slot_model_counts_iterations_and_rows():
-    assert iterations([[3, 1], [2]], slots=8) == (3, 3 + 2 + 1)  # all in at once: 3 rows, then 2, then 1
-    assert iterations([[2, 2], [2, 2]], slots=2) == (4, 8)  # two waves of two rows
+def test_the_slot_model_counts_iterations_rows_and_admitting_iterations():
+    assert iterations([[3, 1], [2]], slots=8) == (3, 3 + 2 + 1, 1)  # all in at once: 3 rows, then 2, then 1
+    assert iterations([[2, 2], [2, 2]], slots=2) == (4, 8, 2)  # two waves of two rows
+    assert iterations([[2, 1, 2]], slots=2) == (3, 2 + 2 + 1, 2)  # the third row takes the freed slot
+
+
+def test_the_stand_in_engine_pays_a_prefill_where_it_admits_rows_and_a_cost_per_row():
+    import asyncio
+
+    from flowrl.plan.fit import EngineCost
+    from flowrl.plan.stages import Engine
+
+    paid = []
+
+    class Sim:
+        scale = 1.0
+
+        async def work(self, seconds: float, process: str = MAIN, lock: float = 1.0) -> None:
+            paid.append(seconds)
+
+    cost = EngineCost(slots=2, a=1.0, b=0.0, update_s=0.0, periods=1, p=10.0, r=100.0)
+    asyncio.run(Engine(Sim(), cost, slots=2).decode([2, 1, 2]))
+    # Two rows admitted and prefilled; the third in the slot the one-token row freed; then a decode.
+    assert paid == [1 + 10 + 2 * 100, 1 + 10 + 100, 1]
+
+
+def test_prefill_and_admission_costs_are_the_engines_own_counts():
+    from types import SimpleNamespace
+
+    from flowrl.plan.fit import step_shares
+
+    def row(steps, prefills, admitted, seconds, prefill_s):
+        counts = {"steps": steps, "prefill_steps": prefills, "admitted": admitted, "step_seconds": seconds,
+                  "prefill_step_seconds": prefill_s}
+        return {"operators": {"rollout": {f"engine/{k}": v for k, v in counts.items()}}}
+
+    # Steady steps: 60 steps, 20 prefilling, taking 2 s of them (decoding steps 1 s / 40), 30 admitted;
+    # the engine was busy 2.75 s: 0.75 s of bookkeeping, 0.025 s (one decoding step) a row.
+    base = SimpleNamespace(rows=[row(0, 0, 0, 0.0, 0.0), row(10, 5, 8, 0.5, 0.25), row(70, 25, 38, 2.5, 1.25)])
+    assert step_shares(base, "rollout", busy=2.75) == pytest.approx((1.0, 1.0))
+    base.rows[-1]["operators"]["rollout"].pop("engine/admitted")
+    assert step_shares(base, "rollout", busy=2.75) is None  # an engine that counts none (SGLang)
 
 
 def test_the_fit_keeps_both_parts_non_negative():
@@ -56,6 +95,29 @@ def test_the_fit_keeps_both_parts_non_negative():
     assert nonneg_fit(x, [2 + 0.5 * t for _, t in x]) == pytest.approx((2.0, 0.5))
     p, q = nonneg_fit(x, [5 - 0.01 * t for _, t in x])  # a negative slope: the slope is dropped
     assert q == 0.0 and p == pytest.approx(4.8)
+
+
+def test_a_runs_engine_counts_weigh_its_prefills_and_without_them_iterations_take_all(grpo_run, tmp_path):
+    import shutil
+
+    from flowrl.plan import calibrate, records
+
+    counted = calibrate(records.load(grpo_run), 2.0)
+    engine = counted.engines["rollout"]
+    assert engine.p > 0.2 * engine.a and engine.r > 0  # the tiny model: a prefill about doubles a step
+    assert any("(the engine's counts)" in note for note in counted.notes)
+    bare = tmp_path / "bare"
+    shutil.copytree(grpo_run, bare)
+    rows = [json.loads(line) for line in (bare / "metrics.jsonl").read_text().splitlines()]
+    for row in rows:
+        for counters in row.get("operators", {}).values():
+            for key in [k for k in counters if k.startswith("engine/")]:
+                del counters[key]
+    (bare / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    plain = calibrate(records.load(bare), 2.0)
+    assert plain.engines["rollout"].p == plain.engines["rollout"].r == 0.0
+    assert plain.engines["rollout"].a > engine.a  # its iterations take the prefills' and rows' time
+    assert any("the engine counts none" in note for note in plain.notes)
 
 
 def test_lock_bound_jobs_take_turns_and_native_work_runs_beside_them():
@@ -69,6 +131,16 @@ def test_lock_bound_jobs_take_turns_and_native_work_runs_beside_them():
     assert cpu.rates() == pytest.approx([2 / 3] * 3)
     # Two spans of one process that overlapped entirely did half the work each.
     assert solo_work([(MAIN, 1.0, 0.0, 2.0), (MAIN, 1.0, 0.0, 2.0), ("trainer", 1.0, 2.0, 3.0)], 2) == [1.0, 1.0, 1.0]
+
+
+def test_an_oversubscribed_lock_loses_its_handoff_share():
+    cpu = Cpu(cores=2, handoff=0.8)
+    cpu.add(MAIN, 1.0, 1.0, lambda: None)
+    cpu.add(MAIN, 0.5, 1.0, lambda: None)
+    assert cpu.rates() == pytest.approx([0.8 / 1.5] * 2)  # the lock 1.5x oversubscribed, handed over at 0.8
+    cpu.jobs[1].lock = 0.0
+    assert cpu.rates() == [1.0, 1.0]  # not oversubscribed: nothing to hand over
+    assert solo_work([(MAIN, 1.0, 0.0, 2.0), (MAIN, 1.0, 0.0, 2.0)], 2, handoff=0.8) == pytest.approx([0.8, 0.8])
 
 
 # ---- on a real run ------------------------------------------------------------------------------
@@ -100,16 +172,20 @@ def test_each_change_moves_the_prediction_its_way(grpo_run):
 
 def test_plan_follows_the_runtimes_rules_and_keeps_none_of_its_own(grpo_run, monkeypatch):
     """The simulation runs the runtime's own coordinator: change a rule there and the prediction follows."""
+    from flowrl.plan import lock
     from flowrl.runtime.admission import Admission
     from flowrl.runtime.channel import Channel
 
+    # Handoffs free: the run's train lock is not learnt for its own (sync) scenario, so it takes turns
+    # with generation, and overlapping them gains what neither holds the lock for (not handoff's loss).
+    monkeypatch.setattr(lock, "handoff", lambda base: (1.0, "free here"))
     before = plan_run(grpo_run, ["max_staleness=2"])
     assert list(before["simulated"]["staleness"]) == [0] and 2 in before["predicted"]["staleness"]
     admitted = Admission.admitted  # admission one step further ahead: the sync run generates step t+1 meanwhile
     monkeypatch.setattr(Admission, "admitted", lambda self, version: admitted(self, version + 1))
     ahead = plan_run(grpo_run, [])["simulated"]
     assert 1 in ahead["staleness"] and ahead["step_seconds"] < 0.97 * before["simulated"]["step_seconds"]
-    monkeypatch.undo()
+    monkeypatch.setattr(Admission, "admitted", admitted)
     # A staleness rule that drops every record not of the trainer's own version: only fresh ones train.
     monkeypatch.setattr(Channel, "stale", lambda self, record, version: self.limit is not None and
                         record.version < version)
@@ -499,6 +575,39 @@ def test_the_built_in_operators_time_their_pass_on_the_threads_asked(op):
     assert Operator.pass_timer("builtin:tiny-qwen2", 4, 3) is None
     once = registry.resolve(op).pass_timer("builtin:tiny-qwen2", 4, 3)
     assert all(0.0 < once(n) < 30.0 for n in (1, 2, 1))
+
+
+def test_the_built_in_engines_hand_the_lock_over_at_a_measured_speed():
+    """`Operator.handoff` (a contract: default None): the built-in generate node runs two of its
+    engines in two threads and in turns; handing the lock over never makes two engines faster than
+    twice one, and on this machine it costs (two cores, so up to 2 if they released the lock)."""
+    from flowrl import registry
+    from flowrl.operator import Operator
+
+    assert Operator.handoff("builtin:tiny-qwen2", 8) is None
+    assert 0.3 < registry.resolve("generate").handoff("builtin:tiny-qwen2", 8) < 2.0
+
+
+def test_plan_runs_an_oversubscribed_lock_at_its_operators_handoff(grpo_run, monkeypatch):
+    """plan takes the handoff from the generate node's operator (once per process), fits and
+    simulates under it, and says so; an operator that times none leaves handoffs free."""
+    from flowrl import registry
+    from flowrl.plan import lock
+
+    real = registry.resolve
+
+    def handing(value):
+        monkeypatch.setattr(lock, "_HANDOFF", {})
+        monkeypatch.setattr(registry, "resolve", lambda op: type("Handing", (real(op),), {
+            "handoff": classmethod(lambda cls, model, rows: value)}))
+        return plan_run(grpo_run, ["nodes.rollout.resources.replicas=2"])
+
+    slow, free = handing(0.5), handing(None)
+    assert any("at 0.50 of the speed of taking turns" in note for note in slow["model"]["notes"])
+    assert any("handoffs are taken as free (rollout: its operator times none)" in note
+               for note in free["model"]["notes"])
+    # Two engine replicas in one process take turns, and lose half their speed more handing over.
+    assert slow["predicted"]["step_seconds"] > 1.2 * free["predicted"]["step_seconds"]
 
 
 def test_plan_takes_amdahls_fraction_from_the_operators_timings(grpo_run, monkeypatch):

@@ -25,49 +25,30 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import itertools  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import threading  # noqa: E402
-import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import results_file  # noqa: E402
 
-OPEN: list = []  # (engine, its event loop) of every decoder, closed by `close`
+OPEN: list = []  # every decoder (operators/timing.py's Decoder), closed by `close`
 
 
 def decoder(model: str, slots: int, tokens: int) -> Callable[[], float]:
     """A function that decodes `tokens` tokens for `slots` requests on an embedded engine of its own
     (one event loop each) and returns the seconds per iteration."""
-    from flowrl_operators.engine.embedded.engine import EmbeddedEngine
-    from flowrl_operators.inference import GenerateRequest, SamplingParams
+    from flowrl_operators.timing import Decoder
 
-    engine, loop, ids = EmbeddedEngine(model, max_slots=slots, threads=1), asyncio.new_event_loop(), itertools.count()
-    sampling = SamplingParams(max_new_tokens=tokens, ignore_eos=True)
-    OPEN.append((engine, loop))
-
-    async def batch() -> None:
-        call = next(ids)
-        await asyncio.gather(*(engine.generate(GenerateRequest(request_id=f"{call}-{i}", input_ids=[1, 2, 3, 4],
-                                                               sampling=sampling)) for i in range(slots)))
-
-    def once() -> float:
-        start = time.perf_counter()
-        loop.run_until_complete(batch())
-        return (time.perf_counter() - start) / tokens
-
-    return once
+    OPEN.append(Decoder(model, slots, tokens))
+    return OPEN[-1]
 
 
 def close() -> None:
     while OPEN:
-        engine, loop = OPEN.pop()
-        loop.run_until_complete(engine.close())
-        loop.close()
+        OPEN.pop().close()
 
 
 def beside(timed: Callable[[], float], other: Callable[[], float], calls: int) -> float:
@@ -87,26 +68,11 @@ def beside(timed: Callable[[], float], other: Callable[[], float], calls: int) -
         thread.join()
 
 
-def handoff(one: Callable[[], float], two: Callable[[], float], calls: int) -> float:
-    """Seconds of `calls` calls of each in turns, over the seconds of the same in two threads."""
-    start = time.perf_counter()
-    for _ in range(calls):
-        one()
-        two()
-    turns = time.perf_counter() - start
-    threads = [threading.Thread(target=lambda f=f: [f() for _ in range(calls)]) for f in (one, two)]
-    start = time.perf_counter()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return turns / (time.perf_counter() - start)
-
-
 def measure(args: argparse.Namespace) -> dict:
     import torch
 
     from flowrl_operators import timing
+    from flowrl_operators.timing import turns_over_threads
 
     torch.set_num_threads(1)
     timer = timing.pass_timer(args.model, args.rows, args.length, backward=True)
@@ -120,7 +86,7 @@ def measure(args: argparse.Namespace) -> dict:
         figures["train_beside_s"].append(beside(train, engine, args.calls))
         figures["engine_alone_s"].append(statistics.median(engine() for _ in range(args.calls)))
         figures["engine_beside_s"].append(beside(engine, train, args.calls))
-        figures["handoff"].append(handoff(engine, other, args.calls))
+        figures["handoff"].append(turns_over_threads(engine, other, args.calls))
     out = {k: round(statistics.median(v), 5) for k, v in figures.items()}
     out["train_rate"] = round(out["train_alone_s"] / out["train_beside_s"], 3)
     out["engine_rate"] = round(out["engine_alone_s"] / out["engine_beside_s"], 3)

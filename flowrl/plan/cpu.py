@@ -6,7 +6,11 @@ and holds that process's interpreter lock for a fraction `lock` of its work (Pyt
 running in native code that releases it (torch kernels). Jobs of one process run at one common
 rate r, the largest with: the lock busy at most all the time (r x the sum of their lock fractions
 <= 1), no job faster than alone (r <= 1); and all jobs of all processes together use at most the
-machine's cores (if not, every rate is scaled down alike).
+machine's cores (if not, every rate is scaled down alike). Where the lock is oversubscribed (the
+sum above 1) the jobs also lose to its handoffs: r is `handoff` / the sum, `handoff` the speed of two
+embedded engines decoding in two threads of one process against the same work in turns, timed on
+this machine (`Operator.handoff`, lock.py: about 0.75-0.8 here, where two threads bounce the lock
+and their caches between the cores), 1 where nothing times it.
 
 The in-process executor runs every stage in one interpreter. The engine's decode loop, rewards,
 the run's own bookkeeping hold the lock all their time (lock 1: small models spend their time in
@@ -32,15 +36,15 @@ class Job:
 
 
 class Cpu:
-    def __init__(self, cores: float) -> None:
-        self.cores = cores
+    def __init__(self, cores: float, handoff: float = 1.0) -> None:
+        self.cores, self.handoff = cores, handoff
         self.jobs: list[Job] = []
 
     def add(self, process: str, lock: float, work: float, done: Callable[[], None]) -> None:
         self.jobs.append(Job(process, lock, max(0.0, work), done))
 
     def rates(self) -> list[float]:
-        rate = shares([(j.process, j.lock) for j in self.jobs], self.cores)
+        rate = shares([(j.process, j.lock) for j in self.jobs], self.cores, self.handoff)
         return [rate[j.process] for j in self.jobs]
 
     def next_done(self) -> float | None:
@@ -58,14 +62,15 @@ class Cpu:
         return ended
 
 
-def shares(jobs: list[tuple[str, float]], cores: float) -> dict[str, float]:
-    """The rate of the jobs of each process, given (process, lock fraction) per running job."""
+def shares(jobs: list[tuple[str, float]], cores: float, handoff: float = 1.0) -> dict[str, float]:
+    """The rate of the jobs of each process, given (process, lock fraction) per running job, and the
+    lock's `handoff` efficiency where it is oversubscribed."""
     locks: dict[str, float] = {}
     count: dict[str, int] = {}
     for process, lock in jobs:
         locks[process] = locks.get(process, 0.0) + lock
         count[process] = count.get(process, 0) + 1
-    rate = {p: min(1.0, 1.0 / locks[p]) if locks[p] > 0 else 1.0 for p in count}
+    rate = {p: 1.0 if locks[p] <= 1.0 else handoff / locks[p] for p in count}
     used = sum(rate[p] * count[p] for p in count)
     scale = min(1.0, cores / used) if used > 0 else 1.0
     return {p: r * scale for p, r in rate.items()}

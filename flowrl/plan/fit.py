@@ -2,13 +2,19 @@
 
 - Generation: the engine decodes one token for every admitted row per iteration, with the slots
   its node declares (`CostShape.slots`, flowrl/plan/shapes.py; rows beyond wait, first come first served). An iteration with n rows costs
-  a + b*n seconds. A group's rows need as many iterations as their model tokens (from the rollout
-  store). (a, b) are the least-squares fit, both >= 0, of each busy period of each engine replica
-  (a stretch with a group in flight) against the iterations and row-iterations the same slot
-  model counts for that period's groups, queued at its start (exact for a sync run, where every
-  group of a step is handed out at once; an approximation where groups arrive spread out). Where
-  every period's iterations held nearly the same rows (< 5 % relative spread: slots always full)
-  a cannot be told from b and b = 0 (time per iteration, as for the train's c and k below).
+  a + b*n seconds; one that admits rows prefills their prompts too (a forward of its own: p more),
+  and every row admitted costs r (its request's bookkeeping between iterations). A group's rows
+  need as many iterations as their model tokens (from the rollout store). (a, b) are the
+  least-squares fit, both >= 0, of each busy period of each engine replica (a stretch with a group
+  in flight) against the iterations (each weighted 1 + p/a where it admits, plus r/a per row
+  admitted) and row-iterations the same slot model counts for that period's groups, queued at its
+  start (exact for a sync run, where every group of a step is handed out at once; an approximation
+  where groups arrive spread out). Where every period's iterations held nearly the same rows
+  (< 5 % relative spread: slots always full) a cannot be told from b and b = 0 (time per
+  iteration, as for the train's c and k below). p/a and r/a, which the periods cannot tell apart
+  (a step admits about the same share of its iterations and rows each time), are the engine's own
+  counts (`step_shares`: the embedded engine's `engine/` metrics); an engine that reports none
+  (SGLang) has p = r = 0, its iterations taking all.
 - Groups: the pool of the run's groups (their rows' token counts; a multi-turn group's wait on its
   environment: `group_pool`), resampled by the stand-ins (stages.py), so the distribution of
   lengths and waits and its tail are the measured ones.
@@ -43,6 +49,8 @@ class EngineCost:
     update_s: float  # one weight load
     periods: int  # busy periods fitted
     cores: float = 1.0  # the cores its per-row work ran over in the fitted run (shapes.engine_cores)
+    p: float = 0.0  # seconds more for an iteration that prefills (rows admitted, or retracted ones again)
+    r: float = 0.0  # seconds per row admitted (its request's bookkeeping)
 
 
 @dataclass
@@ -55,6 +63,7 @@ class Costs:
     flush_s: float  # the run's own work after each train step (writing its records)
     group_size: dict[str, int]  # generate node -> its group_size in the fitted run
     train_lock: float = 1.0  # the fraction of a train step that holds the interpreter lock (cpu.py)
+    handoff: float = 1.0  # the speed of lock-bound jobs of one process beside each other against in turns (cpu.py)
     train_cores: float = 1.0  # the cores a train step ran over in the fitted run (shapes.train_cores)
     train_passes: float | None = None  # its passes over the tokens in the fitted run (CostShape.passes)
     notes: list[str] = field(default_factory=list)
@@ -66,16 +75,17 @@ class Costs:
     untold: tuple[float, float | None] | None = None
 
 
-def fit(base: Baseline, cores: float, train_lock: float = 1.0, scatter: bool = False) -> Any:
+def fit(base: Baseline, cores: float, train_lock: float = 1.0, scatter: bool = False, handoff: float = 1.0) -> Any:
     """Every stage's cost on `base`, as work alone (solo.py) on a machine of `cores` cores, a
-    train step holding the interpreter lock `train_lock` of its time. With `scatter`: (costs, the
-    relative scatter of the engine's and the train's spans about their fits, summed)."""
+    train step holding the interpreter lock `train_lock` of its time, the lock handed over at
+    `handoff` (cpu.py). With `scatter`: (costs, the relative scatter of the engine's and the train's
+    spans about their fits, summed)."""
     plan, notes, spread = base.plan, [], []
     steady = _steady(base)
     groups = {name: group_pool(base, name, [s for s in steady if s.node == name and s.name == "generate"], notes)
               for name, node in plan.nodes.items() if node.kind == "generate"}
     waits = {name for name, pool in groups.items() if any(wait > 0 for _, wait in pool)}
-    work = _work(base, steady, cores, train_lock, waits)
+    work = _work(base, steady, cores, train_lock, waits, handoff)
     engines, process, sync_s = {}, {}, {}
     for name, node in plan.nodes.items():
         spans = [s for s in work if s.node == name]
@@ -91,7 +101,7 @@ def fit(base: Baseline, cores: float, train_lock: float = 1.0, scatter: bool = F
     sizes = {n: shape.group_size for n, shape in known.items() if plan.nodes[n].kind == "generate"}
     train = plan.facts.trains[0]
     costs = Costs(engines, groups, process, fit_train(base, train, work, notes, spread), sync_s, flush, sizes, train_lock,
-                  train_cores(plan, train, cores, known), known[train].passes, notes, plan.model.get("path"),
+                  handoff, train_cores(plan, train, cores, known), known[train].passes, notes, plan.model.get("path"),
                   probes(base, train, engines))
     return (costs, sum(spread)) if scatter else costs
 
@@ -100,12 +110,17 @@ def probes(base: Baseline, train: str, engines: dict[str, EngineCost]) -> dict[s
     """The passes threads.py times, shaped like the run's: a train step over a batch's rows (their
     mean count and tokens, prompt included; MAX_TOKENS at most), an engine iteration over as many
     rows as its slots hold of a batch, one token each."""
-    rows = round(statistics.mean(sum(len(base.rows_of.get(g, [])) for g in ids) for ids in base.batches.values())
-                 if base.batches else 1)
+    rows = batch_rows(base)
     nodes, length = base.plan.nodes, max(round(base.row_length), 1)
     out = {train: Probe(nodes[train].op, max(1, min(rows, MAX_TOKENS // length)), length)}
     out.update({name: Probe(nodes[name].op, min(engine.slots, rows), 1) for name, engine in engines.items()})
     return out
+
+
+def batch_rows(base: Baseline) -> int:
+    """The mean rows (trajectories) of the run's train batches."""
+    return round(statistics.mean(sum(len(base.rows_of.get(g, [])) for g in ids) for ids in base.batches.values())
+                 if base.batches else 1)
 
 
 CPU_SPANS = {"generate", "process", "train", "sync", "update_weights", "flush"}
@@ -118,7 +133,7 @@ def _steady(base: Baseline) -> list[Span]:
 
 
 def _work(base: Baseline, spans: list[Span], cores: float, train_lock: float,
-          waits: set[str]) -> dict[Span, float]:
+          waits: set[str], handoff: float = 1.0) -> dict[Span, float]:
     """The work (solo.py) of each steady span that uses the cores; a generate replica's busy periods
     count once each (one engine), as a span named `period`. A node whose groups wait on their
     environments (`waits`: multi-turn) has no periods: its busy stretches are mostly those waits,
@@ -134,7 +149,7 @@ def _work(base: Baseline, spans: list[Span], cores: float, train_lock: float,
                     for p in busy_periods(mine)]
     timed = [s for s in spans if s.name != "generate"] + periods
     lock = {s: train_lock if s.name == "train" else 1.0 for s in timed}
-    amounts = solo_work([(s.node if s.node in own else MAIN, lock[s], s.start, s.end) for s in timed], cores)
+    amounts = solo_work([(s.node if s.node in own else MAIN, lock[s], s.start, s.end) for s in timed], cores, handoff)
     work = dict(zip(timed, amounts, strict=True))
     for s in spans:
         if s.name == "generate":
@@ -166,17 +181,38 @@ def group_pool(base: Baseline, node: str, spans: list[Span], notes: list[str]) -
     return pool
 
 
-def iterations(groups: list[list[int]], slots: int) -> tuple[int, int]:
-    """(iterations, row-iterations) the slot model takes for `groups` queued at once, in order."""
+def iterations(groups: list[list[int]], slots: int) -> tuple[int, int, int]:
+    """(iterations, row-iterations, admitting iterations) the slot model takes for `groups` queued
+    at once, in order."""
     waiting = [t for rows in groups for t in rows]
     active: list[int] = []
-    count = rows = 0
+    count = rows = admits = 0
     while waiting or active:
         room = slots - len(active)
+        admits += bool(room and waiting)
         active, waiting = active + waiting[:room], waiting[room:]
         count, rows = count + 1, rows + len(active)
         active = [t - 1 for t in active if t > 1]
-    return count, rows
+    return count, rows, admits
+
+
+def step_shares(base: Baseline, node: str, busy: float) -> tuple[float, float] | None:
+    """(p/a, r/a): what an iteration that prefills costs beyond one that only decodes, and an
+    admitted row's bookkeeping, each over a decoding iteration, from the engine's own counters
+    over the steady steps (the embedded engine's `engine/` metrics, summed over replicas) and its
+    replicas' `busy` seconds meanwhile (what of them no step took is the rows' bookkeeping). None
+    where the engine reports none."""
+    first, last = (row.get("operators", {}).get(node, {}) for row in (base.rows[WARMUP - 1], base.rows[-1]))
+    keys = ("steps", "prefill_steps", "admitted", "step_seconds", "prefill_step_seconds")
+    if not all(f"engine/{k}" in first and f"engine/{k}" in last for k in keys):
+        return None
+    steps, prefills, admitted, seconds, prefill_s = (last[f"engine/{k}"] - first[f"engine/{k}"] for k in keys)
+    if steps <= prefills or seconds <= 0:
+        return None
+    decode = (seconds - prefill_s) / (steps - prefills)
+    prefill = max(0.0, prefill_s / prefills / decode - 1.0) if prefills else 0.0
+    row = max(0.0, (busy - seconds) / admitted / decode) if admitted else 0.0
+    return prefill, row
 
 
 def fit_engine(base: Baseline, node: str, work: dict[Span, float], notes: list[str],
@@ -187,16 +223,21 @@ def fit_engine(base: Baseline, node: str, work: dict[Span, float], notes: list[s
         notes.append(f"{node}: the engine's work is inside the groups' measured waits (not fitted apart)")
         return EngineCost(slots, 0.0, 0.0, update, 0)
     generate = [s for s in work if s.node == node and s.name == "generate" and s.sample in base.rows_of]
-    points = []  # (work, iterations, row-iterations)
-    for period in (s for s in work if s.node == node and s.name == "period"):
+    periods = [s for s in work if s.node == node and s.name == "period"]
+    counted = step_shares(base, node, sum(s.seconds for s in periods if s.end <= base.rows[-1]["time"]))
+    prefill, row = counted or (0.0, 0.0)
+    points = []  # (work, iterations weighted as above, iterations, row-iterations)
+    for period in periods:
         inside = sorted((s for s in generate if s.replica == period.replica and period.start <= s.start < period.end),
                         key=lambda s: s.start)
         if inside:
-            points.append((work[period], *iterations([base.rows_of[s.sample] for s in inside], slots)))
+            groups = [base.rows_of[s.sample] for s in inside]
+            count, rows, admits = iterations(groups, slots)
+            points.append((work[period], count + prefill * admits + row * sum(map(len, groups)), count, rows))
     if not points:
         raise UserError(f"{base.directory / 'trace.json'}: node '{node}' has no generate spans after the first "
                         f"{WARMUP} steps; plan needs them to fit its engine")
-    fill = [p[2] / p[1] for p in points]  # rows per iteration of each period
+    fill = [p[3] / p[2] for p in points]  # rows per iteration of each period
     told = ""
     if statistics.pstdev(fill) < FLAT * statistics.mean(fill):
         # Periods of nearly one fill (slots always full): iterations and row-iterations are nearly
@@ -206,12 +247,14 @@ def fit_engine(base: Baseline, node: str, work: dict[Span, float], notes: list[s
         a, b = sum(p[0] for p in points) / max(sum(p[1] for p in points), 1), 0.0
         told = "; iterations nearly equally full: no per-row part fitted"
     else:
-        a, b = nonneg_fit([(p[1], p[2]) for p in points], [p[0] for p in points])
+        a, b = nonneg_fit([(p[1], p[3]) for p in points], [p[0] for p in points])
     if spread is not None:
-        spread.append(relative_scatter([a * p[1] + b * p[2] for p in points], [p[0] for p in points]))
-    notes.append(f"{node}: an engine iteration {a * 1e3:.3f} ms + {b * 1e6:.2f} us per row ({slots} slots; "
+        spread.append(relative_scatter([a * p[1] + b * p[3] for p in points], [p[0] for p in points]))
+    shares = (f", {prefill * a * 1e3:.3f} ms more where it prefills and {row * a * 1e3:.3f} ms per row admitted "
+              "(the engine's counts)" if counted else ", prefills and admissions inside (the engine counts none)")
+    notes.append(f"{node}: an engine iteration {a * 1e3:.3f} ms + {b * 1e6:.2f} us per row{shares} ({slots} slots; "
                  f"{len(points)} busy periods{told})")
-    return EngineCost(slots, a, b, update, len(points))
+    return EngineCost(slots, a, b, update, len(points), p=prefill * a, r=row * a)
 
 
 def busy_periods(spans: list[Span]) -> list[list[Span]]:

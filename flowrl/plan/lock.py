@@ -1,4 +1,5 @@
-"""How much of a train step holds its process's interpreter lock (cpu.py's `lock` of a train job).
+"""How much of a train step holds its process's interpreter lock (cpu.py's `lock` of a train job), and
+what handing the lock over between the jobs of one process costs (cpu.py's `handoff`).
 
 A train step in the run's own process shares the interpreter lock with the engine's decoding there:
 the more of the step is Python (batching, the loss's bookkeeping, metrics, a small model's
@@ -17,6 +18,10 @@ optimizer), the more the two take turns when async overlaps them. Where to learn
    probe counts only holds longer than 0.5 ms, and a small model's step holds the lock in many short
    stretches: on the digit runs it read 4-5 %, where the timed pass left about 20 % and the async
    runs' overlaps fit 40-50 % (docs/plan.md, "Accuracy and limits").
+
+The handoff (`handoff`), before any fit: the run's in-process generate node's operator runs two of
+its engines on the run's model, in two threads and in turns (`Operator.handoff`), once per process.
+Without it (an operator that times none, a model not on this machine) handoffs are free (1).
 """
 
 from __future__ import annotations
@@ -24,9 +29,9 @@ from __future__ import annotations
 import statistics
 from typing import TYPE_CHECKING, Any
 
-from flowrl.plan.fit import Costs, fit
+from flowrl.plan.fit import Costs, batch_rows, fit
 from flowrl.plan.records import WARMUP, Baseline
-from flowrl.plan.shapes import processes
+from flowrl.plan.shapes import declared, processes, slots
 from flowrl.plan.threads import pass_seconds
 
 if TYPE_CHECKING:
@@ -39,8 +44,12 @@ TOLD = 0.01  # the spread of the fits' scatter over LOCKS below which the run ca
 def calibrate(base: Baseline, machine: float) -> Costs:
     """The costs fitted with the train step's lock share where the run's overlaps tell it; else
     fitted under 1 (without overlap the work is the same under any share), with what `measure`
-    needs to learn it once a scenario overlaps training."""
-    tried = [(scatter, lock, costs) for lock in LOCKS for costs, scatter in [fit(base, machine, lock, scatter=True)]]
+    needs to learn it once a scenario overlaps training. Both under the lock's handoff, timed here."""
+    timed, said = handoff(base)
+    tried = [(scatter, lock, costs) for lock in LOCKS
+             for costs, scatter in [fit(base, machine, lock, scatter=True, handoff=timed)]]
+    for _, _, costs in tried:
+        costs.notes.append(said)
     best = min(tried, key=lambda t: t[0])
     if max(t[0] for t in tried) - best[0] >= TOLD:
         best[2].notes.append(f"a train step holds the interpreter lock {best[1]:.0%} of its time (fitted on how "
@@ -95,3 +104,32 @@ def measure(costs: Costs, scenario: Scenario) -> None:
         costs.notes.append("a train step takes turns with the other stages for the interpreter (the run has too "
                            "little overlap to tell otherwise, its pass could not be timed here, and its train "
                            "spans measured no lock share)")
+
+
+_HANDOFF: dict[tuple[str, str, int], float | str] = {}
+
+
+def handoff(base: Baseline) -> tuple[float, str]:
+    """The lock's handoff efficiency in the run's process and a note saying where it comes from:
+    its first generate node's operator times two of its engines side by side on the run's model
+    and slots (as many as a batch fills), once per process."""
+    model, own = base.plan.model.get("path"), processes(base.plan)
+    generate = [(name, node) for name, node in base.plan.nodes.items() if node.kind == "generate" and name not in own]
+    if not generate or not model:
+        return 1.0, "the interpreter lock's handoffs are taken as free (no engine in the run's process to time)"
+    name, node = generate[0]
+    rows = max(1, min(slots(declared(node)), batch_rows(base)))
+    key = (node.op, model, rows)
+    if key not in _HANDOFF:
+        from flowrl import registry
+
+        try:
+            _HANDOFF[key] = registry.resolve(node.op).handoff(model, rows) or "its operator times none"
+        except Exception as e:  # a model the operator cannot run here (a VL policy, a missing folder)
+            _HANDOFF[key] = f"its engines could not run here: {type(e).__name__}: {str(e)[:120]}"
+    timed = _HANDOFF[key]
+    if isinstance(timed, str):
+        return 1.0, f"the interpreter lock's handoffs are taken as free ({name}: {timed})"
+    timed = min(1.0, max(0.1, timed))
+    return timed, (f"two {name} engines in one process run at {timed:.2f} of the speed of taking turns (timed here, "
+                   f"{rows} rows each): where the interpreter lock is oversubscribed, its jobs run that much slower")

@@ -13,8 +13,9 @@ from flowrl.plan.cpu import shares
 Interval = tuple[str, float, float, float]  # (process, lock fraction, start, end)
 
 
-def solo_work(intervals: list[Interval], cores: float) -> list[float]:
-    """The work of each interval (same order) when all of them shared the machine as they overlapped."""
+def solo_work(intervals: list[Interval], cores: float, handoff: float = 1.0) -> list[float]:
+    """The work of each interval (same order) when all of them shared the machine as they overlapped
+    (with the lock's `handoff` efficiency: cpu.py)."""
     edges = sorted({t for *_, s, e in intervals for t in (s, e)})
     order = sorted(range(len(intervals)), key=lambda i: intervals[i][2])
     work = [0.0] * len(intervals)
@@ -27,7 +28,7 @@ def solo_work(intervals: list[Interval], cores: float) -> list[float]:
         active = [i for i in active if intervals[i][3] > left]
         if not active:
             continue
-        rates = shares([(intervals[i][0], intervals[i][1]) for i in active], cores)
+        rates = shares([(intervals[i][0], intervals[i][1]) for i in active], cores, handoff)
         for i in active:
             work[i] += (right - left) * rates[intervals[i][0]]
     return work

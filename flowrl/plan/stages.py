@@ -4,7 +4,8 @@ fitted cost (fit.py) says on the machine-share model (cpu.py), on the virtual cl
 coordinator, its roles and the stages are the real ones (simulate.py).
 
 - generate: the group's rows (resampled from the run's groups, fit.group_pool) join the replica's
-  engine, which decodes one token for every row in its slots per iteration (a + b x rows seconds;
+  engine, which decodes one token for every row in its slots per iteration (a + b x rows seconds,
+  p more where it admits rows, whose prompts it prefills, and r per row admitted;
   the per-row part b runs over the engine's threads, so it scales with the cores they get against
   the cores the fitted run's engine had, as threads.py measured it scales: shapes.engine_cores,
   docs/plan.md "Engine threads");
@@ -49,8 +50,8 @@ class Machine:
     """cpu.py's machine on the event loop: `run` returns once a job's work is done, at the rates the
     share model gives it among the jobs running meanwhile (recomputed whenever one starts or ends)."""
 
-    def __init__(self, cores: float) -> None:
-        self.cpu = Cpu(cores)
+    def __init__(self, cores: float, handoff: float = 1.0) -> None:
+        self.cpu = Cpu(cores, handoff)
         self.loop = asyncio.get_running_loop()
         self.last = self.loop.time()
         self.timer: asyncio.TimerHandle | None = None
@@ -104,7 +105,7 @@ class StandIns:
     async def work(self, seconds: float, process: str = MAIN, lock: float = 1.0) -> None:
         """`seconds` of work alone, in `process`, holding its interpreter lock `lock` of the time."""
         if self.machine is None:
-            self.machine = Machine(self.cores)
+            self.machine = Machine(self.cores, self.costs.handoff)
         await self.machine.run(process, lock, seconds)
 
 
@@ -202,9 +203,11 @@ class Engine:
     async def iterate(self) -> None:
         while self.waiting or self.active:
             await self.running.wait()
-            while self.waiting and len(self.active) < self.slots:
-                self.active.append(self.waiting.popleft())
-            await self.sim.work(self.sim.scale * (self.cost.a + self.cost.b * self.per_row * len(self.active)))
+            admitted = min(len(self.waiting), self.slots - len(self.active))
+            self.active += [self.waiting.popleft() for _ in range(admitted)]
+            cost = self.cost.a + self.cost.b * self.per_row * len(self.active) + (self.cost.p + self.cost.r * admitted
+                                                                                   if admitted else 0.0)
+            await self.sim.work(self.sim.scale * cost)
             for row in self.active:
                 row[0] -= 1
                 if row[0] <= 0:

@@ -37,8 +37,10 @@ import concurrent.futures
 import math
 import os
 import random
+import time
 from collections import deque
 from collections.abc import AsyncIterable
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -66,6 +68,30 @@ from flowrl_operators.models import resolve_model
 from flowrl_operators.sampling import sample, top_logprobs
 from flowrl_operators.tokenizer import silence_hf
 from flowrl_operators.transport.base import Stream
+
+
+@dataclass
+class StepStats:
+    """Counters of the engine's steps since it started (`EmbeddedEngine.stats()`, and the generate
+    node's `engine/` metrics): how many, how many prefilled, the requests they admitted, and their
+    wall time as the scheduler waited for them. `flowrl plan` takes what a prefilling step and a
+    request cost beside a decoding step from them."""
+
+    steps: int = 0
+    prefill_steps: int = 0  # steps that prefilled (newly admitted requests, or retracted ones at resume)
+    admitted: int = 0  # requests given a slot
+    step_seconds: float = 0.0
+    prefill_step_seconds: float = 0.0  # of step_seconds, in the steps that prefilled
+
+    def add(self, seconds: float, prefilled: bool) -> None:
+        self.steps += 1
+        self.step_seconds += seconds
+        if prefilled:
+            self.prefill_steps += 1
+            self.prefill_step_seconds += seconds
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
 
 
 class EmbeddedEngine:
@@ -119,6 +145,7 @@ class EmbeddedEngine:
         self._closed = False
         self._epoch = 0  # bumped by every weight swap: only KV of the current weights is shared
         self.prefill_stats = PrefillStats()
+        self.step_stats = StepStats()
 
     # --- InferenceEngine ---------------------------------------------------------------------------
 
@@ -248,7 +275,7 @@ class EmbeddedEngine:
         return {"running": len(self._running()), "waiting": len(self._waiting), "paused": self._paused,
                 "version": self._version, "max_slots": self.max_slots, "max_context": self.max_context,
                 "cache_slots": self.cache.slots, "cache_positions": self.cache.capacity, "cache_bytes": self.cache.nbytes(),
-                **self.prefill_stats.as_dict()}
+                **self.prefill_stats.as_dict(), **self.step_stats.as_dict()}
 
     async def close(self) -> None:
         if self._closed:
@@ -315,8 +342,10 @@ class EmbeddedEngine:
                     continue
                 self._admit()
                 running = self._running()
+                prefilled, start = any(seq.needs_prefill for seq in running), time.perf_counter()
                 try:
                     await loop.run_in_executor(self._executor, self._step, running)
+                    self.step_stats.add(time.perf_counter() - start, prefilled)
                 except Exception as exc:  # a bug in a batched forward: fail this batch, keep serving
                     for seq in running:
                         if seq.finish_reason is None:
@@ -335,6 +364,7 @@ class EmbeddedEngine:
                 seq = self._waiting.popleft()
                 seq.slot, seq.needs_prefill = slot, True
                 self._slots[slot] = seq
+                self.step_stats.admitted += 1
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         """Release the request's slot and hand its result to the caller (event-loop thread only)."""
