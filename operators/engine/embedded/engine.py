@@ -40,7 +40,6 @@ import random
 import time
 from collections import deque
 from collections.abc import AsyncIterable
-from dataclasses import asdict, dataclass
 
 import torch
 
@@ -55,6 +54,7 @@ from flowrl_operators.engine.embedded.requests import (  # noqa: F401 - check_ma
     check_sampling,
     is_int,
 )
+from flowrl_operators.engine.embedded.stats import StepStats
 from flowrl_operators.engine.embedded.vl_requests import check_images
 from flowrl_operators.inference import (
     PAUSE_MODES,
@@ -68,30 +68,6 @@ from flowrl_operators.models import resolve_model
 from flowrl_operators.sampling import sample, top_logprobs
 from flowrl_operators.tokenizer import silence_hf
 from flowrl_operators.transport.base import Stream
-
-
-@dataclass
-class StepStats:
-    """Counters of the engine's steps since it started (`EmbeddedEngine.stats()`, and the generate
-    node's `engine/` metrics): how many, how many prefilled, the requests they admitted, and their
-    wall time as the scheduler waited for them. `flowrl plan` takes what a prefilling step and a
-    request cost beside a decoding step from them."""
-
-    steps: int = 0
-    prefill_steps: int = 0  # steps that prefilled (newly admitted requests, or retracted ones at resume)
-    admitted: int = 0  # requests given a slot
-    step_seconds: float = 0.0
-    prefill_step_seconds: float = 0.0  # of step_seconds, in the steps that prefilled
-
-    def add(self, seconds: float, prefilled: bool) -> None:
-        self.steps += 1
-        self.step_seconds += seconds
-        if prefilled:
-            self.prefill_steps += 1
-            self.prefill_step_seconds += seconds
-
-    def as_dict(self) -> dict[str, float]:
-        return asdict(self)
 
 
 class EmbeddedEngine:
