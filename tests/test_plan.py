@@ -14,7 +14,7 @@ import pytest
 
 from flowrl.cli import main
 from flowrl.plan import plan_run
-from flowrl.plan.cpu import MAIN, Cpu
+from flowrl.plan.cpu import MAIN, Cpu, Load
 from flowrl.plan.fit import iterations, nonneg_fit
 from flowrl.plan.solo import solo_work
 from flowrl.spec.errors import UserError
@@ -120,27 +120,56 @@ def test_a_runs_engine_counts_weigh_its_prefills_and_without_them_iterations_tak
     assert any("the engine counts none" in note for note in plain.notes)
 
 
+def test_a_multi_turn_engine_decodes_the_share_of_the_waits_its_counters_say():
+    from types import SimpleNamespace
+
+    from flowrl.plan.fit import wait_share
+    from flowrl.plan.records import Span
+
+    rows = [{"time": t, "operators": {"rollout": {"engine/step_seconds": s}}} for t, s in ((0, 0), (1, 0.5), (10, 2.5))]
+    waits = [Span("rollout", 0, "generate", 1.0 + i, 5.0 + i, None, str(i)) for i in range(2)]  # 8 s of waits
+    base = SimpleNamespace(rows=rows)
+    assert wait_share(base, "rollout", waits) == pytest.approx(2.0 / 8.0)  # 2 s of steps in the steady steps
+    rows[-1]["operators"]["rollout"].clear()
+    assert wait_share(base, "rollout", waits) is None  # an engine that counts none
+
+
 def test_lock_bound_jobs_take_turns_and_native_work_runs_beside_them():
     cpu = Cpu(cores=2)
-    cpu.add(MAIN, 1.0, 1.0, lambda: None)
-    cpu.add(MAIN, 1.0, 1.0, lambda: None)
+    cpu.add(Load(MAIN, 1.0), 1.0, lambda: None)
+    cpu.add(Load(MAIN, 1.0), 1.0, lambda: None)
     assert cpu.rates() == [0.5, 0.5]  # two interpreter-bound jobs of one process take turns
-    cpu.jobs[1].lock = 0.0
+    cpu.jobs[1].load = Load(MAIN, 0.0)
     assert cpu.rates() == [1.0, 1.0]  # a job in native code runs on the other core
-    cpu.add("trainer", 1.0, 1.0, lambda: None)  # a process of its own: three jobs on two cores
+    cpu.add(Load("trainer", 1.0), 1.0, lambda: None)  # a process of its own: three jobs on two cores
     assert cpu.rates() == pytest.approx([2 / 3] * 3)
     # Two spans of one process that overlapped entirely did half the work each.
-    assert solo_work([(MAIN, 1.0, 0.0, 2.0), (MAIN, 1.0, 0.0, 2.0), ("trainer", 1.0, 2.0, 3.0)], 2) == [1.0, 1.0, 1.0]
+    assert solo_work([(Load(MAIN, 1.0), 0.0, 2.0), (Load(MAIN, 1.0), 0.0, 2.0), (Load("trainer", 1.0), 2.0, 3.0)],
+                     2) == [1.0, 1.0, 1.0]
 
 
 def test_an_oversubscribed_lock_loses_its_handoff_share():
     cpu = Cpu(cores=2, handoff=0.8)
-    cpu.add(MAIN, 1.0, 1.0, lambda: None)
-    cpu.add(MAIN, 0.5, 1.0, lambda: None)
+    cpu.add(Load(MAIN, 1.0), 1.0, lambda: None)
+    cpu.add(Load(MAIN, 0.5), 1.0, lambda: None)
     assert cpu.rates() == pytest.approx([0.8 / 1.5] * 2)  # the lock 1.5x oversubscribed, handed over at 0.8
-    cpu.jobs[1].lock = 0.0
+    cpu.jobs[1].load = Load(MAIN, 0.0)
     assert cpu.rates() == [1.0, 1.0]  # not oversubscribed: nothing to hand over
-    assert solo_work([(MAIN, 1.0, 0.0, 2.0), (MAIN, 1.0, 0.0, 2.0)], 2, handoff=0.8) == pytest.approx([0.8, 0.8])
+    assert solo_work([(Load(MAIN, 1.0), 0.0, 2.0), (Load(MAIN, 1.0), 0.0, 2.0)], 2, handoff=0.8) == pytest.approx(
+        [0.8, 0.8])
+
+
+def test_the_groups_one_engine_decodes_share_its_thread_and_only_their_decoding_slows():
+    """Multi-turn groups wait on their tools; their engine decodes a share of each wait, for all of
+    them on one thread: together they hold the lock and a core at most once."""
+    cpu = Cpu(cores=2)
+    for _ in range(8):  # eight groups, their engine decoding 20 % of each one's wait
+        cpu.add(Load(MAIN, 0.2, 0.2, 0.2, "rollout/0"), 1.0, lambda: None)
+    assert cpu.rates() == [1.0] * 8  # 1.6 in all, but one thread: the lock held all the time, not 1.6x over
+    cpu.add(Load(MAIN, 0.5), 1.0, lambda: None)  # a train step beside them: the lock 1.5x oversubscribed
+    rate = 1 / 1.5
+    assert cpu.rates()[-1] == pytest.approx(rate)
+    assert cpu.rates()[0] == pytest.approx(1 / (0.8 + 0.2 / rate))  # only the decoding fifth of a wait slows
 
 
 # ---- on a real run ------------------------------------------------------------------------------

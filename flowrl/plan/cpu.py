@@ -23,14 +23,28 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 MAIN = "main"
 
 
+class Load(NamedTuple):
+    """What a job asks of the machine at full speed."""
+
+    process: str
+    lock: float  # the share of its time it holds its process's interpreter lock
+    cores: float = 1.0  # the cores it keeps busy
+    # The share of its time this machine's work takes; the rest waits elsewhere at its own pace (a
+    # multi-turn group's tools, beside its engine's decoding): only this share slows down.
+    bound: float = 1.0
+    # Jobs on one thread (the groups one engine decodes in its batches): their lock and cores add up
+    # to at most one thread's.
+    thread: str | None = None
+
+
 @dataclass
 class Job:
-    process: str
-    lock: float  # the fraction of its work that holds its process's interpreter lock
+    load: Load
     left: float  # seconds of work at full speed
     done: Callable[[], None]
 
@@ -40,12 +54,11 @@ class Cpu:
         self.cores, self.handoff = cores, handoff
         self.jobs: list[Job] = []
 
-    def add(self, process: str, lock: float, work: float, done: Callable[[], None]) -> None:
-        self.jobs.append(Job(process, lock, max(0.0, work), done))
+    def add(self, load: Load, work: float, done: Callable[[], None]) -> None:
+        self.jobs.append(Job(load, max(0.0, work), done))
 
     def rates(self) -> list[float]:
-        rate = shares([(j.process, j.lock) for j in self.jobs], self.cores, self.handoff)
-        return [rate[j.process] for j in self.jobs]
+        return shares([j.load for j in self.jobs], self.cores, self.handoff)
 
     def next_done(self) -> float | None:
         """Seconds until the first job ends at today's rates; None without jobs."""
@@ -62,15 +75,23 @@ class Cpu:
         return ended
 
 
-def shares(jobs: list[tuple[str, float]], cores: float, handoff: float = 1.0) -> dict[str, float]:
-    """The rate of the jobs of each process, given (process, lock fraction) per running job, and the
-    lock's `handoff` efficiency where it is oversubscribed."""
+def shares(loads: list[Load], cores: float, handoff: float = 1.0) -> list[float]:
+    """The rate of each running job, given its load, with the lock's `handoff` efficiency where it
+    is oversubscribed."""
     locks: dict[str, float] = {}
-    count: dict[str, int] = {}
-    for process, lock in jobs:
-        locks[process] = locks.get(process, 0.0) + lock
-        count[process] = count.get(process, 0) + 1
-    rate = {p: 1.0 if locks[p] <= 1.0 else handoff / locks[p] for p in count}
-    used = sum(rate[p] * count[p] for p in count)
+    busy: dict[str, float] = {}
+    threads: dict[str, list[Load]] = {}
+    for load in loads:
+        if load.thread is None:
+            locks[load.process] = locks.get(load.process, 0.0) + load.lock
+            busy[load.process] = busy.get(load.process, 0.0) + load.cores
+        else:
+            threads.setdefault(load.thread, []).append(load)
+    for mine in threads.values():
+        process = mine[0].process
+        locks[process] = locks.get(process, 0.0) + min(1.0, sum(load.lock for load in mine))
+        busy[process] = busy.get(process, 0.0) + min(1.0, sum(load.cores for load in mine))
+    rate = {p: 1.0 if locks[p] <= 1.0 else handoff / locks[p] for p in busy}
+    used = sum(rate[p] * busy[p] for p in busy)
     scale = min(1.0, cores / used) if used > 0 else 1.0
-    return {p: r * scale for p, r in rate.items()}
+    return [1.0 / ((1.0 - load.bound) + load.bound / (rate[load.process] * scale)) for load in loads]

@@ -51,6 +51,7 @@ class EngineCost:
     cores: float = 1.0  # the cores its per-row work ran over in the fitted run (shapes.engine_cores)
     p: float = 0.0  # seconds more for an iteration that prefills (rows admitted, or retracted ones again)
     r: float = 0.0  # seconds per row admitted (its request's bookkeeping)
+    wait_lock: float = 0.0  # multi-turn: the share of a group's wait its engine decodes (wait_share)
 
 
 @dataclass
@@ -85,12 +86,16 @@ def fit(base: Baseline, cores: float, train_lock: float = 1.0, scatter: bool = F
     groups = {name: group_pool(base, name, [s for s in steady if s.node == name and s.name == "generate"], notes)
               for name, node in plan.nodes.items() if node.kind == "generate"}
     waits = {name for name, pool in groups.items() if any(wait > 0 for _, wait in pool)}
-    work = _work(base, steady, cores, train_lock, waits, handoff)
+    decoding = {name: share for name in waits for share in [wait_share(base, name, steady)] if share}
+    work = _work(base, steady, cores, train_lock, waits, handoff, decoding)
+    for name in decoding:  # the waits as they would have been alone: the engine's share of them slowed
+        mine = [s for s in steady if s.node == name and s.name == "generate"]
+        groups[name] = [(rows, work[s]) for (rows, _), s in zip(groups[name], mine, strict=True)]
     engines, process, sync_s = {}, {}, {}
     for name, node in plan.nodes.items():
         spans = [s for s in work if s.node == name]
         if node.kind == "generate":
-            engines[name] = fit_engine(base, name, work, notes, name in waits, spread)
+            engines[name] = fit_engine(base, name, work, notes, name in waits, spread, decoding.get(name, 0.0))
             engines[name].cores = engine_cores(plan, name, cores)
         elif node.kind == "sync":
             sync_s[name] = _mean([work[s] for s in spans if s.name == "sync"])
@@ -132,14 +137,16 @@ def _steady(base: Baseline) -> list[Span]:
     return [s for s in base.spans if s.name in CPU_SPANS and s.start >= begin]
 
 
-def _work(base: Baseline, spans: list[Span], cores: float, train_lock: float,
-          waits: set[str], handoff: float = 1.0) -> dict[Span, float]:
+def _work(base: Baseline, spans: list[Span], cores: float, train_lock: float, waits: set[str],
+          handoff: float = 1.0, decoding: dict[str, float] | None = None) -> dict[Span, float]:
     """The work (solo.py) of each steady span that uses the cores; a generate replica's busy periods
     count once each (one engine), as a span named `period`. A node whose groups wait on their
     environments (`waits`: multi-turn) has no periods: its busy stretches are mostly those waits,
-    not work, and the simulation gives its engine none (fit_engine); counting them as work that
-    held the lock would shrink what overlapped them (a train step) to less than it ever took."""
-    from flowrl.plan.cpu import MAIN
+    not work. Where its engine counted its steps, each group's span is a wait whose share
+    `decoding[node]` (wait_share) is its engine's, one thread for all the groups of a replica
+    (stages.py: what the simulation runs); else the simulation gives its engine no work, and
+    counting the waits as work that held the lock would shrink what overlapped them."""
+    from flowrl.plan.cpu import MAIN, Load
 
     own = processes(base.plan)
     periods = []
@@ -147,14 +154,35 @@ def _work(base: Baseline, spans: list[Span], cores: float, train_lock: float,
         mine = [s for s in spans if (s.node, s.replica, s.name) == (node, replica, "generate")]
         periods += [Span(node, replica, "period", p[0].start, max(s.end for s in p), None, None)
                     for p in busy_periods(mine)]
-    timed = [s for s in spans if s.name != "generate"] + periods
-    lock = {s: train_lock if s.name == "train" else 1.0 for s in timed}
-    amounts = solo_work([(s.node if s.node in own else MAIN, lock[s], s.start, s.end) for s in timed], cores, handoff)
-    work = dict(zip(timed, amounts, strict=True))
+    decoding = decoding or {}
+    waiting = [s for s in spans if s.name == "generate" and s.node in decoding]
+    loads = {s: Load(s.node if s.node in own else MAIN, train_lock if s.name == "train" else 1.0)
+             for s in [s for s in spans if s.name != "generate"] + periods}
+    for s in waiting:
+        share = decoding[s.node]
+        loads[s] = Load(MAIN, share, share, share, waits_thread(s.node, s.replica))
+    amounts = solo_work([(load, s.start, s.end) for s, load in loads.items()], cores, handoff)
+    work = dict(zip(loads, amounts, strict=True))
     for s in spans:
-        if s.name == "generate":
+        if s.name == "generate" and s not in work:
             work[s] = s.seconds  # a group's span is its wait in the engine too; the period holds the work
     return work
+
+
+def waits_thread(node: str, replica: int) -> str:
+    """The thread a multi-turn node's replica decodes its groups' turns on (cpu.Load.thread)."""
+    return f"{node}/{replica}"
+
+
+def wait_share(base: Baseline, node: str, steady: list[Span]) -> float | None:
+    """The share of a multi-turn node's group waits its engine spent decoding: the seconds of its
+    steps (its counters, as step_shares reads them) over the seconds of the groups' steady spans in
+    the same steps; None where the engine counts none."""
+    first, last = (row.get("operators", {}).get(node, {}) for row in (base.rows[WARMUP - 1], base.rows[-1]))
+    if "engine/step_seconds" not in first or "engine/step_seconds" not in last:
+        return None
+    waits = sum(s.seconds for s in steady if s.node == node and s.name == "generate" and s.end <= base.rows[-1]["time"])
+    return min(1.0, (last["engine/step_seconds"] - first["engine/step_seconds"]) / waits) if waits > 0 else None
 
 
 def group_pool(base: Baseline, node: str, spans: list[Span], notes: list[str]) -> list[tuple[list[int], float]]:
@@ -216,12 +244,14 @@ def step_shares(base: Baseline, node: str, busy: float) -> tuple[float, float] |
 
 
 def fit_engine(base: Baseline, node: str, work: dict[Span, float], notes: list[str],
-               multi_turn: bool = False, spread: list[float] | None = None) -> EngineCost:
+               multi_turn: bool = False, spread: list[float] | None = None, decoding: float = 0.0) -> EngineCost:
     slots = slots_of(declared(base.plan.nodes[node]))
     update = _mean([work[s] for s in work if s.node == node and s.name == "update_weights"])
-    if multi_turn:  # a busy period is mostly waits on the environment: the engine's share cannot be told
-        notes.append(f"{node}: the engine's work is inside the groups' measured waits (not fitted apart)")
-        return EngineCost(slots, 0.0, 0.0, update, 0)
+    if multi_turn:  # a busy period is mostly waits on the environment: no iterations to fit
+        notes.append(f"{node}: the engine's work is inside the groups' measured waits: " + (
+            f"decoding {decoding:.1%} of each (the engine's counts), on one thread a replica" if decoding else
+            "not told apart (the engine counts none)"))
+        return EngineCost(slots, 0.0, 0.0, update, 0, wait_lock=decoding)
     generate = [s for s in work if s.node == node and s.name == "generate" and s.sample in base.rows_of]
     periods = [s for s in work if s.node == node and s.name == "period"]
     counted = step_shares(base, node, sum(s.seconds for s in periods if s.end <= base.rows[-1]["time"]))

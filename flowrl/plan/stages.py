@@ -9,7 +9,10 @@ coordinator, its roles and the stages are the real ones (simulate.py).
   the per-row part b runs over the engine's threads, so it scales with the cores they get against
   the cores the fitted run's engine had, as threads.py measured it scales: shapes.engine_cores,
   docs/plan.md "Engine threads");
-  a multi-turn group also waits on its environment for its resampled wait. A weight load costs
+  a multi-turn group also waits on its environment for its resampled wait, its engine decoding the
+  fitted share of it (fit.wait_share: one engine thread's lock and core for all the groups of a
+  replica, so where the lock is oversubscribed that share of the wait stretches and what runs
+  beside it slows). A weight load costs
   its mean; with partial rollout the engine pauses between iterations meanwhile.
 - reward, reference, transform: a resampled measured call (a reference scales with the model).
 - train: c + k x the batch's tokens, over its threads as the engine's per-row part is
@@ -30,8 +33,8 @@ from typing import Any
 from flowrl.data.trajectory import Group
 from flowrl.operator import CostShape, Knobs, Operator, OperatorContext, TrainResult
 from flowrl.plan.changes import Scenario
-from flowrl.plan.cpu import MAIN, Cpu
-from flowrl.plan.fit import Costs, EngineCost
+from flowrl.plan.cpu import MAIN, Cpu, Load
+from flowrl.plan.fit import Costs, EngineCost, waits_thread
 from flowrl.plan.shapes import engine_cores, processes, shapes, slots, train_cores
 from flowrl.plan.threads import factor
 
@@ -56,10 +59,10 @@ class Machine:
         self.last = self.loop.time()
         self.timer: asyncio.TimerHandle | None = None
 
-    async def run(self, process: str, lock: float, work: float) -> None:
+    async def run(self, load: Load, work: float) -> None:
         done = self.loop.create_future()
         self._advance()
-        self.cpu.add(process, lock, work, lambda: done.done() or done.set_result(None))
+        self.cpu.add(load, work, lambda: done.done() or done.set_result(None))
         self._schedule()
         await done
 
@@ -102,11 +105,12 @@ class StandIns:
         """What the stages of `node` call (inprocess.simulate's `connect`)."""
         return Flushing(coord, self) if self.scenario.plan.nodes[node].kind == "train" else coord
 
-    async def work(self, seconds: float, process: str = MAIN, lock: float = 1.0) -> None:
-        """`seconds` of work alone, in `process`, holding its interpreter lock `lock` of the time."""
+    async def work(self, seconds: float, process: str = MAIN, lock: float = 1.0, load: Load | None = None) -> None:
+        """`seconds` of work alone, in `process`, holding its interpreter lock `lock` of the time (or
+        as `load` says)."""
         if self.machine is None:
             self.machine = Machine(self.cores, self.costs.handoff)
-        await self.machine.run(process, lock, seconds)
+        await self.machine.run(load or Load(process, lock), seconds)
 
 
 class Flushing:
@@ -152,7 +156,10 @@ class Generate(StandIn):
         loop = asyncio.get_running_loop()
         until = loop.time() + wait  # a multi-turn group: its environment's turns take this at least
         await self.engine.decode(rows)
-        if until > loop.time():
+        share, thread = self.cost.wait_lock, waits_thread(self.node, self.context.rank)
+        if until > loop.time() and share:  # its engine decoding a share of it (fit.wait_share)
+            await self.sim.work(until - loop.time(), load=Load(MAIN, share, share, share, thread))
+        elif until > loop.time():
             await asyncio.sleep(until - loop.time())
         self.sim.tokens[sample_id] = sum(rows)
         return Group(id=sample_id, step=step, trajectories=[])
