@@ -178,11 +178,21 @@ def wait_share(base: Baseline, node: str, steady: list[Span]) -> float | None:
     """The share of a multi-turn node's group waits its engine spent decoding: the seconds of its
     steps (its counters, as step_shares reads them) over the seconds of the groups' steady spans in
     the same steps; None where the engine counts none."""
-    first, last = (row.get("operators", {}).get(node, {}) for row in (base.rows[WARMUP - 1], base.rows[-1]))
-    if "engine/step_seconds" not in first or "engine/step_seconds" not in last:
+    counted = engine_counts(base, node, ("step_seconds",))
+    if counted is None:
         return None
     waits = sum(s.seconds for s in steady if s.node == node and s.name == "generate" and s.end <= base.rows[-1]["time"])
-    return min(1.0, (last["engine/step_seconds"] - first["engine/step_seconds"]) / waits) if waits > 0 else None
+    return min(1.0, counted[0] / waits) if waits > 0 else None
+
+
+def engine_counts(base: Baseline, node: str, keys: tuple[str, ...]) -> list[float] | None:
+    """How much each of the engine's counters `engine/KEY` (the generate node's metrics, summed over
+    replicas) grew over the steady steps; None where it reports any of them not."""
+    first, last = (row.get("operators", {}).get(node, {}) for row in (base.rows[WARMUP - 1], base.rows[-1]))
+    names = [f"engine/{k}" for k in keys]
+    if not all(n in first and n in last for n in names):
+        return None
+    return [last[n] - first[n] for n in names]
 
 
 def group_pool(base: Baseline, node: str, spans: list[Span], notes: list[str]) -> list[tuple[list[int], float]]:
@@ -230,11 +240,10 @@ def step_shares(base: Baseline, node: str, busy: float) -> tuple[float, float] |
     over the steady steps (the embedded engine's `engine/` metrics, summed over replicas) and its
     replicas' `busy` seconds meanwhile (what of them no step took is the rows' bookkeeping). None
     where the engine reports none."""
-    first, last = (row.get("operators", {}).get(node, {}) for row in (base.rows[WARMUP - 1], base.rows[-1]))
-    keys = ("steps", "prefill_steps", "admitted", "step_seconds", "prefill_step_seconds")
-    if not all(f"engine/{k}" in first and f"engine/{k}" in last for k in keys):
+    counted = engine_counts(base, node, ("steps", "prefill_steps", "admitted", "step_seconds", "prefill_step_seconds"))
+    if counted is None:
         return None
-    steps, prefills, admitted, seconds, prefill_s = (last[f"engine/{k}"] - first[f"engine/{k}"] for k in keys)
+    steps, prefills, admitted, seconds, prefill_s = counted
     if steps <= prefills or seconds <= 0:
         return None
     decode = (seconds - prefill_s) / (steps - prefills)
