@@ -244,7 +244,7 @@ def step_shares(base: Baseline, node: str, busy: float) -> tuple[float, float] |
     if counted is None:
         return None
     steps, prefills, admitted, seconds, prefill_s = counted
-    if steps <= prefills or seconds <= 0:
+    if steps <= prefills or seconds <= prefill_s:  # no decoding step, or none that took time: nothing to divide by
         return None
     decode = (seconds - prefill_s) / (steps - prefills)
     prefill = max(0.0, prefill_s / prefills / decode - 1.0) if prefills else 0.0
