@@ -39,10 +39,12 @@ HELDOUT = {
     "bench_code_async": list(range(1010, 1015)),  # not the learning claim's seeds: its own runs
     # flowrl plan's time to target on the quickstart pair (issue #46): pairs no earlier figure used,
     # whose runs did not inform the staleness cost's prior (flowrl/plan/lag.py MEASURED); 1020-1027
-    # the first check, 1028-1033 the second (after the thread-gain probe, plan/threads.py)
-    "bench_e2e:plan_target": list(range(1020, 1034)),
-    # and on the long-tail pair: its first check re-ran bench_longtail's own seeds (1000-1004)
-    "bench_longtail:plan_target": list(range(1020, 1025)),
+    # the first check, 1028-1033 the second (after the thread-gain probe, plan/threads.py), 1034-1039
+    # the third (after the prefill, handoff and multi-turn engine costs)
+    "bench_e2e:plan_target": list(range(1020, 1040)),
+    # and on the long-tail pair: its first check re-ran bench_longtail's own seeds (1000-1004); its third
+    # check (1034-1038) starts from the quickstart's third check's warm-ups of the same seeds
+    "bench_longtail:plan_target": [*range(1020, 1025), *range(1034, 1039)],
 }
 Z95 = 1.959964
 
