@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from flowrl.cli import main
-from flowrl.plan import curve, lag, suggest
+from flowrl.plan import curve, lag, reruns, suggest
 from flowrl.plan.report import target_lines
 from flowrl.plan.suggest import suggestion
 from flowrl.plan.target import crossing, curve_notes, points, reach, to_target
@@ -156,6 +156,41 @@ def test_the_prior_is_the_recorded_figures(measured):
     assert measured.pairs == len(result["seeds"])
 
 
+def _at(node, keys: list[str]) -> list:
+    """The values at '/'-separated `keys` ('*': every value of a dict), as reruns.Spread names them."""
+    if not keys:
+        return node if isinstance(node, list) else [node]
+    head, *rest = keys
+    children = list(node.values()) if head == "*" else [node[head]]
+    return [v for child in children for v in _at(child, rest)]
+
+
+@pytest.mark.parametrize("spread", reruns.RERUNS, ids=lambda s: s.results)
+def test_the_run_to_run_spread_is_the_recorded_pairs(spread):
+    """Each task's sigma is recomputed from its results file's per-seed figures: the standard
+    deviation of the pairs' log ratios, over the pairs where both arms reached the target."""
+    result = json.loads((ROOT / spread.results).read_text())["result"]
+    first, second = (_at(result, key.split("/")) for key in spread.arms)
+    logs = [np.log(b / a) for a, b in zip(first, second, strict=True) if a and b]
+    assert len(logs) == spread.pairs and float(np.std(logs, ddof=1)) == pytest.approx(spread.sigma, abs=5e-4)
+
+
+def test_another_configuration_is_another_run_its_interval_wider_its_point_the_same():
+    draws = reruns.factors(20000)
+    lo, hi = np.percentile(draws, [5, 95])
+    assert np.median(draws) == pytest.approx(1.0, abs=0.02)
+    assert lo == pytest.approx(np.exp(-1.645 * reruns.sigma()), rel=0.05) and hi == pytest.approx(1 / lo, rel=0.08)
+    assert min(s.sigma for s in reruns.RERUNS) < reruns.sigma() < max(s.sigma for s in reruns.RERUNS)
+    fit = curve.Fit(KNOWN, [KNOWN] * curve.DRAWS, 0.0, 10, 100.0, 0.5)
+    cost = lag.StalenessCost("paired", 0.5, [0.5] * curve.DRAWS)
+    args = dict(rate=2.0, overhead=0.0, spread=np.zeros(curve.DRAWS), devices=1.0, price=None)
+    base = to_target([(0.0, 0.0)] * 4, fit, 0.8, 0)
+    itself = reach(base, cost, 0.0, 1.0, **args)
+    other = reach(base, cost, 0.0, 1.0, **args, rerun=reruns.factors(curve.DRAWS))
+    assert other["samples"][1] == itself["samples"][1] and itself["samples"][0] == itself["samples"][2]
+    assert other["samples"][0] < 0.5 * itself["samples"][1] and other["samples"][2] > 2 * itself["samples"][1]
+
+
 def test_samples_become_seconds_device_hours_and_dollars():
     fit = curve.Fit(KNOWN, [KNOWN] * curve.DRAWS, 0.0, 10, 100.0, 0.5)
     cost = lag.StalenessCost("paired", 0.5, [0.5] * curve.DRAWS)
@@ -213,6 +248,10 @@ def test_plan_predicts_the_time_to_target_of_each_configuration(runs, capsys):
     assert stale["samples"][1] > as_run["samples"][1] * (1 + 0.2 * stale["mean_lag"])
     assert stale["samples"][2] / stale["samples"][0] > as_run["samples"][2] / as_run["samples"][0] + 0.2
     assert any("staleness cost not measured for this task" in n for n in found["notes"])
+    assert any("another configuration is another run" in n for n in found["notes"])
+    same = next(r for r in rows if r["configuration"] != "as run" and r["mean_lag"] < 0.05)  # the run's lag
+    assert same["samples"][1] == pytest.approx(as_run["samples"][1], rel=0.05)  # its point: the run's own
+    assert same["samples"][2] / same["samples"][0] > 3 * as_run["samples"][2] / as_run["samples"][0]  # one more run
 
 
 def test_a_target_the_run_reached_is_read_at_its_own_crossing(runs, capsys):

@@ -14,8 +14,9 @@ device-hours       the devices the configuration holds (its cluster's GPUs, or C
                    pipeline; more where it asks for more) times the wall time; cost: times --price
 
 Every interval comes from the same draws: the crossing anywhere between its two evaluations (or the
-curve refitted on resampled residuals), the staleness cost's draws, and the throughput within the
-simulator's error on the run as it ran.
+curve refitted on resampled residuals), the staleness cost's draws, the run-to-run spread (reruns.py:
+every configuration but the run as it ran is another run) and the throughput within the simulator's
+error on the run as it ran.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from flowrl.plan import curve, lag
+from flowrl.plan import curve, lag, reruns
 from flowrl.plan.changes import apply
 from flowrl.plan.records import WARMUP
 from flowrl.plan.search import budget_kind, spend
@@ -179,7 +180,7 @@ def time_to_target(run_dir: Path, text: str, result: dict[str, Any], price: floa
     # configuration pays it; its samples, the first steps' too, go at the configuration's rate.
     first = float(sum(r.groups for r in rows[:WARMUP]))
     overhead = max(0.0, rows[WARMUP - 1].time - first / max(result["simulated"]["samples_per_s"], 1e-9))
-    notes += cost.notes + [
+    notes += cost.notes + [reruns.note(),
         f"throughput within +-{error:.0%} (the simulator's error on the run as it ran; other configurations "
         "err more, docs/plan.md)",
         f"wall time: the run's own overhead ({overhead:.1f} s: its first {WARMUP} steps, {rows[WARMUP - 1].time:.1f} s "
@@ -197,6 +198,7 @@ def time_to_target(run_dir: Path, text: str, result: dict[str, Any], price: floa
     kind = budget_kind(plan)
     rng = np.random.default_rng(seed + 7)
     spread = rng.uniform(-error, error, curve.DRAWS)
+    rerun = reruns.factors(curve.DRAWS, seed)
     out = []
     for name, changes, figures in candidates(result):
         devices = max(float(plan.cluster.get(kind) or 0), spend(apply(plan, changes, len(rows)).plan, kind))
@@ -205,7 +207,7 @@ def time_to_target(run_dir: Path, text: str, result: dict[str, Any], price: floa
                "mean_lag": round(lag.mean_lag(figures["staleness"]), 3), "devices": devices}
         if base is not None:
             row.update(reach(base, cost, base_lag, row["mean_lag"], figures["samples_per_s"], overhead, spread,
-                             devices, price))
+                             devices, price, rerun if changes else None))
         out.append(row)
     out.sort(key=lambda r: (_finite(r.get("seconds", [None, None])[1]), r["configuration"]))
     return {"metric": metric, "value": value, "unit": UNITS[kind], "price": price, "notes": notes,
@@ -251,13 +253,17 @@ def candidates(result: dict[str, Any]) -> list[tuple[str, list[str], dict[str, A
 
 
 def reach(base: ToTarget, cost: lag.StalenessCost, base_lag: float, mean_lag: float, rate: float,
-          overhead: float, spread: np.ndarray, devices: float, price: float | None) -> dict[str, Any]:
-    """[low, point, high] samples, seconds, device-hours (and cost) of one configuration."""
+          overhead: float, spread: np.ndarray, devices: float, price: float | None,
+          rerun: np.ndarray | None = None) -> dict[str, Any]:
+    """[low, point, high] samples, seconds, device-hours (and cost) of one configuration; `rerun` the
+    run-to-run spread's draws for another configuration than the run's own (None: the run itself)."""
     def seconds(samples: float, speed: float) -> float:
         return overhead + samples / max(speed, 1e-9) if math.isfinite(samples) else math.inf
 
     point = base.at(base.point * cost.multiplier(base_lag, mean_lag))
-    samples = [base.at(n * cost.multiplier(base_lag, mean_lag, s)) for n, s in zip(base.draws, cost.slopes, strict=True)]
+    rerun = np.ones(len(base.draws)) if rerun is None else rerun
+    samples = [base.at(n * cost.multiplier(base_lag, mean_lag, s) * f)
+               for n, s, f in zip(base.draws, cost.slopes, rerun, strict=True)]
     walls = [seconds(n, rate * (1 + e)) for n, e in zip(samples, spread, strict=True)]
     out = {"samples": _three(samples, point), "seconds": _three(walls, seconds(point, rate))}
     out["device_hours"] = [None if x is None else x * devices / 3600 for x in out["seconds"]]
