@@ -3,9 +3,10 @@ start need different samples to the same target even where the staleness cost is
 
 On flowrl's own tasks this spread is larger than any other part of time to target: on the
 quickstart, the two arms of one held-out pair (same warm-up, same seed) needed samples to the target
-whose ratio ranged over 0.53x-2.48x (once 10.8x) across pairs (RERUNS). One run cannot tell its task's spread, so it is the one flowrl measured:
-per task, the standard deviation of log(samples of one arm / the other's) over the pairs where both
-reached the target; across tasks their pair-weighted root mean square. The stated interval of every
+whose ratio ranged over 0.53x-2.48x (once 10.8x) across pairs (RERUNS). One run cannot tell its
+task's spread, so it is the one flowrl measured: per task, the standard deviation of log(samples of
+one arm / the other's) over the pairs where both reached the target; across tasks their
+pair-weighted root mean square. The stated interval of every
 configuration but the run as it ran multiplies its samples by exp(sigma z), z standard normal: the
 point (its median) is unchanged, the interval says how far one run of it may land.
 """
