@@ -6,9 +6,9 @@ quickstart, the two arms of one held-out pair (same warm-up, same seed) needed s
 whose ratio ranged over 0.53x-2.48x (once 10.8x) across pairs (RERUNS). One run cannot tell its
 task's spread, so it is the one flowrl measured: per task, the standard deviation of log(samples of
 one arm / the other's) over the pairs where both reached the target; across tasks their
-pair-weighted root mean square. The stated interval of every
-configuration but the run as it ran multiplies its samples by exp(sigma z), z standard normal: the
-point (its median) is unchanged, the interval says how far one run of it may land.
+pair-weighted root mean square. The stated interval of every configuration but the run as it ran
+multiplies its samples by exp(sigma z), z standard normal: the point (its median) is unchanged, the
+interval says how far one run of it may land.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+
+Z90 = 1.645  # a standard normal's 95th percentile: the stated intervals span the 5th-95th
 
 
 @dataclass(frozen=True)
@@ -53,7 +55,7 @@ def factors(draws: int, seed: int = 0) -> np.ndarray:
 
 
 def note() -> str:
-    low, high = math.exp(-1.645 * sigma()), math.exp(1.645 * sigma())
+    low, high = math.exp(-Z90 * sigma()), math.exp(Z90 * sigma())
     tasks = ", ".join(f"{s.task} {s.sigma:.2f} ({s.pairs} pairs, {s.results})" for s in RERUNS)
     return (f"another configuration is another run: on flowrl's own tasks two runs from one start needed samples "
             f"to the target within {low:.2f}x-{high:.2f}x of each other (5th-95th percentile; log spread {sigma():.2f}: {tasks}); "
