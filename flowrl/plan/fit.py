@@ -83,14 +83,14 @@ def fit(base: Baseline, cores: float, train_lock: float = 1.0, scatter: bool = F
     spans about their fits, summed)."""
     plan, notes, spread = base.plan, [], []
     steady = _steady(base)
-    groups = {name: group_pool(base, name, [s for s in steady if s.node == name and s.name == "generate"], notes)
-              for name, node in plan.nodes.items() if node.kind == "generate"}
+    generated = {name: [s for s in steady if s.node == name and s.name == "generate"]
+                 for name, node in plan.nodes.items() if node.kind == "generate"}
+    groups = {name: group_pool(base, name, spans, notes) for name, spans in generated.items()}
     waits = {name for name, pool in groups.items() if any(wait > 0 for _, wait in pool)}
     decoding = {name: share for name in waits for share in [wait_share(base, name, steady)] if share}
     work = _work(base, steady, cores, train_lock, waits, handoff, decoding)
     for name in decoding:  # the waits as they would have been alone: the engine's share of them slowed
-        mine = [s for s in steady if s.node == name and s.name == "generate"]
-        groups[name] = [(rows, work[s]) for (rows, _), s in zip(groups[name], mine, strict=True)]
+        groups[name] = [(rows, work[s]) for (rows, _), s in zip(groups[name], generated[name], strict=True)]
     engines, process, sync_s = {}, {}, {}
     for name, node in plan.nodes.items():
         spans = [s for s in work if s.node == name]

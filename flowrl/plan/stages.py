@@ -105,12 +105,12 @@ class StandIns:
         """What the stages of `node` call (inprocess.simulate's `connect`)."""
         return Flushing(coord, self) if self.scenario.plan.nodes[node].kind == "train" else coord
 
-    async def work(self, seconds: float, process: str = MAIN, lock: float = 1.0, load: Load | None = None) -> None:
-        """`seconds` of work alone, in `process`, holding its interpreter lock `lock` of the time (or
-        as `load` says)."""
+    async def work(self, seconds: float, load: Load = Load(MAIN, 1.0)) -> None:
+        """`seconds` of work alone, asking of the machine what `load` says (by default: the main
+        process, holding its interpreter lock all the time)."""
         if self.machine is None:
             self.machine = Machine(self.cores, self.costs.handoff)
-        await self.machine.run(load or Load(process, lock), seconds)
+        await self.machine.run(load, seconds)
 
 
 class Flushing:
@@ -158,7 +158,7 @@ class Generate(StandIn):
         await self.engine.decode(rows)
         share, thread = self.cost.wait_lock, waits_thread(self.node, self.context.rank)
         if until > loop.time() and share:  # its engine decoding a share of it (fit.wait_share)
-            await self.sim.work(until - loop.time(), load=Load(MAIN, share, share, share, thread))
+            await self.sim.work(until - loop.time(), Load(MAIN, share, share, share, thread))
         elif until > loop.time():
             await asyncio.sleep(until - loop.time())
         self.sim.tokens[sample_id] = sum(rows)
@@ -250,10 +250,7 @@ class Train(StandIn):
         c, k = sim.costs.train
         tokens = sum(sim.tokens.pop(g.id, 0) for g in groups)
         work = self.factor * (c + k * tokens) if groups else 0.0  # an empty batch: no update
-        if self.node in sim.own:
-            await sim.work(work, self.node)
-        else:
-            await sim.work(work, MAIN, sim.costs.train_lock)
+        await sim.work(work, Load(self.node, 1.0) if self.node in sim.own else Load(MAIN, sim.costs.train_lock))
         return TrainResult(policy=step + 1)
 
 
