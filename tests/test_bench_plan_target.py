@@ -131,6 +131,20 @@ def test_the_folder_s_pairs_in_key_order(tmp_path):
     assert list(b.pairs(tmp_path, ["10", "4"])) == ["10"]
 
 
+def test_several_folders_are_one_pool_of_pairs(tmp_path):
+    for folder, key in (("a", "10"), ("a", "2"), ("b", "9")):
+        for arm in ("sync", "async"):
+            (tmp_path / folder / f"{arm}-{key}").mkdir(parents=True)
+    b = bench()
+    pool = b.pooled([tmp_path / "a", tmp_path / "b"], None)
+    assert list(pool) == ["2", "9", "10"] and pool["9"]["async"] == tmp_path / "b/async-9"
+    assert list(b.pooled([tmp_path / "a", tmp_path / "b"], ["9"])) == ["9"]
+    (tmp_path / "b/sync-2").mkdir()
+    (tmp_path / "b/async-2").mkdir()
+    with pytest.raises(SystemExit, match="pair 2 is in .*a and in .*b"):
+        b.pooled([tmp_path / "a", tmp_path / "b"], None)
+
+
 # ---- real runs -----------------------------------------------------------------------------------------
 
 def curve_at(run_dir: Path, into: Path, known: curve.Curve) -> Path:

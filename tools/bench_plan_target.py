@@ -1,11 +1,12 @@
 """`flowrl plan --target` against measured pairs it did not fit: from one arm of a sync/async pair
 alone, predict the other arm's wall time to a target, and compare with what the other arm took.
 
-    python tools/bench_plan_target.py RUNS --target eval_reward=0.9 [--direction both|sync-to-async|async-to-sync]
-                                      [--seeds 1000,1001] [--record NAME]
+    python tools/bench_plan_target.py RUNS [RUNS ...] --target eval_reward=0.9
+                                      [--direction both|sync-to-async|async-to-sync] [--seeds 1000,1001] [--record NAME]
 
 RUNS holds paired run folders `sync-<key>/` and `async-<key>/` as tools/bench_e2e.py (`<seed>`) and
-tools/bench_longtail.py (`<tail>-<seed>`) write them. For each pair and direction, the changes
+tools/bench_longtail.py (`<tail>-<seed>`) write them. Several RUNS folders are read as one pool of
+pairs (a key in two of them is an error): a median over more pairs wanders less. For each pair and direction, the changes
 from one arm to the other are read off the two runs' own compiled plans (plan.json: what ran) and
 expressed as `flowrl plan` overrides (`derive`): the train input edge's mode and max_staleness
 (`max_staleness=N`) and on_stale (`on_stale=keep`), a node's replicas, a node config key where plan
@@ -367,14 +368,26 @@ def per_pair(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def run(folder: Path, target: str, directions: list[str], keys: list[str] | None) -> dict[str, Any]:
+def pooled(folders: list[Path], keys: list[str] | None) -> dict[str, dict[str, Path]]:
+    """The pairs of every folder, as one: a key two folders hold is a SystemExit naming both."""
+    out: dict[str, dict[str, Path]] = {}
+    for folder in folders:
+        for key, arms in pairs(folder, keys).items():
+            if key in out:
+                raise SystemExit(f"pair {key} is in {out[key]['sync'].parent} and in {folder}: read one of them")
+            out[key] = arms
+    return dict(sorted(out.items(), key=lambda kv: _numbers(kv[0])))
+
+
+def run(folders: list[Path], target: str, directions: list[str], keys: list[str] | None) -> dict[str, Any]:
     metric, value = parse(target)
-    every = pairs(folder, keys)
+    every = pooled(folders, keys)
+    folder = " ".join(str(f) for f in folders)
     done = {k: v for k, v in every.items() if all(finished(p, metric, value) for p in v.values())}
     skipped = sorted(set(every) - set(done), key=_numbers)
     print(f"bench_plan_target {folder}: {metric} >= {value:g}; {len(done)} complete pairs"
           + (f", skipped (incomplete: no record at the target and no phase.json; still being written, or cut off): {', '.join(skipped)}" if skipped else ""))
-    out: dict[str, Any] = {"target": target, "runs": str(folder), "bar": BAR, "skipped": skipped, "directions": {}}
+    out: dict[str, Any] = {"target": target, "runs": folder, "bar": BAR, "skipped": skipped, "directions": {}}
     for name in directions:
         rows = {k: one_pair(v, *DIRECTIONS[name], target) for k, v in done.items()}
         s = summarise(rows)
@@ -388,15 +401,16 @@ def run(folder: Path, target: str, directions: list[str], keys: list[str] | None
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("runs", type=Path, help="a folder of sync-<key>/ and async-<key>/ run folders")
+    parser.add_argument("runs", type=Path, nargs="+", help="folders of sync-<key>/ and async-<key>/ run folders (several: one pool)")
     parser.add_argument("--target", required=True, help="METRIC=VALUE, e.g. eval_reward=0.9")
     parser.add_argument("--direction", choices=("both", *DIRECTIONS), default="both")
     parser.add_argument("--seeds", type=lambda v: [x for x in v.split(",") if x],
                         help="comma-separated pair keys (the folder names' part after sync-/async-); default all")
     results_file.add_record_flag(parser)
     args = parser.parse_args(argv)
-    if not args.runs.is_dir():
-        parser.error(f"{args.runs} is not a folder")
+    for folder in args.runs:
+        if not folder.is_dir():
+            parser.error(f"{folder} is not a folder")
     try:
         parse(args.target)
     except UserError as e:
