@@ -42,8 +42,9 @@ HELDOUT = {
     # the first check, 1028-1033 the second (after the thread-gain probe, plan/threads.py), 1034-1039
     # the third (after the prefill, handoff and multi-turn engine costs), 1040-1045 the fourth (after the
     # run-to-run spread, plan/reruns.py); 1046-1051 and 1052-1057 the fifth and sixth, fixed before they ran:
-    # read pooled with the third and fourth (24 pairs, plan's points unchanged since the third), since the
-    # median over six pairs wanders more than the bar (docs/plan.md)
+    # at eval 0.9 read pooled with the third and fourth (24 pairs, plan's points unchanged since the third:
+    # the median over six pairs wanders more than the bar), and at eval 0.8 alone (12 pairs; 0.8 was
+    # screened on the third and fourth sets only: results/plan-target-quickstart-0.8-screen-*.json)
     "bench_e2e:plan_target": list(range(1020, 1058)),
     # and on the long-tail pair: its first check re-ran bench_longtail's own seeds (1000-1004); its third
     # (1034-1038) and fourth (1040-1044) checks start from the quickstart's warm-ups of the same seeds
