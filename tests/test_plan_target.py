@@ -95,20 +95,24 @@ def test_samples_to_inverts_the_curve_and_is_never_at_or_above_the_asymptote():
     ("plateau", "the run has not left its plateau"),
     ("above", "the target lies above the fitted asymptote 0.5"),
     ("beyond", "extrapolated beyond the run's last point (240 samples)"),
+    ("ceiling", "the target lies within the run's noise (2 x 0.0"),
 ])
 def test_what_the_curve_cannot_tell_is_stated(case, words):
     counts = np.arange(0, 400, 16.0)
     data = {"short": noisy(KNOWN, np.arange(0, 64, 16.0), 0.01),
             "plateau": noisy(curve.Curve(0.2, 0.2, 1.0, 1.0), counts, 0.02),
             "above": noisy(curve.Curve(0.1, 0.6, 2.0, 60.0), counts, 0.01),
-            "beyond": noisy(KNOWN, np.arange(0, 256, 16.0), 0.01)}[case]
-    target = {"short": 0.9, "plateau": 0.9, "above": 0.9, "beyond": 0.94}[case]
+            "beyond": noisy(KNOWN, np.arange(0, 256, 16.0), 0.01),
+            "ceiling": noisy(curve.Curve(0.1, 0.92, 2.0, 60.0), counts, 0.03)}[case]
+    target = {"short": 0.9, "plateau": 0.9, "above": 0.9, "beyond": 0.94, "ceiling": 0.9}[case]
     fit = curve.fit(data)
     assert (fit is None) == (case == "short")
     notes = curve_notes(fit, "eval_reward", target, data)
     assert any(words in n for n in notes), notes
     if case == "beyond":
         assert not any("plateau" in n or "above the fitted" in n for n in notes)
+    if case in ("above", "plateau"):  # above it, or no curve to speak of: not "near" it
+        assert not any("within the run's noise" in n for n in notes)
 
 
 # ---- the staleness cost --------------------------------------------------------------------------

@@ -113,7 +113,11 @@ def curve_notes(fit: curve.Fit | None, metric: str, target: float, data: list[tu
         share = np.mean([math.isfinite(d.samples_to(target)) for d in fit.draws])
         notes.append(f"the target lies above the fitted asymptote {fit.curve.a:.3f} [{lo:.3f}..{hi:.3f}]: not reached "
                      f"on this curve ({share:.0%} of its resampled fits reach it)")
-    elif fit.curve.samples_to(target) > fit.last_samples:
+    elif fit.curve.a < target + 2 * fit.residual:
+        notes.append(f"the target lies within the run's noise (2 x {fit.residual:.3f}) of its fitted asymptote "
+                     f"{fit.curve.a:.3f}: when an evaluation first reaches it is noise as much as learning, and another "
+                     "run's time to it may differ several-fold (docs/plan.md: the quickstart at 0.9)")
+    if target < fit.curve.a and fit.curve.samples_to(target) > fit.last_samples:
         notes.append(f"extrapolated beyond the run's last point ({fit.last_samples:g} samples): the asymptote "
                      f"{fit.curve.a:.3f} [{lo:.3f}..{hi:.3f}] is the curve form's reading of the run so far")
     return notes
