@@ -704,3 +704,56 @@ def test_a_train_step_beside_multi_turn_groups_is_fitted_as_long_as_it_took(asyn
 
     assert per_token(async_run, 4) > per_token(async_run, None)  # its train steps overlapped generation
     assert per_token(grpo_run, 4) == pytest.approx(per_token(grpo_run, None))  # sync: nothing overlapped
+
+
+# ---- evaluations ---------------------------------------------------------------------------------
+
+def test_an_evaluation_is_told_apart_from_the_weight_loads_it_rides_on():
+    """Replica 0's loads of the versions eval.jsonl holds carry a greedy evaluation: fitted as a
+    cost of its own every few versions, not spread over every load."""
+    from types import SimpleNamespace
+
+    from flowrl.plan.fit import weight_loads
+    from flowrl.plan.records import Span
+
+    loads = [Span("rollout", r, "update_weights", v, v + 0.1, None, None, version=v) for v in range(1, 11) for r in (0, 1)]
+    work = {s: (0.05 if s.replica == 0 and s.version % 5 == 0 else 0.002) for s in loads}
+    base = SimpleNamespace(evaluated=frozenset({0, 5, 10}))
+    update, evaluation, every = weight_loads(base, "rollout", work)
+    assert (update, every) == (pytest.approx(0.002), 5) and evaluation == pytest.approx(0.048)
+    base.evaluated = frozenset()  # no eval.jsonl: every load alike, as before
+    assert weight_loads(base, "rollout", work) == (pytest.approx(sum(work.values()) / len(work)), 0.0, 0)
+
+
+@pytest.mark.parametrize("partial", [False, True])
+def test_the_stand_in_evaluates_where_the_generate_operator_does(partial):
+    """After a load, or at resume where the load paused the engine (partial rollout); on replica 0,
+    at the versions due, once each."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from flowrl.plan.fit import EngineCost
+    from flowrl.plan.stages import Engine, Generate
+
+    paid: list[float] = []
+
+    async def work(seconds: float, load: Load = Load(MAIN, 1.0)) -> None:
+        paid.append(round(seconds, 6))
+
+    async def loads(rank: int) -> list[float]:
+        paid.clear()
+        sim = SimpleNamespace(scale=1.0, work=work)
+        cost = EngineCost(slots=2, a=1.0, b=0.0, update_s=0.002, periods=1, eval_s=0.05, eval_every=5)
+        stand_in = object.__new__(Generate)
+        stand_in.sim, stand_in.cost, stand_in.context = sim, cost, SimpleNamespace(rank=rank)
+        stand_in.engine, stand_in.version, stand_in.evaluated = Engine(sim, cost, 2), 0, set()
+        for version in (4, 5, 5, 6):
+            if partial:
+                await stand_in.pause()
+            await stand_in.update_weights(None, version)
+            if partial:
+                await stand_in.resume()
+        return paid[:]
+
+    assert asyncio.run(loads(0)) == [0.002, 0.002, 0.05, 0.002, 0.002]
+    assert asyncio.run(loads(1)) == [0.002] * 4

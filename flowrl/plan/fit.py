@@ -52,6 +52,8 @@ class EngineCost:
     p: float = 0.0  # seconds more for an iteration that prefills (rows admitted, or retracted ones again)
     r: float = 0.0  # seconds per row admitted (its request's bookkeeping)
     wait_lock: float = 0.0  # multi-turn: the share of a group's wait its engine decodes (wait_share)
+    eval_s: float = 0.0  # a greedy evaluation (data.eval) on replica 0, beyond the weight load it follows
+    eval_every: int = 0  # the versions between evaluations (0: none seen)
 
 
 @dataclass
@@ -255,12 +257,15 @@ def step_shares(base: Baseline, node: str, busy: float) -> tuple[float, float] |
 def fit_engine(base: Baseline, node: str, work: dict[Span, float], notes: list[str],
                multi_turn: bool = False, spread: list[float] | None = None, decoding: float = 0.0) -> EngineCost:
     slots = slots_of(declared(base.plan.nodes[node]))
-    update = _mean([work[s] for s in work if s.node == node and s.name == "update_weights"])
+    update, evaluation, every = weight_loads(base, node, work)
+    if evaluation:
+        notes.append(f"{node}: a weight load {update * 1e3:.2f} ms, an evaluation {evaluation * 1e3:.1f} ms more "
+                     f"every {every} versions (replica 0)")
     if multi_turn:  # a busy period is mostly waits on the environment: no iterations to fit
         notes.append(f"{node}: the engine's work is inside the groups' measured waits: " + (
             f"decoding {decoding:.1%} of each (the engine's counts), on one thread a replica" if decoding else
             "not told apart (the engine counts none)"))
-        return EngineCost(slots, 0.0, 0.0, update, 0, wait_lock=decoding)
+        return EngineCost(slots, 0.0, 0.0, update, 0, wait_lock=decoding, eval_s=evaluation, eval_every=every)
     generate = [s for s in work if s.node == node and s.name == "generate" and s.sample in base.rows_of]
     periods = [s for s in work if s.node == node and s.name == "period"]
     counted = step_shares(base, node, sum(s.seconds for s in periods if s.end <= base.rows[-1]["time"]))
@@ -293,7 +298,23 @@ def fit_engine(base: Baseline, node: str, work: dict[Span, float], notes: list[s
               "(the engine's counts)" if counted else ", prefills and admissions inside (the engine counts none)")
     notes.append(f"{node}: an engine iteration {a * 1e3:.3f} ms + {b * 1e6:.2f} us per row{shares} ({slots} slots; "
                  f"{len(points)} busy periods{told})")
-    return EngineCost(slots, a, b, update, len(points), p=prefill * a, r=row * a)
+    return EngineCost(slots, a, b, update, len(points), p=prefill * a, r=row * a, eval_s=evaluation, eval_every=every)
+
+
+def weight_loads(base: Baseline, node: str, work: dict[Span, float]) -> tuple[float, float, int]:
+    """(one weight load, one evaluation beyond it, the versions between evaluations) of `node`'s
+    update_weights spans. Replica 0 evaluates inside the load that brings a version eval.jsonl
+    holds (operators/generate.py): every few steps a load ~20x the others, which a mean over all
+    loads would spread over every step, where the run stalls its rollouts once in a while."""
+    loads = [s for s in work if s.node == node and s.name == "update_weights"]
+    evals = [s for s in loads if s.replica == 0 and s.version is not None and s.version in base.evaluated]
+    plain = [s for s in loads if s not in evals] or loads
+    versions = sorted(base.evaluated)
+    gaps = [b - a for a, b in zip(versions, versions[1:], strict=False) if b > a]
+    if not evals or not gaps:
+        return _mean([work[s] for s in loads]), 0.0, 0
+    update = _mean([work[s] for s in plain])
+    return update, max(0.0, _mean([work[s] for s in evals]) - update), statistics.mode(gaps)
 
 
 def busy_periods(spans: list[Span]) -> list[list[Span]]:

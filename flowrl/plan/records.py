@@ -31,6 +31,7 @@ class Span:
     step: int | None
     sample: str | None  # args.id
     lock: float | None = None  # the share of it its process's interpreter lock was held (lockprobe.py)
+    version: int | None = None  # args.version: the policy version a weight load brought
 
     @property
     def seconds(self) -> float:
@@ -46,6 +47,7 @@ class Baseline:
     rows_of: dict[str, list[int]]  # sample id -> tokens of each of its trajectories (the rollout store)
     batches: dict[int, list[str]]  # train step -> the sample ids it trained on
     row_length: float = 1.0  # a trained row's mean tokens, prompt included (the shape threads.py times)
+    evaluated: frozenset[int] = frozenset()  # the policy versions eval.jsonl holds (data.eval)
 
     def spans_named(self, node: str, name: str) -> list[Span]:
         return [s for s in self.spans if s.node == node and s.name == name]
@@ -68,7 +70,8 @@ def load(run_dir: Path) -> Baseline:
     if len(rows) < WARMUP + 2:
         raise UserError(f"{directory / 'metrics.jsonl'}: {len(rows)} train steps recorded; plan needs at least "
                         f"{WARMUP + 2} (the first {WARMUP} are warm-up) to fit its cost models")
-    return Baseline(directory, plan, rows, _spans(run), *_group_rows(directory, trains[0]))
+    evaluated = frozenset(e.version for e in run.evals()) if run.has("eval.jsonl") else frozenset()
+    return Baseline(directory, plan, rows, _spans(run), *_group_rows(directory, trains[0]), evaluated=evaluated)
 
 
 def unsupported(plan: Plan, directory: Path, train: str) -> None:
@@ -120,7 +123,7 @@ def spans(events: list[TraceEvent]) -> list[Span]:
             continue
         start = e.start_us / 1e6
         out.append(Span(names[e.pid], e.tid // 100, e.name, start, start + e.dur_us / 1e6,
-                        e.args.get("step"), e.args.get("id"), e.args.get("lock")))
+                        e.args.get("step"), e.args.get("id"), e.args.get("lock"), e.args.get("version")))
     return sorted(out, key=lambda s: s.start)
 
 

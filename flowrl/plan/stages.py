@@ -150,6 +150,8 @@ class Generate(StandIn):
         self.engine = Engine(sim, self.cost, slots(config), factor(sim.costs, self.node, self.cost.cores, cores))
         self.group_size = config.group_size
         self.fitted_size = int(sim.costs.group_size.get(self.node, config.group_size))
+        self.version = 0
+        self.evaluated: set[int] = set()
 
     async def generate(self, sample: dict[str, Any], *, step: int, sample_id: str) -> Group:
         rows, wait = self.draw()
@@ -177,12 +179,25 @@ class Generate(StandIn):
 
     async def update_weights(self, weights: Any, version: int) -> None:
         await self.sim.work(self.sim.scale * self.cost.update_s)
+        self.version = version
+        await self.evaluate()
 
     async def pause(self) -> None:
         self.engine.running.clear()
 
     async def resume(self) -> None:
         self.engine.running.set()
+        await self.evaluate()
+
+    async def evaluate(self) -> None:
+        """Replica 0's evaluation (fit.weight_loads), where the generate operator runs it: after a
+        load, or at resume where the load paused the engine (partial rollout), the engine then
+        decoding in-flight groups beside it."""
+        every = self.cost.eval_every
+        if self.engine.running.is_set() and self.context.rank == 0 and every and self.version % every == 0 \
+                and self.version not in self.evaluated:
+            self.evaluated.add(self.version)
+            await self.sim.work(self.sim.scale * self.cost.eval_s)
 
 
 class Engine:
