@@ -307,7 +307,7 @@ def weight_loads(base: Baseline, node: str, work: dict[Span, float]) -> tuple[fl
     holds (operators/generate.py): every few steps a load ~20x the others, which a mean over all
     loads would spread over every step, where the run stalls its rollouts once in a while."""
     loads = [s for s in work if s.node == node and s.name == "update_weights"]
-    evals = [s for s in loads if s.replica == 0 and s.version is not None and s.version in base.evaluated]
+    evals = {s for s in loads if s.replica == 0 and s.version is not None and s.version in base.evaluated}
     plain = [s for s in loads if s not in evals] or loads
     versions = sorted(base.evaluated)
     gaps = [b - a for a, b in zip(versions, versions[1:], strict=False) if b > a]
