@@ -22,12 +22,12 @@ from flowrl.spec.errors import UserError
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def tiny_run(parent: Path, pipeline: str) -> Path:
+def tiny_run(parent: Path, pipeline: str, *overrides: str) -> Path:
     """`pipeline` on the tiny model, 8 steps of 8 groups, through the real CLI."""
     run_dir = parent / Path(pipeline).stem
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "flowrl.cli", "run", str(ROOT / "pipelines" / pipeline),
-                           "run.steps=8", "data.batch_size=8", "--run-dir", str(run_dir), "--quiet"],
+                           "run.steps=8", "data.batch_size=8", *overrides, "--run-dir", str(run_dir), "--quiet"],
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run_dir
@@ -723,6 +723,20 @@ def test_an_evaluation_is_told_apart_from_the_weight_loads_it_rides_on():
     assert (update, every) == (pytest.approx(0.002), 5) and evaluation == pytest.approx(0.048)
     base.evaluated = frozenset()  # no eval.jsonl: every load alike, as before
     assert weight_loads(base, "rollout", work) == (pytest.approx(sum(work.values()) / len(work)), 0.0, 0)
+
+
+def test_a_real_run_s_evaluations_are_fitted_from_its_trace_and_eval_records(tmp_path):
+    """The wiring: the update_weights spans' versions (trace.json) against eval.jsonl's, on a real
+    async run with partial rollout that evaluates every 2 versions."""
+    from flowrl.plan.records import load
+
+    run = tiny_run(tmp_path, "grpo_async.yaml", "data.eval={every: 2, samples: 16}")
+    base = load(run)
+    assert {2, 4, 6} <= base.evaluated
+    assert {s.version for s in base.spans_named("rollout", "update_weights")} >= {2, 3, 4}
+    result = plan_run(run, [])
+    assert any("an evaluation" in n and "every 2 versions" in n for n in result["model"]["notes"])
+    assert result["simulated"]["step_seconds"] == pytest.approx(result["measured"]["step_seconds"], rel=0.2)
 
 
 @pytest.mark.parametrize("partial", [False, True])

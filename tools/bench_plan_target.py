@@ -382,12 +382,12 @@ def pooled(folders: list[Path], keys: list[str] | None) -> dict[str, dict[str, P
 def run(folders: list[Path], target: str, directions: list[str], keys: list[str] | None) -> dict[str, Any]:
     metric, value = parse(target)
     every = pooled(folders, keys)
-    folder = " ".join(str(f) for f in folders)
+    runs = " ".join(str(f) for f in folders)
     done = {k: v for k, v in every.items() if all(finished(p, metric, value) for p in v.values())}
     skipped = sorted(set(every) - set(done), key=_numbers)
-    print(f"bench_plan_target {folder}: {metric} >= {value:g}; {len(done)} complete pairs"
+    print(f"bench_plan_target {runs}: {metric} >= {value:g}; {len(done)} complete pairs"
           + (f", skipped (incomplete: no record at the target and no phase.json; still being written, or cut off): {', '.join(skipped)}" if skipped else ""))
-    out: dict[str, Any] = {"target": target, "runs": folder, "bar": BAR, "skipped": skipped, "directions": {}}
+    out: dict[str, Any] = {"target": target, "runs": runs, "bar": BAR, "skipped": skipped, "directions": {}}
     for name in directions:
         rows = {k: one_pair(v, *DIRECTIONS[name], target) for k, v in done.items()}
         s = summarise(rows)
